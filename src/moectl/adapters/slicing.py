@@ -1,0 +1,101 @@
+"""Physically remove experts: slice expert weights, router rows, router bias and score-correction bias.
+
+The result is an ordinary transformers model with fewer experts per MoE layer; its outputs equal
+the full model routed under ``ExpertMask(..., renorm="pruned")`` with the same kept experts
+(tested for every family). transformers configs hold one expert count for all layers, so every
+MoE layer must keep the same number; grouped routers (DeepSeek-V3 family) must keep the same
+number in every group, at least two, so that group scores are computed as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+
+_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_keep(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+    """Validate a per-layer keep list; return it sorted. Raises ValueError naming the problem."""
+    missing = [layer.index for layer in info.layers if layer.index not in keep]
+    unknown = [k for k in keep if not 0 <= int(k) < info.num_moe_layers]
+    if unknown:
+        raise ValueError(
+            f"keep names MoE layers {unknown}; the model has MoE layers 0..{info.num_moe_layers - 1}"
+        )
+    if missing:
+        raise ValueError(
+            f"keep must list every MoE layer (the config has one expert count); missing layers {missing}"
+        )
+    clean: dict[int, list[int]] = {}
+    for index, ids in keep.items():
+        layer = info.layer(int(index))
+        ids = sorted(int(i) for i in ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"MoE layer {index}: duplicate experts in {ids}")
+        if ids and not (ids[0] >= 0 and ids[-1] < layer.num_experts):
+            raise ValueError(
+                f"MoE layer {index}: expert ids must lie in 0..{layer.num_experts - 1}, got {ids}"
+            )
+        if len(ids) < layer.top_k:
+            raise ValueError(f"MoE layer {index}: keeps {len(ids)} experts, fewer than top-k = {layer.top_k}")
+        rule = layer.rule
+        if rule.grouped or rule.n_group > 1:
+            size = layer.num_experts // rule.n_group
+            per_group = torch.bincount(torch.tensor(ids) // size, minlength=rule.n_group)
+            if len(set(per_group.tolist())) != 1 or int(per_group[0]) < 2:
+                raise ValueError(
+                    f"MoE layer {index}: a grouped router ({rule.n_group} groups) needs the same number of kept "
+                    f"experts in every group, at least 2; got {per_group.tolist()} per group"
+                )
+        clean[int(index)] = ids
+    counts = {len(v) for v in clean.values()}
+    if len(counts) != 1:
+        raise ValueError(f"every MoE layer must keep the same number of experts; got counts {sorted(counts)}")
+    return clean
+
+
+def _slice_module(module: nn.Module, ids: torch.Tensor, n: int) -> None:
+    """Slice every parameter and buffer of ``module`` (not its children) along its size-``n`` expert dim."""
+    for name, tensor in list(module.named_parameters(recurse=False)) + list(
+        module.named_buffers(recurse=False)
+    ):
+        dims = [d for d, size in enumerate(tensor.shape) if size == n]
+        if not dims:
+            continue
+        dim = dims[0] if tensor.dim() > 1 and tensor.shape[0] == n else dims[-1]
+        new = tensor.detach().index_select(dim, ids.to(tensor.device)).clone()
+        if isinstance(tensor, nn.Parameter):
+            setattr(module, name, nn.Parameter(new, requires_grad=tensor.requires_grad))
+        else:
+            module.register_buffer(name, new)
+    for attr in ("num_experts", "out_features"):
+        if getattr(module, attr, None) == n:
+            setattr(module, attr, len(ids))
+
+
+@torch.no_grad()
+def slice_experts(
+    model: nn.Module, keep: Mapping[int, Sequence[int]], info: ModelInfo | None = None
+) -> nn.Module:
+    """Keep only ``keep[moe_layer]`` experts in every MoE layer, in place; returns the model."""
+    info = info or inspect(model)
+    keep = check_keep(info, keep)
+    for layer in info.layers:
+        n = layer.num_experts
+        ids = torch.tensor(keep[layer.index], dtype=torch.long)
+        for module in [layer.router, *layer.router.modules(), layer.block.experts]:
+            _slice_module(module, ids, n)
+        if getattr(layer.block, "num_experts", None) == n:
+            layer.block.num_experts = len(ids)
+    kept = len(next(iter(keep.values())))
+    config = getattr(model, "config", None)
+    for sub in (config, getattr(config, "text_config", None)):
+        for key in _CONFIG_KEYS:
+            if sub is not None and isinstance(getattr(sub, key, None), int):
+                setattr(sub, key, kept)
+    return model

@@ -1,0 +1,187 @@
+"""``moectl`` command line: each verb prints a rich table and writes the same results with --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moectl.models.tiny import FAMILIES
+
+app = typer.Typer(help="Control expert routing in Mixture-of-Experts language models.", no_args_is_help=True)
+console = Console(width=None if Console().is_terminal else 160)
+
+ModelArg = Annotated[str | None, typer.Argument(help="Checkpoint directory or hub id (or use --tiny).")]
+TinyOpt = Annotated[
+    str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
+
+
+def _model_spec(model: str | None, tiny: str | None) -> str:
+    if (model is None) == (tiny is None):
+        raise typer.BadParameter("give exactly one of MODEL (a checkpoint path or hub id) or --tiny FAMILY")
+    return f"tiny:{tiny}" if tiny else str(model)
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+    console.print(f"[dim]wrote {path}[/dim]")
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/bold red] {err}")
+    raise typer.Exit(code=2)
+
+
+@app.command("inspect")
+def inspect_cmd(model: ModelArg = None, tiny: TinyOpt = None, json_path: JsonOpt = None) -> None:
+    """Family, MoE layers, experts per layer, top-k, shared experts, router rule, adapter self-test."""
+    from moectl.commands.inspect import run_inspect
+
+    try:
+        info = run_inspect(_model_spec(model, tiny))
+    except (ValueError, OSError) as err:
+        _fail(err)
+    table = Table(title=f"moectl inspect {info['model']}", show_header=False)
+    for key in (
+        "family",
+        "router_class",
+        "router_rule",
+        "num_layers",
+        "moe_layers",
+        "dense_layers",
+        "num_experts",
+        "top_k",
+        "shared_experts",
+        "parameters",
+    ):
+        table.add_row(key, str(info[key]))
+    table.add_row("rule", ", ".join(f"{k}={v}" for k, v in info["rule"].items()))
+    st = info["self_test"]
+    verdict = "[green]PASS[/green]" if st["passed"] else "[red]FAIL[/red]"
+    table.add_row(
+        "self-test",
+        f"{verdict} ({st['layers_checked']} layers, {st['index_mismatches']} index mismatches, "
+        f"max weight error {st['max_weight_error']:.1e})",
+    )
+    console.print(table)
+    _write_json(json_path, info)
+    if not st["passed"]:
+        raise typer.Exit(code=1)
+
+
+@app.command("switch-rate")
+def switch_rate_cmd(
+    model: ModelArg = None,
+    tiny: TinyOpt = None,
+    prompts: Annotated[
+        Path | None, typer.Option(help="JSONL with 'prompt' (and 'category'); default: built-in.")
+    ] = None,
+    k_hat: Annotated[
+        int | None, typer.Option("--k-hat", help="Experts an option keeps (default: top-k).")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 256,
+    temperature: float = 0.5,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    seed: int = 0,
+    plot: Annotated[
+        Path | None, typer.Option(help="Directory for the PNG figures (TE-MoE Figure 2).")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="Save the routing trace here (.safetensors + .json).")
+    ] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Generate, record routing and report the switch rate (TE-MoE §2.2, Table 1) per layer and category."""
+    from moectl.commands.switch_rate import run_switch_rate
+
+    try:
+        result = run_switch_rate(
+            _model_spec(model, tiny),
+            str(prompts) if prompts else None,
+            k_hat,
+            max_new_tokens,
+            temperature,
+            batch_size,
+            seed,
+            str(plot) if plot else None,
+            str(trace) if trace else None,
+        )
+    except (ValueError, OSError) as err:
+        _fail(err)
+    cats = result["categories"]
+    table = Table(
+        title=f"Switch rate (mean ± std over prompts), k-hat = {result['k_hat']}, top-k = {result['top_k']}"
+    )
+    table.add_column("model")
+    for cat in cats:
+        table.add_column(cat, justify="right")
+    table.add_column("all", justify="right")
+    table.add_row(
+        result["model"],
+        *[f"{v['mean']:.2f}±{v['std']:.2f}" for v in cats.values()],
+        f"{result['overall']['mean']:.2f}±{result['overall']['std']:.2f}",
+    )
+    console.print(table)
+    layers = Table(title="Switch rate per MoE layer")
+    layers.add_column("MoE layer")
+    layers.add_column("decoder layer")
+    for cat in cats:
+        layers.add_column(cat, justify="right")
+    layers.add_column("all", justify="right")
+    for i, layer_idx in enumerate(result["moe_layers"]):
+        layers.add_row(
+            str(i),
+            str(layer_idx),
+            *[f"{v['per_layer'][i]:.3f}" for v in cats.values()],
+            f"{result['overall']['per_layer'][i]:.3f}",
+        )
+    console.print(layers)
+    for figure in result.get("plots", []):
+        console.print(f"[dim]wrote {figure}[/dim]")
+    _write_json(json_path, result)
+
+
+@app.command("demo")
+def demo_cmd(
+    family: Annotated[str, typer.Option(help=f"Tiny model family: {', '.join(FAMILIES)}.")] = "olmoe",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
+    out: Annotated[Path, typer.Option(help="Directory for figures.")] = Path("out/demo"),
+    json_path: JsonOpt = None,
+) -> None:
+    """The routing core end to end on a built-in tiny model: inspect, switch rate, mask, Gumbel, pool."""
+    from moectl.commands.demo import run_demo
+
+    try:
+        result = run_demo(family, max_new_tokens, str(out))
+    except (ValueError, OSError) as err:
+        _fail(err)
+    table = Table(title=f"moectl demo on {result['model']}", show_header=False)
+    table.add_row("self-test", "PASS" if result["self_test_passed"] else "FAIL")
+    for name, value in result["switch_rate"].items():
+        table.add_row(f"switch rate, {name}", f"{value:.3f}")
+    for section in ("mask_half_experts", "gumbel_tau_0.5", "document_pool_causal"):
+        for key, value in result[section].items():
+            table.add_row(f"{section}: {key}", f"{value:.4f}" if isinstance(value, float) else str(value))
+    for figure in result.get("plots", []):
+        table.add_row("figure", figure)
+    console.print(table)
+    _write_json(json_path, result)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

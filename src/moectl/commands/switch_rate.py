@@ -1,0 +1,80 @@
+"""``moectl switch-rate``: generate, record routing, report switch rates by prompt category (TE-MoE Table 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moectl.generate import generate, load_prompts
+from moectl.metrics.switch_rate import switch_rate
+from moectl.models.load import load_model
+from moectl.plots import plot_expert_activation, plot_switch_rate_per_layer
+from moectl.routing.session import route
+
+
+def _summarise(values: list[list[float]]) -> dict:
+    """Mean/std over sequences of the per-sequence mean, and the per-layer means."""
+    rates = torch.tensor(values)  # [S, L]
+    per_seq = rates.mean(1)
+    return {
+        "mean": float(per_seq.mean()),
+        "std": float(per_seq.std(unbiased=False)) if len(values) > 1 else 0.0,
+        "n": len(values),
+        "per_layer": rates.mean(0).tolist(),
+    }
+
+
+def run_switch_rate(
+    model_spec: str,
+    prompts_path: str | None = None,
+    k_hat: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.5,
+    batch_size: int = 8,
+    seed: int = 0,
+    plot_dir: str | None = None,
+    trace_path: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Measure the router-as-option switch rate on generated tokens; returns a JSON-ready dict."""
+    model, tokenizer = load_model(model_spec, seed=seed)
+    prompts = load_prompts(prompts_path)
+    with route(model, record=True) as session:
+        generate(model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, progress=progress)
+    trace = session.trace
+    assert trace is not None
+    trace.meta["categories"] = [p.category for p in prompts]
+    report = switch_rate(trace, k_hat=k_hat)
+    by_category: dict[str, list[list[float]]] = {}
+    for row, values in zip(report.rows, report.per_sequence_layer, strict=True):
+        by_category.setdefault(prompts[row].category, []).append(values)
+    result = {
+        "model": model_spec,
+        "family": session.info.family,
+        "k_hat": report.k_hat,
+        "top_k": session.info.top_k,
+        "num_experts": session.info.num_experts,
+        "moe_layers": [layer.layer_idx for layer in session.info.layers],
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "overall": {
+            "mean": report.mean,
+            "std": report.std,
+            "n": len(report.rows),
+            "per_layer": report.per_layer,
+        },
+        "categories": {cat: _summarise(vals) for cat, vals in by_category.items()},
+    }
+    if trace_path:
+        result["trace"] = str(trace.save(trace_path))
+    if plot_dir:
+        out = Path(plot_dir)
+        figure = plot_expert_activation(
+            trace, out / "expert_activation_layer0.png", layer=0, k_hat=report.k_hat
+        )
+        lines = {cat: v["per_layer"] for cat, v in result["categories"].items()}
+        per_layer = plot_switch_rate_per_layer(lines, out / "switch_rate_per_layer.png")
+        result["plots"] = [str(figure), str(per_layer)]
+    return result

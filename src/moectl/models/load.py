@@ -1,0 +1,75 @@
+"""Load a model and tokenizer from ``tiny:FAMILY``, a local checkpoint directory or a hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from moectl.models.tiny import FAMILIES, tiny
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 3..258, with pad=0, bos=1, eos=2: the tiny models' tokenizer."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 259
+    padding_side = "left"
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(int(i) - 3 for i in ids if 3 <= int(i) < 259)
+        return data.decode("utf-8", errors="replace")
+
+    def __call__(
+        self, texts: list[str], return_tensors: str = "pt", padding: bool = True
+    ) -> dict[str, torch.Tensor]:
+        encoded = [self.encode(t) or [self.bos_token_id] for t in texts]
+        width = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, e in enumerate(encoded):  # tokenisation, not a tensor hot path
+            ids[row, width - len(e) :] = torch.tensor(e)
+            mask[row, width - len(e) :] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def load_model(
+    spec: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, with_tokenizer: bool = True
+) -> tuple[PreTrainedModel, object]:
+    """``spec`` is ``tiny:FAMILY`` (offline random model), a checkpoint directory or a hub id.
+
+    Returns (model in eval mode, tokenizer padding on the left); the tokenizer is None when
+    ``with_tokenizer`` is False.
+    """
+    if spec.startswith("tiny:"):
+        family = spec.split(":", 1)[1]
+        model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size).to(device)
+        return model, ByteTokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(spec).expanduser()
+    if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
+        raise FileNotFoundError(
+            f"{spec!r} is neither a checkpoint directory nor a hub id (owner/name); for an offline "
+            f"model use tiny:FAMILY with FAMILY one of {', '.join(FAMILIES)}"
+        )
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local) if local.exists() else spec, dtype=torch_dtype
+        )
+        if not with_tokenizer:
+            return model.to(device).eval(), None
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)
+    except OSError as err:
+        raise OSError(
+            f"could not load {spec!r}: {err}. Without network, pass a local checkpoint directory."
+        ) from err
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,79 @@
+"""Figures the papers draw, from a RoutingTrace, written as PNG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+
+from moectl.metrics.switch_rate import router_option_masks
+from moectl.routing.trace import RoutingTrace
+
+
+def plot_expert_activation(
+    trace: RoutingTrace,
+    path: str | Path,
+    layer: int = 0,
+    row: int = 0,
+    k_hat: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """TE-MoE Figure 2: experts activated at one layer over the generated token positions.
+
+    Dark cells are the activated experts; with ``k_hat`` the router-as-option mask ω is shaded
+    behind them and each switch is marked by a tick above the axis.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if layer not in trace.chosen:
+        raise ValueError(f"MoE layer {layer} is not in the trace; recorded layers: {sorted(trace.chosen)}")
+    if not 0 <= row < trace.valid.shape[0]:
+        raise ValueError(f"row {row} out of range; the trace has {trace.valid.shape[0]} sequences")
+    start = max(int(trace.prompt_len[row]) - 1, 0)
+    valid = trace.valid[row]
+    stop = int(valid.nonzero().max()) + 1 if bool(valid.any()) else start
+    chosen = trace.chosen_mask(layer)[row, start:stop].T.float()  # [E, T]
+    fig, ax = plt.subplots(figsize=(min(16, 3 + chosen.shape[1] / 16), 2 + trace.num_experts / 12))
+    image = chosen.clone()
+    if k_hat is not None:
+        probs = trace.probs[layer][row : row + 1, start:stop]
+        option = router_option_masks(probs, trace.chosen_mask(layer)[row : row + 1, start:stop], k_hat)[0]
+        image = torch.maximum(image, 0.35 * option.T.float())
+        switches = (option[1:] != option[:-1]).any(-1).nonzero().flatten() + 1
+        for s in switches.tolist():
+            ax.plot([s, s], [-1.5, -0.8], color="crimson", linewidth=0.8, clip_on=False)
+    ax.imshow(image.numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+    ax.set_xlabel("generated token position")
+    ax.set_ylabel("expert")
+    default = f"Activated experts, MoE layer {layer}" + (
+        f" (k-hat={k_hat} option shaded, switches ticked)" if k_hat else ""
+    )
+    ax.set_title(title or default, pad=16)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_switch_rate_per_layer(
+    per_layer: dict[str, list[float]], path: str | Path, title: str = "Switch rate per MoE layer"
+) -> Path:
+    """Switch rate against MoE layer, one line per label (e.g. prompt category)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, values in per_layer.items():
+        ax.plot(range(len(values)), values, marker="o", label=label)
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("switch rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,86 @@
+"""GumbelTopK: Gumbel-perturbed expert selection (RoE §2.1, eq. 1).
+
+Indices = TopK(R + tau · G, k) with G ~ Gumbel(0, 1) i.i.d. per token, expert and sample; the
+combine weights come from the un-noised scores. tau is per MoE layer (RoE §2.2); tau = 0 is the
+identity. Noise is drawn from a generator seeded when the policy is bound (at ``route()`` entry),
+so a session is reproducible; every row of a batch draws its own noise. ``row_scale`` ([B])
+multiplies tau per row, e.g. 0 for RoE's clean sample 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.routing.state import RoutingState
+
+
+def gumbel_noise(shape: torch.Size, generator: torch.Generator, device: torch.device) -> Tensor:
+    """Standard Gumbel samples -log(-log U), U ~ U(0, 1) clamped away from 0 and 1."""
+    u = torch.rand(shape, generator=generator, device=generator.device).to(device)
+    eps = torch.finfo(u.dtype).eps
+    return -torch.log(-torch.log(u.clamp(eps, 1 - eps)))
+
+
+class GumbelTopK:
+    """Gumbel-top-k routing with per-layer temperature tau.
+
+    ``tau`` is one float for every MoE layer, a sequence (one per MoE layer) or a mapping from
+    MoE layer index to tau (missing layers: 0).
+    """
+
+    def __init__(
+        self,
+        tau: float | Sequence[float] | Mapping[int, float],
+        seed: int = 0,
+        row_scale: Tensor | None = None,
+    ) -> None:
+        self.tau_spec = tau
+        self.seed = int(seed)
+        self.row_scale = row_scale
+        self.tau: dict[int, float] = {}
+        self.generator: torch.Generator | None = None
+
+    def bind(self, info: ModelInfo) -> None:
+        n = info.num_moe_layers
+        spec = self.tau_spec
+        if isinstance(spec, Mapping):
+            bad = [k for k in spec if not 0 <= int(k) < n]
+            if bad:
+                raise ValueError(
+                    f"GumbelTopK: tau given for MoE layers {bad}; the model has MoE layers 0..{n - 1}"
+                )
+            tau = {int(k): float(v) for k, v in spec.items()}
+        elif isinstance(spec, (int, float)):
+            tau = dict.fromkeys(range(n), float(spec))
+        else:
+            values = [float(v) for v in spec]
+            if len(values) != n:
+                raise ValueError(
+                    f"GumbelTopK: {len(values)} temperatures given, the model has {n} MoE layers"
+                )
+            tau = dict(enumerate(values))
+        negative = {k: v for k, v in tau.items() if not v >= 0}
+        if negative:
+            raise ValueError(f"GumbelTopK: temperatures must be >= 0 (finite), got {negative}")
+        self.tau = {k: v for k, v in tau.items() if v > 0}
+        device = info.layers[0].router.weight.device if hasattr(info.layers[0].router, "weight") else "cpu"
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def apply(self, state: RoutingState) -> None:
+        tau = self.tau.get(state.layer, 0.0)
+        if tau == 0.0:
+            return
+        assert self.generator is not None, "GumbelTopK used before bind()"
+        noise = gumbel_noise(state.logits.shape, self.generator, state.logits.device) * tau
+        if self.row_scale is not None:
+            scale = self.row_scale.to(noise)
+            if scale.shape != (state.logits.shape[0],):
+                raise ValueError(
+                    f"GumbelTopK: row_scale has shape {tuple(scale.shape)}, batch is {state.logits.shape[0]}"
+                )
+            noise = noise * scale[:, None, None]
+        state.add_noise(noise)

@@ -1,0 +1,117 @@
+"""DocumentPool: route every token of a document within a shared pool of d experts (EMO §3.2).
+
+D = Top-d((1/T) Σ_t p_t) over the document's tokens; routing is then restricted to D and p is
+renormalised over it (p-hat), i.e. the "pruned" mode of ``ExpertMask``. Two modes:
+
+- ``"full"`` (EMO's training definition): the mean runs over the whole document, future tokens
+  included. In generation, "the whole document" is everything seen so far.
+- ``"causal"`` (beyond the paper, usable in generation): the pool at position t is computed from
+  tokens 0..t of its document, so no token's routing depends on later tokens.
+
+Documents are the rows of the batch, or — with ``doc_ids`` [B, T] — the runs of equal ids in a
+packed row. Padding tokens (from the attention mask) are excluded from the means. Sums are
+vectorised segment reductions (cumsum / scatter-add), no loop over documents. Across decoding
+steps the per-row sums are carried; a call at offset 0 starts new documents.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.routing.state import RoutingState
+
+PoolMode = Literal["causal", "full"]
+
+
+def segment_starts(doc_ids: Tensor) -> Tensor:
+    """For each position of [B, T] doc ids, the index where its run of equal ids starts."""
+    b, t = doc_ids.shape
+    pos = torch.arange(t, device=doc_ids.device).expand(b, t)
+    boundary = torch.ones_like(doc_ids, dtype=torch.bool)
+    boundary[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.where(boundary, pos, torch.zeros_like(pos)).cummax(dim=1).values
+
+
+def prefix_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Causal per-document sums and counts of p [B, T, E] over valid tokens up to each t."""
+    w = valid.to(p.dtype).unsqueeze(-1)
+    csum = torch.cumsum(p * w, dim=1)
+    ccount = torch.cumsum(w, dim=1)
+    if doc_ids is not None:
+        starts = segment_starts(doc_ids)
+        prev_sum = torch.nn.functional.pad(csum, (0, 0, 1, 0))[:, :-1]
+        prev_count = torch.nn.functional.pad(ccount, (0, 0, 1, 0))[:, :-1]
+        idx = starts.unsqueeze(-1)
+        csum = csum - prev_sum.gather(1, idx.expand_as(csum))
+        ccount = ccount - prev_count.gather(1, idx)
+    return csum, ccount
+
+
+def full_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Whole-document sums and counts of p [B, T, E], broadcast back to every token."""
+    w = valid.to(p.dtype).unsqueeze(-1)
+    if doc_ids is None:
+        total = (p * w).sum(1, keepdim=True).expand_as(p)
+        return total, w.sum(1, keepdim=True).expand(*p.shape[:2], 1)
+    seg = segment_starts(doc_ids)  # run start index: a per-row segment id in 0..T-1
+    b, t, e = p.shape
+    sums = torch.zeros(b, t, e, dtype=p.dtype, device=p.device).scatter_add_(
+        1, seg.unsqueeze(-1).expand(b, t, e), p * w
+    )
+    counts = torch.zeros(b, t, 1, dtype=p.dtype, device=p.device).scatter_add_(1, seg.unsqueeze(-1), w)
+    return sums.gather(1, seg.unsqueeze(-1).expand(b, t, e)), counts.gather(1, seg.unsqueeze(-1))
+
+
+class DocumentPool:
+    """Restrict each document's tokens to the top-d experts of its mean routing distribution."""
+
+    def __init__(self, d: int, mode: PoolMode = "causal", doc_ids: Tensor | None = None) -> None:
+        if mode not in ("causal", "full"):
+            raise ValueError(f"DocumentPool mode must be 'causal' or 'full', got {mode!r}")
+        self.d = int(d)
+        self.mode: PoolMode = mode
+        self.doc_ids = doc_ids
+        self._carry: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def bind(self, info: ModelInfo) -> None:
+        for layer in info.layers:
+            if not layer.top_k <= self.d <= layer.num_experts:
+                raise ValueError(
+                    f"DocumentPool: pool size d={self.d} must satisfy top-k <= d <= E; MoE layer {layer.index} "
+                    f"has top-k={layer.top_k}, E={layer.num_experts}"
+                )
+        self._carry = {}
+
+    def apply(self, state: RoutingState) -> None:
+        ctx = state.ctx
+        p = state.probs if state.allowed is None else state.probs * state.allowed
+        valid = ctx.valid_mask(p.device)
+        doc_ids = self.doc_ids
+        if doc_ids is not None:
+            if ctx.offset > 0:
+                raise ValueError(
+                    "DocumentPool with doc_ids covers one forward over packed rows, not decoding steps"
+                )
+            if doc_ids.shape != p.shape[:2]:
+                raise ValueError(
+                    f"DocumentPool: doc_ids shape {tuple(doc_ids.shape)} != batch shape {tuple(p.shape[:2])}"
+                )
+            doc_ids = doc_ids.to(p.device)
+        sums, counts = (prefix_means if self.mode == "causal" else full_means)(p, valid, doc_ids)
+        if ctx.offset > 0 and state.layer in self._carry:
+            carry_sum, carry_count = self._carry[state.layer]
+            sums = sums + carry_sum[:, None, :]
+            counts = counts + carry_count[:, None, :]
+        if doc_ids is None:
+            self._carry[state.layer] = (sums[:, -1].detach(), counts[:, -1].detach())
+        mean = sums / counts.clamp(min=1)
+        if state.allowed is not None:
+            mean = mean.masked_fill(~state.allowed, -1.0)
+        pool_idx = mean.topk(self.d, dim=-1).indices
+        pool = torch.zeros_like(mean, dtype=torch.bool).scatter_(-1, pool_idx, True)
+        state.restrict(pool, "pruned")
+        state.extras.setdefault("pool", pool)

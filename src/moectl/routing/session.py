@@ -1,0 +1,176 @@
+"""``route()``: install routing policies and a recorder on a model, and remove them again.
+
+In transformers 5 a router returns ``(logits, weights, indices)`` from one forward, so editing
+the logits is too late: moectl registers a forward hook on each router module that recomputes
+weights and indices from the raw logits with the family's rule (``adapters/rules.py``) under the
+policies' constraints. A pre-hook on the base model records the call's batch shape, KV-cache
+offset and padding. Leaving the context removes every hook: the model is exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from moectl.adapters.inspect import ModelInfo, MoELayer, UnsupportedModelError, inspect
+from moectl.routing.state import Policy, RouteContext, RoutingState
+from moectl.routing.trace import RoutingTrace
+
+
+class RoutingSession:
+    """An active routing configuration; use through ``with moectl.route(...) as session``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policies: Sequence[Policy] = (),
+        record: bool = False,
+        info: ModelInfo | None = None,
+        probs_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        self.info = info or inspect(model)
+        self.policies = list(policies)
+        for policy in self.policies:
+            if not isinstance(policy, Policy):
+                raise TypeError(f"{type(policy).__name__} is not a routing policy (needs bind() and apply())")
+        self.record = record
+        self.probs_dtype = probs_dtype
+        self.trace: RoutingTrace | None = None
+        self.ctx = RouteContext()
+        self._handles: list[Any] = []
+        self._fired: list[int] = []
+
+    # -- context manager ---------------------------------------------------------------------
+    def __enter__(self) -> RoutingSession:
+        for policy in self.policies:
+            policy.bind(self.info)
+        meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
+        self.trace = RoutingTrace(self.info.num_moe_layers, meta, self.probs_dtype) if self.record else None
+        self.ctx = RouteContext()
+        self._fired = [0] * self.info.num_moe_layers
+        base = getattr(self.model, "base_model", self.model)
+        try:
+            self._handles.append(base.register_forward_pre_hook(self._begin, with_kwargs=True))
+            self._handles.append(base.register_forward_hook(self._end))
+            if self.policies or self.record:
+                for layer in self.info.layers:
+                    self._handles.append(layer.router.register_forward_hook(self._router_hook(layer)))
+        except Exception:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("input_ids")
+        if x is None and args:
+            x = args[0]
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None:
+            raise ValueError("routing needs input_ids or inputs_embeds to know the batch shape")
+        b, t = int(x.shape[0]), int(x.shape[1])
+        cache = kwargs.get("past_key_values")
+        offset = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        mask = kwargs.get("attention_mask")
+        valid = mask[:, -t:].bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        self.ctx = RouteContext(batch=b, length=t, offset=offset, valid=valid, calls=self.ctx.calls + 1)
+        self._fired = [0] * self.info.num_moe_layers
+        if self.trace is not None:
+            self.trace.begin_call(offset, self.ctx.valid_mask(x.device))
+
+    def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not (self.policies or self.record):
+            return
+        missed = [i for i, n in enumerate(self._fired) if n == 0]
+        if missed:
+            raise UnsupportedModelError(
+                f"the routers of MoE layers {missed} were not called during the forward pass: something "
+                "(a hub kernel, a fused or quantised MoE forward, a serving engine) bypasses the router "
+                "module, so routing policies cannot act on it"
+            )
+
+    def _router_hook(self, layer: MoELayer):
+        adapter, rule = layer.adapter, layer.rule
+        bias_of = adapter.bias
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            self._fired[layer.index] += 1
+            ctx = self.ctx
+            logits = adapter.logits_of(output)
+            e = logits.shape[-1]
+            if logits.numel() != ctx.batch * ctx.length * e:
+                raise RuntimeError(
+                    f"MoE layer {layer.index}: router saw {logits.numel() // e} tokens, expected "
+                    f"{ctx.batch}x{ctx.length}; was the model called through its base model?"
+                )
+            state = RoutingState(layer.index, logits.reshape(ctx.batch, ctx.length, e).float(), rule, ctx)
+            for policy in self.policies:
+                policy.apply(state)
+            new = None
+            if state.allowed is not None or state.noise is not None:
+                n = ctx.batch * ctx.length
+                allowed = None if state.allowed is None else state.allowed.reshape(n, e)
+                if allowed is not None:
+                    rule.check_allowed(allowed, where=f"combined policies, MoE layer {layer.index}")
+                noise = None if state.noise is None else state.noise.reshape(n, e)
+                weights, idx = rule.select(
+                    state.logits.reshape(n, e), bias_of(module), allowed, noise, state.renorm
+                )
+                new = _repack(adapter.output, output, weights, idx)
+                chosen = idx
+            else:
+                chosen = _indices_of(adapter.output, output, rule.top_k)
+            if self.trace is not None:
+                shape = (ctx.batch, ctx.length, -1)
+                self.trace.record(layer.index, state.probs, chosen.reshape(shape), state.allowed)
+            return new
+
+        return hook
+
+
+def _repack(fmt: str, output: tuple, weights: Tensor, idx: Tensor) -> tuple:
+    if fmt == "llama4":
+        scores, logits = output
+        dense = torch.zeros_like(scores).scatter_(1, idx, weights.to(scores.dtype))
+        return dense, logits
+    logits, old_w, old_idx = output
+    return logits, weights.to(old_w.dtype), idx.to(old_idx.dtype)
+
+
+def _indices_of(fmt: str, output: tuple, k: int) -> Tensor:
+    if fmt == "llama4":
+        return output[0].topk(k, dim=-1).indices
+    return output[2]
+
+
+def route(
+    model: nn.Module,
+    policies: Policy | Sequence[Policy] | None = None,
+    record: bool = False,
+    info: ModelInfo | None = None,
+    probs_dtype: torch.dtype = torch.float32,
+) -> RoutingSession:
+    """Route ``model`` under ``policies`` (applied in order) inside a ``with`` block.
+
+    >>> with route(model, [ExpertMask.from_lists(info, {0: [0, 1]}), GumbelTopK(0.3)], record=True) as s:
+    ...     model(input_ids)
+    >>> s.trace.chosen[0]  # [B, T, k]
+    """
+    if policies is None:
+        policies = []
+    elif not isinstance(policies, (list, tuple)):
+        policies = [policies]
+    return RoutingSession(model, policies, record=record, info=info, probs_dtype=probs_dtype)

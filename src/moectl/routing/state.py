@@ -1,0 +1,80 @@
+"""What a routing policy sees and changes: the context of a forward call and one layer's state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from moectl.adapters.rules import Renorm, RouterRule
+
+if TYPE_CHECKING:
+    from moectl.adapters.inspect import ModelInfo
+
+
+@dataclass
+class RouteContext:
+    """The forward call being routed: batch shape, absolute offset, valid (non-padding) tokens.
+
+    ``offset`` is the number of positions already in the KV cache (0 for a fresh sequence);
+    the call covers absolute positions ``offset .. offset + T - 1``.
+    """
+
+    batch: int = 0
+    length: int = 0
+    offset: int = 0
+    valid: Tensor | None = None  # [B, T] bool; None: every token is valid
+    calls: int = 0  # forward calls since the session started
+
+    def valid_mask(self, device: torch.device) -> Tensor:
+        if self.valid is None:
+            return torch.ones(self.batch, self.length, dtype=torch.bool, device=device)
+        return self.valid.to(device)
+
+
+@dataclass
+class RoutingState:
+    """One MoE layer's routing inputs during one forward call, as policies leave them.
+
+    ``logits`` [B, T, E] are the router's raw output (float32) and ``probs`` its distribution
+    p = rule.probs(logits). Policies narrow ``allowed`` ([B, T, E] bool, or None for all) and add
+    to ``noise`` (on the logits used for choosing only).
+    """
+
+    layer: int
+    logits: Tensor
+    rule: RouterRule
+    ctx: RouteContext
+    allowed: Tensor | None = None
+    noise: Tensor | None = None
+    renorm: Renorm = "pruned"
+    extras: dict = field(default_factory=dict)
+
+    @cached_property
+    def probs(self) -> Tensor:
+        """[B, T, E] the router's distribution p (computed on first use)."""
+        return self.rule.probs(self.logits)
+
+    def restrict(self, allowed: Tensor, renorm: Renorm | None = None) -> None:
+        """Intersect the allowed set with ``allowed`` (broadcastable to [B, T, E])."""
+        allowed = allowed.to(self.logits.device).expand_as(self.logits)
+        self.allowed = allowed if self.allowed is None else self.allowed & allowed
+        if renorm is not None:
+            self.renorm = renorm
+
+    def add_noise(self, noise: Tensor) -> None:
+        self.noise = noise if self.noise is None else self.noise + noise
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy: validated once against a model, then applied to each layer's state."""
+
+    def bind(self, info: ModelInfo) -> None:
+        """Check the policy against the model (raise ``ValueError`` on mismatch); reset state."""
+
+    def apply(self, state: RoutingState) -> None:
+        """Narrow ``state.allowed`` and/or add ``state.noise`` for ``state.layer``."""

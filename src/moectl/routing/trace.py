@@ -1,0 +1,175 @@
+"""RoutingTrace: a columnar record of routing per sample, token position and MoE layer.
+
+For each MoE layer the trace holds ``probs`` [B, T, E] (router distribution p), ``chosen``
+[B, T, k] (experts actually used) and, when a policy constrained routing, ``allowed`` [B, T, E];
+``valid`` [B, T] marks real (non-padding) tokens and ``prompt_len`` the first position that was
+generated rather than given. Forward calls that continue a sequence (KV-cache offset > 0) append
+along T; a call at offset 0 starts a new segment; segments are stacked along B (padded with
+``valid=False``). Metrics and plots read traces, never models. Saved as safetensors + JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+
+@dataclass
+class _Segment:
+    probs: dict[int, list[Tensor]] = field(default_factory=dict)
+    chosen: dict[int, list[Tensor]] = field(default_factory=dict)
+    allowed: dict[int, list[Tensor]] = field(default_factory=dict)
+    valid: list[Tensor] = field(default_factory=list)
+    prompt_len: int = 0
+
+
+class RoutingTrace:
+    """Routing record; index ``trace.chosen[layer]`` etc. by MoE layer index."""
+
+    def __init__(
+        self, num_layers: int, meta: dict[str, Any] | None = None, probs_dtype=torch.float32
+    ) -> None:
+        self.num_layers = num_layers
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.probs_dtype = probs_dtype
+        self._segments: list[_Segment] = []
+        self._cache: dict[str, Any] = {}
+
+    # -- recording ---------------------------------------------------------------------------
+    def begin_call(self, offset: int, valid: Tensor) -> None:
+        """Start a forward call: a new segment at offset 0, else continue the current one."""
+        if offset == 0 or not self._segments:
+            self._segments.append(_Segment(prompt_len=valid.shape[1]))
+        self._segments[-1].valid.append(valid.detach().cpu())
+        self._cache.clear()
+
+    def record(self, layer: int, probs: Tensor, chosen: Tensor, allowed: Tensor | None) -> None:
+        seg = self._segments[-1]
+        seg.probs.setdefault(layer, []).append(probs.detach().to("cpu", self.probs_dtype))
+        seg.chosen.setdefault(layer, []).append(
+            chosen.detach().to("cpu", torch.int16 if probs.shape[-1] < 2**15 else torch.int64)
+        )
+        if allowed is not None:
+            seg.allowed.setdefault(layer, []).append(allowed.detach().cpu())
+
+    # -- reading -----------------------------------------------------------------------------
+    def _stack(self, what: str) -> Any:
+        if what in self._cache:
+            return self._cache[what]
+        if not self._segments:
+            raise ValueError("the trace is empty: nothing was recorded (was route(..., record=True) used?)")
+        valids = [torch.cat(s.valid, dim=1) for s in self._segments]
+        t_max = max(v.shape[1] for v in valids)
+        if what == "valid":
+            out = torch.cat([_pad_t(v, t_max, False) for v in valids])
+        elif what == "prompt_len":
+            out = torch.cat([torch.full((v.shape[0],), s.prompt_len) for s, v in zip(self._segments, valids, strict=True)])
+        else:
+            fill = {"probs": 0.0, "chosen": -1, "allowed": False}[what]
+            out = {}
+            for layer in range(self.num_layers):
+                parts = []
+                for seg in self._segments:
+                    chunks = getattr(seg, what).get(layer)
+                    if chunks is None:
+                        break
+                    parts.append(_pad_t(torch.cat(chunks, dim=1), t_max, fill))
+                if len(parts) == len(self._segments):
+                    out[layer] = torch.cat(parts).long() if what == "chosen" else torch.cat(parts)
+        self._cache[what] = out
+        return out
+
+    @property
+    def probs(self) -> dict[int, Tensor]:
+        """``{layer: [B, T, E]}`` router distribution p."""
+        return self._stack("probs")
+
+    @property
+    def chosen(self) -> dict[int, Tensor]:
+        """``{layer: [B, T, k]}`` experts used (-1 at padding)."""
+        return self._stack("chosen")
+
+    @property
+    def allowed(self) -> dict[int, Tensor]:
+        """``{layer: [B, T, E]}`` allowed experts, for layers where a policy constrained routing."""
+        return self._stack("allowed")
+
+    @property
+    def valid(self) -> Tensor:
+        """[B, T] real tokens (False for padding and beyond a segment's end)."""
+        return self._stack("valid")
+
+    @property
+    def prompt_len(self) -> Tensor:
+        """[B] the length of the first forward call of each row's segment (the prompt)."""
+        return self._stack("prompt_len")
+
+    @property
+    def num_experts(self) -> int:
+        return next(iter(self.probs.values())).shape[-1]
+
+    @property
+    def top_k(self) -> int:
+        return next(iter(self.chosen.values())).shape[-1]
+
+    def chosen_mask(self, layer: int) -> Tensor:
+        """[B, T, E] bool: which experts were used at each position."""
+        chosen = self.chosen[layer]
+        mask = torch.zeros(*chosen.shape[:2], self.num_experts + 1, dtype=torch.bool)
+        mask.scatter_(-1, chosen.clamp(min=-1) % (self.num_experts + 1), True)
+        return mask[..., : self.num_experts]
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``path`` (.safetensors) and ``path`` with .json metadata, atomically."""
+        path = Path(path).with_suffix(".safetensors")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"valid": self.valid.contiguous(), "prompt_len": self.prompt_len.contiguous()}
+        for what in ("probs", "chosen", "allowed"):
+            for layer, value in self._stack(what).items():
+                tensors[f"{what}.{layer}"] = value.contiguous()
+        meta = {"num_layers": self.num_layers, "meta": self.meta}
+        _atomic(path, lambda tmp: save_file(tensors, tmp))
+        _atomic(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RoutingTrace:
+        path = Path(path).with_suffix(".safetensors")
+        if not path.exists():
+            raise FileNotFoundError(f"no trace at {path}")
+        meta = json.loads(path.with_suffix(".json").read_text())
+        tensors = load_file(str(path))
+        trace = cls(meta["num_layers"], meta.get("meta"))
+        cache: dict[str, Any] = {"valid": tensors["valid"], "prompt_len": tensors["prompt_len"]}
+        for what in ("probs", "chosen", "allowed"):
+            cache[what] = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith(what + ".")}
+        trace._segments = [_Segment()]  # non-empty: reading goes through the cache
+        trace._cache = cache
+        return trace
+
+
+def _pad_t(x: Tensor, t: int, fill: Any) -> Tensor:
+    if x.shape[1] == t:
+        return x
+    pad = torch.full((x.shape[0], t - x.shape[1], *x.shape[2:]), fill, dtype=x.dtype)
+    return torch.cat([x, pad], dim=1)
+
+
+def _atomic(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random models of every family, built once per test session."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import moectl
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+
+@functools.cache
+def _tiny(family: str):
+    return moectl.tiny(family)
+
+
+@pytest.fixture(params=moectl.FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model(family):
+    return _tiny(family)
+
+
+@pytest.fixture
+def olmoe():
+    return _tiny("olmoe")
+
+
+def random_ids(batch: int = 2, length: int = 12, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=generator)
