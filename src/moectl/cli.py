@@ -179,6 +179,19 @@ def demo_cmd(
     _write_json(json_path, result)
 
 
+def _mount() -> None:
+    """Verbs that live in their own packages."""
+    from moectl.data.cli import corpus_app, tokenizer_app
+    from moectl.pretrain import pretrain_command
+
+    app.add_typer(corpus_app, name="corpus", help="Build the offline multi-domain corpus.")
+    app.add_typer(tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
+    app.command("pretrain")(pretrain_command)
+
+
+_mount()
+
+
 def main() -> None:
     app()
 

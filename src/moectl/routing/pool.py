@@ -69,26 +69,30 @@ def full_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tensor
 class DocumentPool:
     """Restrict each document's tokens to the top-d experts of its mean routing distribution."""
 
-    def __init__(self, d: int, mode: PoolMode = "causal", doc_ids: Tensor | None = None) -> None:
+    def __init__(self, d: int | Tensor, mode: PoolMode = "causal", doc_ids: Tensor | None = None) -> None:
+        """``d`` is one pool size, or a [B, T] tensor of per-token sizes (constant within a document,
+        as EMO §3.3 samples d ~ U{k, ..., n_r} per document: see ``sample_pool_sizes``)."""
         if mode not in ("causal", "full"):
             raise ValueError(f"DocumentPool mode must be 'causal' or 'full', got {mode!r}")
-        self.d = int(d)
+        self.d = d if isinstance(d, Tensor) else int(d)
         self.mode: PoolMode = mode
         self.doc_ids = doc_ids
         self._carry: dict[int, tuple[Tensor, Tensor]] = {}
 
     def bind(self, info: ModelInfo) -> None:
+        lo, hi = (int(self.d.min()), int(self.d.max())) if isinstance(self.d, Tensor) else (self.d, self.d)
         for layer in info.layers:
-            if not layer.top_k <= self.d <= layer.num_experts:
+            if not (layer.top_k <= lo and hi <= layer.num_experts):
                 raise ValueError(
-                    f"DocumentPool: pool size d={self.d} must satisfy top-k <= d <= E; MoE layer {layer.index} "
-                    f"has top-k={layer.top_k}, E={layer.num_experts}"
+                    f"DocumentPool: pool size d={self.d if lo == hi else f'{lo}..{hi}'} must satisfy top-k <= d <= E; "
+                    f"MoE layer {layer.index} has top-k={layer.top_k}, E={layer.num_experts}"
                 )
         self._carry = {}
 
     def apply(self, state: RoutingState) -> None:
         ctx = state.ctx
-        p = state.probs if state.allowed is None else state.probs * state.allowed
+        probs = state.probs.detach()  # the pool is a discrete choice: no gradient through it
+        p = probs if state.allowed is None else probs * state.allowed
         valid = ctx.valid_mask(p.device)
         doc_ids = self.doc_ids
         if doc_ids is not None:
@@ -111,7 +115,23 @@ class DocumentPool:
         mean = sums / counts.clamp(min=1)
         if state.allowed is not None:
             mean = mean.masked_fill(~state.allowed, -1.0)
-        pool_idx = mean.topk(self.d, dim=-1).indices
-        pool = torch.zeros_like(mean, dtype=torch.bool).scatter_(-1, pool_idx, True)
+        if isinstance(self.d, Tensor):
+            if self.d.shape != mean.shape[:2]:
+                raise ValueError(
+                    f"DocumentPool: per-token d has shape {tuple(self.d.shape)}, batch is {tuple(mean.shape[:2])}"
+                )
+            rank = mean.argsort(-1, descending=True).argsort(-1)
+            pool = rank < self.d.to(mean.device).unsqueeze(-1)
+        else:
+            pool_idx = mean.topk(self.d, dim=-1).indices
+            pool = torch.zeros_like(mean, dtype=torch.bool).scatter_(-1, pool_idx, True)
         state.restrict(pool, "pruned")
         state.extras.setdefault("pool", pool)
+
+
+def sample_pool_sizes(doc_ids: Tensor, k: int, n_r: int, generator: torch.Generator | None = None) -> Tensor:
+    """Per-token pool sizes with d ~ U{k, ..., n_r} drawn once per document (EMO §3.3, A.2)."""
+    if not 1 <= k <= n_r:
+        raise ValueError(f"pool sizes need 1 <= k <= n_r, got k={k}, n_r={n_r}")
+    draws = torch.randint(k, n_r + 1, doc_ids.shape, generator=generator, device="cpu").to(doc_ids.device)
+    return draws.gather(1, segment_starts(doc_ids))

@@ -30,6 +30,7 @@ class RoutingSession:
         record: bool = False,
         info: ModelInfo | None = None,
         probs_dtype: torch.dtype = torch.float32,
+        collect: bool = False,
     ) -> None:
         self.model = model
         self.info = info or inspect(model)
@@ -38,6 +39,10 @@ class RoutingSession:
             if not isinstance(policy, Policy):
                 raise TypeError(f"{type(policy).__name__} is not a routing policy (needs bind() and apply())")
         self.record = record
+        self.collect = collect
+        # with collect=True: {moe_layer: (logits [B, T, E] float32 keeping the graph, chosen [B, T, k])}
+        # of the latest forward, for training losses (load balancing, z-loss)
+        self.collected: dict[int, tuple[Tensor, Tensor]] = {}
         self.probs_dtype = probs_dtype
         self.trace: RoutingTrace | None = None
         self.ctx = RouteContext()
@@ -56,13 +61,17 @@ class RoutingSession:
         try:
             self._handles.append(base.register_forward_pre_hook(self._begin, with_kwargs=True))
             self._handles.append(base.register_forward_hook(self._end))
-            if self.policies or self.record:
+            if self._active:
                 for layer in self.info.layers:
                     self._handles.append(layer.router.register_forward_hook(self._router_hook(layer)))
         except Exception:
             self.close()
             raise
         return self
+
+    @property
+    def _active(self) -> bool:
+        return bool(self.policies or self.record or self.collect)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -88,11 +97,12 @@ class RoutingSession:
         valid = mask[:, -t:].bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
         self.ctx = RouteContext(batch=b, length=t, offset=offset, valid=valid, calls=self.ctx.calls + 1)
         self._fired = [0] * self.info.num_moe_layers
+        self.collected = {}
         if self.trace is not None:
             self.trace.begin_call(offset, self.ctx.valid_mask(x.device))
 
     def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not (self.policies or self.record):
+        if not self._active:
             return
         missed = [i for i, n in enumerate(self._fired) if n == 0]
         if missed:
@@ -133,8 +143,10 @@ class RoutingSession:
                 chosen = idx
             else:
                 chosen = _indices_of(adapter.output, output, rule.top_k)
+            shape = (ctx.batch, ctx.length, -1)
+            if self.collect:
+                self.collected[layer.index] = (state.logits, chosen.reshape(shape))
             if self.trace is not None:
-                shape = (ctx.batch, ctx.length, -1)
                 self.trace.record(layer.index, state.probs, chosen.reshape(shape), state.allowed)
             return new
 
@@ -162,6 +174,7 @@ def route(
     record: bool = False,
     info: ModelInfo | None = None,
     probs_dtype: torch.dtype = torch.float32,
+    collect: bool = False,
 ) -> RoutingSession:
     """Route ``model`` under ``policies`` (applied in order) inside a ``with`` block.
 
@@ -173,4 +186,4 @@ def route(
         policies = []
     elif not isinstance(policies, (list, tuple)):
         policies = [policies]
-    return RoutingSession(model, policies, record=record, info=info, probs_dtype=probs_dtype)
+    return RoutingSession(model, policies, record=record, info=info, probs_dtype=probs_dtype, collect=collect)

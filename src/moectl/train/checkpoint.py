@@ -1,0 +1,64 @@
+"""Atomic checkpoints: a step folder is written beside its final name and renamed into place.
+
+``out/checkpoints/step-000100/`` holds the model (``save_pretrained``: loads with plain
+transformers), the tokenizer, and ``trainer_state.pt`` (optimizer, scheduler, step, RNG states);
+``out/checkpoints/latest`` names the newest complete one. A crash mid-write leaves only a
+``.tmp-*`` folder, which the next save removes; the previous checkpoint stays intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically; keep the newest ``keep`` checkpoints."""
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(root / "latest", final.name)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint under ``out`` (or ``out`` itself if it is one), else None."""
+    if (out / "trainer_state.pt").exists():
+        return out
+    pointer = out / "checkpoints" / "latest"
+    if pointer.exists():
+        path = out / "checkpoints" / pointer.read_text().strip()
+        if (path / "trainer_state.pt").exists():
+            return path
+    return None
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state
