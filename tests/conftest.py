@@ -11,7 +11,7 @@ import torch
 import moectl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: threads only add contention on a shared 2-core machine
 
 
 @functools.cache

@@ -163,3 +163,10 @@ def test_keep_lists_checked(info):
         check_keep(info, {0: [0, 1], 1: [0, 1, 2], 2: [0, 1]})
     with pytest.raises(ValueError, match="fewer than top-k"):
         check_keep(info, {0: [0], 1: [0], 2: [0]})
+
+
+def test_intersection_of_masks_with_too_few_experts(olmoe, info):
+    first = ExpertMask.from_lists(info, {0: [0, 1, 2]})
+    second = ExpertMask.from_lists(info, {0: [2, 3, 4]})
+    with pytest.raises(ValueError, match="combined policies, MoE layer 0"), route(olmoe, [first, second]):
+        olmoe(random_ids())

@@ -182,11 +182,15 @@ def demo_cmd(
 def _mount() -> None:
     """Verbs that live in their own packages."""
     from moectl.data.cli import corpus_app, tokenizer_app
+    from moectl.eval.cli import data_app, eval_command, report_command
     from moectl.pretrain import pretrain_command
 
     app.add_typer(corpus_app, name="corpus", help="Build the offline multi-domain corpus.")
     app.add_typer(tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
     app.command("pretrain")(pretrain_command)
+    app.command("eval")(eval_command)
+    app.command("report")(report_command)
+    app.add_typer(data_app, name="data", help="Fetch offline evaluation sets.")
 
 
 _mount()

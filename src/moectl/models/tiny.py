@@ -172,4 +172,6 @@ def tiny(family: str = "olmoe", seed: int = 0, **overrides: Any) -> PreTrainedMo
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.uniform_(-0.05, 0.05)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # ~10x faster than grouped_mm on CPU at this size
     return model.eval()

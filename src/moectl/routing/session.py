@@ -133,7 +133,8 @@ class RoutingSession:
             if state.allowed is not None or state.noise is not None:
                 n = ctx.batch * ctx.length
                 allowed = None if state.allowed is None else state.allowed.reshape(n, e)
-                if allowed is not None:
+                if allowed is not None and (state.restrictions > 1 or rule.grouped):
+                    # an intersection of policies (or a grouped router) may leave too few experts
                     rule.check_allowed(allowed, where=f"combined policies, MoE layer {layer.index}")
                 noise = None if state.noise is None else state.noise.reshape(n, e)
                 weights, idx = rule.select(

@@ -51,6 +51,7 @@ class RoutingState:
     allowed: Tensor | None = None
     noise: Tensor | None = None
     renorm: Renorm = "pruned"
+    restrictions: int = 0  # how many policies narrowed ``allowed`` (one alone was checked at bind)
     extras: dict = field(default_factory=dict)
 
     @cached_property
@@ -62,6 +63,7 @@ class RoutingState:
         """Intersect the allowed set with ``allowed`` (broadcastable to [B, T, E])."""
         allowed = allowed.to(self.logits.device).expand_as(self.logits)
         self.allowed = allowed if self.allowed is None else self.allowed & allowed
+        self.restrictions += 1
         if renorm is not None:
             self.renorm = renorm
 

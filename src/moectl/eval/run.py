@@ -1,0 +1,229 @@
+"""The work behind ``moectl eval``: load a model, set up its routing, run tasks, fill one results document."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moectl.adapters.inspect import inspect
+from moectl.eval.forward import SwitchStats, static_plan
+from moectl.eval.policy_file import experts_allowed, load_policies
+from moectl.eval.results import new_results
+
+ENGINES = ("lm-eval", "moectl")
+
+
+class FeatureNotAvailableError(ValueError):
+    """An option whose feature has not landed in moectl yet."""
+
+
+def not_available(roe: str | None, controller: str | None) -> None:
+    """Refuse ``--roe`` / ``--controller`` until those features exist, saying what works today."""
+    for flag, value, what in (
+        ("--roe", roe, "Roster-of-Experts ensembles (RoE)"),
+        ("--controller", controller, "temporally extended controllers (TE-MoE)"),
+    ):
+        if value is not None:
+            raise FeatureNotAvailableError(
+                f"{flag} is not available yet: {what} have not landed in moectl. Today you can evaluate a "
+                "fixed routing with --policy FILE, or, from Python, pass a per-request plan to "
+                "moectl.eval.harness.RoutedLM(model, tokenizer, plan=...)"
+            )
+
+
+def _lm_tokenizer(tokenizer: Any) -> Any:
+    """lm-eval needs a Hugging Face tokenizer: swap moectl's ByteTokenizer for the equivalent fast one."""
+    from moectl.models.load import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        from moectl.eval.tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
+    return tokenizer
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def evaluate(
+    model_spec: str,
+    tasks: Sequence[str] = (),
+    perplexity: str | os.PathLike | None = None,
+    by_domain: bool = False,
+    split: str = "test",
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    max_gen_toks: int | None = None,
+    policy: str | os.PathLike | None = None,
+    roe: str | None = None,
+    controller: str | None = None,
+    engine: str = "lm-eval",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    seed: int = 1234,
+    switch: bool | None = None,
+    cache: str | os.PathLike | None = None,
+    device: str = "cpu",
+    label: str | None = None,
+    progress: bool = True,
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``model_spec`` (``tiny:FAMILY``, a checkpoint folder or hub id); returns a results document.
+
+    ``switch`` (default: on when a policy is given) records the switch rate per task.
+    ``model_and_tokenizer`` skips loading (for callers that hold a model already).
+    """
+    not_available(roe, controller)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not tasks and perplexity is None:
+        raise ValueError("nothing to evaluate: give --tasks and/or --perplexity CORPUS")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    if tasks:
+        from moectl.eval.lm_tasks import check_data, resolve_tasks
+
+        tasks = resolve_tasks(list(tasks))
+        check_data(tasks, cache)  # before loading a model: a missing set fails fast
+    torch.manual_seed(seed)
+    if model_and_tokenizer is None:
+        from moectl.models.load import load_model
+
+        model, tokenizer = load_model(model_spec, device=device, seed=0)
+    else:
+        model, tokenizer = model_and_tokenizer
+    info = inspect(model)
+    policies, specs = load_policies(policy, info) if policy is not None else ([], [])
+    switch = bool(policies) if switch is None else switch
+    max_length = max_length or int(getattr(model.config, "max_position_embeddings", 2048))
+    summary = info.summary()
+    doc = new_results(
+        model={
+            "spec": model_spec,
+            "label": label or model_spec,
+            "family": summary["family"],
+            "num_experts": summary["num_experts"][0],
+            "top_k": summary["top_k"][0],
+            "moe_layers": len(summary["moe_layers"]),
+        },
+        routing={
+            "label": Path(policy).stem if policy is not None else "full",
+            "policy_file": str(policy) if policy is not None else None,
+            "policies": specs,
+            "experts_allowed": experts_allowed(policies, info),
+            "roe": None,
+            "controller": None,
+        },
+        engine={"name": engine, "version": _lm_eval_version() if engine == "lm-eval" else None},
+        settings={
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+            "max_gen_toks": max_gen_toks,
+            "batch_size": batch_size,
+            "max_length": max_length,
+            "seed": seed,
+            "device": device,
+        },
+    )
+    plan = static_plan(policies)
+    if tasks:
+        doc["tasks"].update(
+            _run_tasks(
+                model,
+                tokenizer,
+                info,
+                plan,
+                tasks,
+                engine,
+                cache,
+                limit,
+                num_fewshot,
+                max_gen_toks,
+                batch_size,
+                max_length,
+                seed,
+                switch,
+                progress,
+            )
+        )
+    if perplexity is not None:
+        from moectl.eval.multiple_choice import switch_summary
+        from moectl.eval.perplexity import document_nll, perplexity_results, read_corpus
+
+        docs = read_corpus(perplexity, split=split, limit=limit)
+        stats = SwitchStats() if switch else None
+        nll, counts = document_nll(
+            model, tokenizer, docs, plan, info, max_length, batch_size, stats, progress
+        )
+        entries = perplexity_results(docs, nll, counts, by_domain=by_domain, seed=seed)
+        entries["perplexity/all"]["switch_rate"] = switch_summary(stats, seed)
+        for entry in entries.values():
+            entry["split"] = split
+        doc["tasks"].update(entries)
+    return doc
+
+
+def _run_tasks(
+    model: Any,
+    tokenizer: Any,
+    info: Any,
+    plan: Any,
+    tasks: Sequence[str],
+    engine: str,
+    cache: Any,
+    limit: int | None,
+    num_fewshot: int | None,
+    max_gen_toks: int | None,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    switch: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    """Evaluate each task with the chosen engine; returns results-schema task entries."""
+    from moectl.eval.multiple_choice import switch_summary
+
+    out: dict[str, Any] = {}
+    if engine == "moectl":
+        from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
+
+        for task in tasks:
+            items = mc_items(task, cache, limit, num_fewshot, seed)
+            entry = evaluate_multiple_choice(
+                model, tokenizer, items, plan, info, batch_size, max_length, switch, progress, seed
+            )
+            entry.pop("per_item")
+            out[task] = entry
+        return out
+    from moectl.eval.harness import RoutedLM
+    from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
+
+    lm = RoutedLM(
+        model,
+        _lm_tokenizer(tokenizer),
+        plan=plan,
+        batch_size=batch_size,
+        max_length=max_length,
+        switch_rate=switch,
+        info=info,
+        seed=seed,
+        device=str(next(model.parameters()).device),
+    )
+    for task in tasks:  # one harness run per task, so each gets its own switch rate
+        lm.switch = SwitchStats() if switch else None
+        gen = {"max_gen_toks": max_gen_toks} if max_gen_toks else None
+        raw = run_lm_eval(lm, [task], cache, limit, num_fewshot, seed, gen_kwargs=gen)
+        entries = tasks_from_lm_eval(raw)
+        if task in entries:
+            entries[task]["switch_rate"] = switch_summary(lm.switch, seed)
+        for name, entry in entries.items():  # a group's members do not replace a task run on its own
+            if name == task or name not in out:
+                out[name] = entry
+    return out
