@@ -7,10 +7,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 import moectl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")  # CI: the same examples every run; locally: new ones each run
 torch.set_num_threads(1)  # tiny models: threads only add contention on a shared 2-core machine
 
 

@@ -69,8 +69,7 @@ def test_rule_selection_invariants(inputs):
     elif rule.kind == "softmax_topk":
         assert (total <= 1 + 1e-5).all()
         if renorm == "pruned":  # p renormalised over the allowed experts: the k weights are its entries
-            p = torch.softmax(logits, -1) * allowed
-            p = p / p.sum(-1, keepdim=True)
+            p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
             torch.testing.assert_close(weights, p.gather(-1, idx))
     else:
         assert (weights <= 1).all()  # sigmoid of a chosen logit
@@ -115,3 +114,21 @@ def _olmoe():
     if "m" not in _cache:
         _cache["m"] = moectl.tiny("olmoe")
     return _cache["m"]
+
+
+def test_allowed_experts_with_underflowing_probabilities():
+    """A disallowed expert that dominates p must not leave NaN or zero weights for the allowed ones."""
+    logits = torch.tensor([[200.0, 0.0, -5.0, 1.0, -30.0, 2.0, 0.5, -1.0]])
+    allowed = torch.tensor([[False, True, True, True, False, False, False, False]])
+    for norm in (False, True):
+        rule = RouterRule("softmax_topk", top_k=2, num_experts=8, norm_topk_prob=norm)
+        weights, idx = rule.select(logits, allowed=allowed, renorm="pruned")
+        assert sorted(idx[0].tolist()) == [1, 3]
+        expected = torch.softmax(logits[0, [1, 2, 3]], -1)[[0, 2]]
+        if norm:
+            expected = expected / expected.sum()
+        torch.testing.assert_close(weights[0].sort().values, expected.sort().values)
+        stock_w, _ = rule.select(logits, allowed=allowed, renorm="stock")
+        assert torch.isfinite(stock_w).all()
+        if norm:
+            torch.testing.assert_close(stock_w.sum(), torch.tensor(1.0))

@@ -80,17 +80,22 @@ class RouterRule:
         logits = logits.float()
         choose_logits = logits if noise is None else logits + noise
         if self.kind in ("softmax_topk",):
-            p = torch.softmax(logits, dim=-1)
-            if allowed is not None and renorm == "pruned":
-                p = _renormalise_over(p, allowed)
-            choice = p if noise is None else torch.softmax(choose_logits, dim=-1)
-            if allowed is not None and renorm == "pruned" and noise is not None:
-                choice = _renormalise_over(choice, allowed)
+            pruned = allowed is not None and renorm == "pruned"
+            # pruned: softmax over the allowed logits (not p renormalised: p may underflow to 0 there)
+            p = _softmax_over(logits, allowed) if pruned else torch.softmax(logits, dim=-1)
+            if noise is None:
+                choice = p
+            else:
+                choice = _softmax_over(choose_logits, allowed) if pruned else torch.softmax(choose_logits, dim=-1)
             if bias is not None:
                 choice = choice + bias
             idx = _topk_masked(choice, allowed, self.top_k)
             weights = p.gather(-1, idx)
-            if self.norm_topk_prob:
+            if self.norm_topk_prob and allowed is not None and not pruned and self.renorm_min == 0:
+                # stock rule restricted to allowed experts: p[idx] / Σ p[idx] computed as a softmax over
+                # the chosen logits, equal in exact arithmetic and finite when those p underflow
+                weights = torch.softmax(logits.gather(-1, idx), dim=-1)
+            elif self.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + self.renorm_eps).clamp(
                     min=self.renorm_min
                 )
@@ -158,9 +163,9 @@ class RouterRule:
                 )
 
 
-def _renormalise_over(p: Tensor, allowed: Tensor) -> Tensor:
-    p = p * allowed
-    return p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
+def _softmax_over(logits: Tensor, allowed: Tensor) -> Tensor:
+    """Softmax over the allowed logits only (the distribution of a physically pruned router)."""
+    return torch.softmax(logits.masked_fill(~allowed, torch.finfo(logits.dtype).min), dim=-1)
 
 
 def _topk_masked(choice: Tensor, allowed: Tensor | None, k: int) -> Tensor:
