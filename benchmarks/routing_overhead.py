@@ -6,7 +6,7 @@ the configurations interleaved so that drift in machine load hits all of them al
 
 Targets: no-op policy <= 1.05, mask <= 1.10, mask + trace recording <= 1.20.
 
-Ratios are of process CPU time (``time.process_time``) with one torch thread, so that other work
+Ratios are of the minimum over repeats (the run least disturbed by other work) of process CPU time (``time.process_time``) with one torch thread, so that other work
 on a shared machine does not distort them; wall-clock ratios are printed beside them.
 
     python benchmarks/routing_overhead.py [--repeats 15] [--json out/routing_overhead.json]
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -59,14 +58,14 @@ def measure(family: str, batch: int, length: int, repeats: int) -> dict:
                 model(ids)
                 times[name].append(time.process_time() - start)
                 walls[name].append(time.perf_counter() - wall)
-    base = statistics.median(times["vanilla"])
-    base_wall = statistics.median(walls["vanilla"])
+    base = min(times["vanilla"])
+    base_wall = min(walls["vanilla"])
     return {
         "family": family,
         "vanilla_ms": base * 1e3,
-        "ratios": {name: statistics.median(t) / base for name, t in times.items() if name != "vanilla"},
+        "ratios": {name: min(t) / base for name, t in times.items() if name != "vanilla"},
         "wall_ratios": {
-            name: statistics.median(t) / base_wall for name, t in walls.items() if name != "vanilla"
+            name: min(t) / base_wall for name, t in walls.items() if name != "vanilla"
         },
     }
 
@@ -83,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results = [measure(f, args.batch, args.length, args.repeats) for f in ("olmoe", "qwen3_moe")]
     print(
-        f"forward CPU-time ratio to vanilla, batch {args.batch} x {args.length} tokens, median of {args.repeats}"
+        f"forward CPU-time ratio to vanilla, batch {args.batch} x {args.length} tokens, minimum of {args.repeats} (the least-disturbed run)"
     )
     print(
         f"{'model':<12}{'vanilla ms':>12}"
