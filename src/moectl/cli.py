@@ -184,12 +184,14 @@ def _mount() -> None:
     from moectl.data.cli import corpus_app, tokenizer_app
     from moectl.eval.cli import data_app, eval_command, report_command
     from moectl.pretrain import pretrain_command
+    from moectl.serve.cli import serve_offload_command
 
     app.add_typer(corpus_app, name="corpus", help="Build the offline multi-domain corpus.")
     app.add_typer(tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
     app.command("pretrain")(pretrain_command)
     app.command("eval")(eval_command)
     app.command("report")(report_command)
+    app.command("serve-offload")(serve_offload_command)
     app.add_typer(data_app, name="data", help="Fetch offline evaluation sets.")
 
 

@@ -1,0 +1,191 @@
+"""Expert offloading: bytes moved per token, hit rate and tokens/s per policy at 50% and 25% budgets.
+
+For each model (a tiny random OLMoE and, when given, moectl's own pretrained MoE), with experts
+in host memory (and on disk with --disk), one run prints per policy and budget: decode loads and
+bytes moved per generated token, hit rate, and tokens/s relative to the fully resident model
+(measured in the same run, one prompt at a time, greedy). Policies: ``lru``, ``option:B`` (the
+router-as-option rule with k-hat = the budget B) and ``static`` (the B experts used most often per
+layer on the same prompts by the in-memory model: an oracle subset, routing restricted to it).
+
+Goal (issue 8): at 25%, option moves >= 5x fewer bytes per token than lru and keeps >= 0.8x the
+resident tokens/s with experts in host memory. Also printed: what each policy's measured loads
+per token per layer would cost per token on gpt-oss-20b, OLMoE-1B-7B and Mixtral-8x7B at the
+measured host-memory bandwidth (a CPU RAM copy here; on a GPU host the PCIe bandwidth applies).
+
+    python benchmarks/offload.py [--model tiny:olmoe --model runs/standard-small/checkpoints/step-000199]
+        [--max-new-tokens 32] [--disk] [--json out/offload.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import moectl
+from moectl.generate import generate, load_prompts
+from moectl.models.load import load_model
+from moectl.serve.runner import serve_offload
+
+# (MoE layers, top-k, experts, bytes of one expert in bf16): from the public configs
+REAL_MODELS = {
+    "gpt-oss-20b": (24, 4, 32, 2 * (2880 * 5760 + 5760 + 2880 * 2880 + 2880)),
+    "OLMoE-1B-7B": (16, 8, 64, 2 * 3 * 2048 * 1024),
+    "Mixtral-8x7B": (32, 2, 8, 2 * 3 * 4096 * 14336),
+}
+
+
+def _resident_tokens_per_s(model, tok, prompts, n: int) -> tuple[float, float]:
+    """(tokens per wall second, tokens per process CPU second) of the fully resident model."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    generate(model, tok, prompts, n, batch_size=1, progress=False)
+    return len(prompts) * n / (time.perf_counter() - t0), len(prompts) * n / (time.process_time() - c0)
+
+
+def _frequent_subsets(model, tok, prompts, n: int, b: int) -> dict[int, list[int]]:
+    with moectl.route(model, record=True) as session:
+        generate(model, tok, prompts, n, batch_size=1, progress=False)
+    trace = session.trace
+    return {
+        layer: trace.chosen_mask(layer)[trace.valid].sum(0).topk(b).indices.sort().values.tolist()
+        for layer in trace.chosen
+    }
+
+
+def bench_model(spec: str, max_new_tokens: int, stores: list[str]) -> dict:
+    model, tok = load_model(spec)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # what offloading runs: compare like with like
+    info = moectl.inspect(model)
+    prompts = load_prompts(None)
+    e, k = info.num_experts, info.top_k
+    base = [_resident_tokens_per_s(model, tok, prompts, max_new_tokens)]
+    rows = []
+    for frac in (0.5, 0.25):
+        b = int(frac * e)
+        subsets = _frequent_subsets(model, tok, prompts, max_new_tokens, b)
+        with tempfile.TemporaryDirectory() as tmp:
+            subset_file = Path(tmp) / "subset.json"
+            subset_file.write_text(json.dumps(subsets))
+            for store in stores:
+                for policy in ("lru", f"option:{b}", f"static:{subset_file}"):
+                    r = serve_offload(
+                        model, tok, prompts, frac, policy, store, max_new_tokens, progress=False
+                    )
+                    base.append(_resident_tokens_per_s(model, tok, prompts, max_new_tokens))
+                    rows.append(
+                        {
+                            "budget": frac,
+                            "experts": b,
+                            "store": store,
+                            "policy": r["policy"],
+                            "loads_per_token": r["loads_per_token"],
+                            "loads_per_token_per_layer": r["loads_per_token"] / info.num_moe_layers,
+                            "bytes_moved_per_token": r["bytes_moved_per_token"],
+                            "hit_rate": r["hit_rate"],
+                            "tokens_per_s": r["tokens_per_s"],
+                            "tokens_per_cpu_s": r["tokens_per_cpu_s"],
+                            "load_s": r["load_s"],
+                            "expert_compute_s": r["expert_compute_s"],
+                            "resident_expert_bytes": r["resident_expert_bytes"],
+                            "total_expert_bytes": r["total_expert_bytes"],
+                            "one_expert_load_s": r["load_latency"]["load_s"],
+                            "bandwidth_bytes_per_s": r["load_latency"]["bandwidth_bytes_per_s"],
+                            "eta": r["eta"]["value"],
+                        }
+                    )
+    # medians of the resident runs, interleaved with the offloaded ones so that drift hits both
+    resident = sorted(w for w, _ in base)[len(base) // 2]
+    resident_cpu = sorted(c for _, c in base)[len(base) // 2]
+    for row in rows:
+        row["relative_tokens_per_s"] = row["tokens_per_s"] / resident
+        row["relative_tokens_per_cpu_s"] = row["tokens_per_cpu_s"] / resident_cpu
+    return {
+        "model": spec,
+        "experts": e,
+        "top_k": k,
+        "resident_tokens_per_s": resident,
+        "resident_tokens_per_cpu_s": resident_cpu,
+        "rows": rows,
+    }
+
+
+def real_model_costs(rows: list[dict], top_k: int, bandwidth: float) -> list[dict]:
+    """Seconds of loading per token on real models if they loaded experts at the measured rate.
+
+    The measured loads per token per layer are taken as a fraction of top-k replaced per step
+    and scaled to each model's top-k (an extrapolation from a small model, not a measurement).
+    """
+    out = []
+    for row in rows:
+        for name, (layers, k, _, expert_bytes) in REAL_MODELS.items():
+            loads = row["loads_per_token_per_layer"] / top_k * k * layers
+            out.append(
+                {
+                    "policy": row["policy"],
+                    "budget": row["budget"],
+                    "model": name,
+                    "loads_per_token": loads,
+                    "bytes_per_token": loads * expert_bytes,
+                    "load_s_per_token": loads * expert_bytes / bandwidth,
+                }
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", help="tiny:FAMILY or a checkpoint (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--disk", action="store_true", help="also serve from the disk store")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    stores = ["host", "disk"] if args.disk else ["host"]
+    results = []
+    for spec in args.model or ["tiny:olmoe"]:
+        res = bench_model(spec, args.max_new_tokens, stores)
+        host = [r for r in res["rows"] if r["store"] == "host"]
+        bandwidth = sorted(r["bandwidth_bytes_per_s"] for r in host)[len(host) // 2]
+        res["host_bandwidth_bytes_per_s"] = bandwidth
+        res["real_models"] = real_model_costs(host, res["top_k"], bandwidth)
+        results.append(res)
+        print(
+            f"\n{spec}: {res['experts']} experts, top-{res['top_k']}, resident "
+            f"{res['resident_tokens_per_s']:.1f} tok/s, {res['resident_tokens_per_cpu_s']:.1f} tok/cpu-s"
+        )
+        print(
+            f"{'budget':>6} {'store':>5} {'policy':>10} {'loads/tok':>9} {'KiB/tok':>9} {'hit':>6} "
+            f"{'rel tok/s':>9} {'rel tok/cpu-s':>13}"
+        )
+        for r in res["rows"]:
+            print(
+                f"{r['budget']:>6} {r['store']:>5} {r['policy']:>10} {r['loads_per_token']:>9.2f} "
+                f"{r['bytes_moved_per_token'] / 1024:>9.1f} {r['hit_rate']:>6.3f} {r['relative_tokens_per_s']:>9.2f} "
+                f"{r['relative_tokens_per_cpu_s']:>13.2f}"
+            )
+        for frac in (0.5, 0.25):
+            by = {r["policy"].split(":")[0]: r for r in host if r["budget"] == frac}
+            if by["option"]["bytes_moved_per_token"] > 0:
+                ratio = by["lru"]["bytes_moved_per_token"] / by["option"]["bytes_moved_per_token"]
+                print(
+                    f"budget {frac}: lru moves {ratio:.2f}x the bytes per token of option (goal at 0.25: >= 5)"
+                )
+        print(
+            f"host bandwidth {bandwidth / 1e9:.2f} GB/s; load seconds per token on real models (extrapolated):"
+        )
+        for c in res["real_models"]:
+            print(
+                f"  {c['model']:>13} {c['policy']:>10} @{c['budget']}: {c['load_s_per_token'] * 1e3:8.2f} ms/token"
+            )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

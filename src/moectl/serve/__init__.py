@@ -1,0 +1,15 @@
+"""Expert-offloading runtime: serve an MoE with only a budget of experts per layer resident."""
+
+from moectl.serve.offload import OffloadedExperts, OffloadRuntime, offload
+from moectl.serve.policies import parse_policy
+from moectl.serve.store import DiskStore, ExpertStoreError, HostStore
+
+__all__ = [
+    "DiskStore",
+    "ExpertStoreError",
+    "HostStore",
+    "OffloadRuntime",
+    "OffloadedExperts",
+    "offload",
+    "parse_policy",
+]

@@ -1,0 +1,235 @@
+"""Swap each MoE layer's experts module for one that keeps only a budget of experts resident.
+
+The original experts module stays the compute module: its 3-D expert parameters are removed
+(moved to the store, so the memory is really freed) and replaced by views that map a global
+expert id to its resident slot, loading misses on access. The module's own forward then runs
+unchanged, so offloaded outputs are exactly the original's for the same routing (same kernels,
+same experts visited in the same order). ``with offload(model, ...) as rt:`` restores the
+original parameters (reloaded from the store) on exit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from moectl.adapters import inspect
+from moectl.serve.policies import LRUPolicy, parse_policy
+from moectl.serve.resident import ResidentSet
+from moectl.serve.store import DiskStore, HostStore
+
+
+class BudgetError(ValueError):
+    """The resident budget cannot hold what a step needs."""
+
+
+class _ExpertView:
+    """Stands in for a [E, ...] expert parameter: ``view[e]`` is expert e's resident slot."""
+
+    def __init__(self, res: ResidentSet, name: str, num_experts: int) -> None:
+        self.res, self.name, self.num_experts = res, name, num_experts
+        slot = res.slots[name]
+        self.shape = torch.Size((num_experts, *slot.shape[1:]))
+        self.dtype, self.device = slot.dtype, slot.device
+
+    def __getitem__(self, idx) -> Tensor:
+        if isinstance(idx, Tensor) and idx.numel() != 1:
+            raise BudgetError(
+                "the experts forward indexed several experts at once; only the 'eager' experts "
+                "implementation is supported (model.set_experts_implementation('eager'))"
+            )
+        return self.res.slots[self.name][self.res.access(int(idx))]
+
+
+class OffloadedExperts(nn.Module):
+    """Runs the original experts forward with the policy deciding residency around it."""
+
+    def __init__(self, inner: nn.Module, res: ResidentSet, policy, layer: int, runtime) -> None:
+        super().__init__()
+        self.inner, self.layer, self.policy = inner, layer, policy
+        self.res = res
+        self._runtime = [runtime]  # a list: not registered as a submodule
+        self.last_probs: Tensor | None = None
+        self.compute_s = 0.0
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        idx = args[0] if args else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        if idx is None:
+            raise TypeError("offloaded experts: cannot find the selected expert indices in the call")
+        chosen = idx.reshape(-1, idx.shape[-1])
+        probs = None if self.last_probs is None else self.last_probs.reshape(chosen.shape[0], -1)
+        self.res.begin_step(self._runtime[0].step)
+        self.policy.before(self.layer, self.res, chosen, probs)
+        load0, t0 = self.res.load_s, time.perf_counter()
+        out = self.inner(hidden_states, *args, **kwargs)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        self.compute_s += time.perf_counter() - t0 - (self.res.load_s - load0)
+        self.policy.after(self.layer, self.res, chosen, probs)
+        return out
+
+
+def resolve_budget(budget: float | int, num_experts: int) -> int:
+    """A float is a fraction in (0, 1] of the experts per layer (rounded down); an int a count."""
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise BudgetError(f"a fractional budget must be in (0, 1], got {budget}")
+        return int(budget * num_experts + 1e-9)
+    if int(budget) < 1:
+        raise BudgetError(f"the budget must be at least 1 expert per layer, got {budget}")
+    return min(int(budget), num_experts)
+
+
+class OffloadRuntime:
+    """Installed by ``offload``; holds the store, the resident sets and the counters."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: float | int,
+        policy="lru",
+        store: str = "disk",
+        store_dir: str | Path | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.model = model
+        self.policy = parse_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
+        self.budget_spec, self.store_kind, self.verify = budget, store, verify
+        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.step = 0
+        self.step_tokens: list[int] = []
+        self.modules: list[OffloadedExperts] = []
+        self._hooks: list = []
+        self._restore: list = []
+        self._tmp: str | None = None
+
+    # -- install / restore ---------------------------------------------------------------------
+    def __enter__(self) -> OffloadRuntime:
+        info = inspect(self.model)
+        self.info = info
+        layers, experts_modules = [], []
+        for layer in info.layers:
+            experts = layer.block.experts
+            if isinstance(experts, OffloadedExperts):
+                raise BudgetError(f"MoE layer {layer.index} is already offloaded (nested offload() blocks)")
+            impl = getattr(getattr(experts, "config", None), "_experts_implementation", "eager")
+            if impl not in (None, "eager"):
+                raise BudgetError(
+                    f"MoE layer {layer.index} uses the {impl!r} experts implementation; offloading needs "
+                    "'eager' (model.set_experts_implementation('eager'))"
+                )
+            params = {
+                n: p
+                for n, p in experts.named_parameters(recurse=False)
+                if p.dim() >= 2 and p.shape[0] == layer.num_experts
+            }
+            if not params:
+                raise BudgetError(f"MoE layer {layer.index}: the experts module holds no [E, ...] parameters")
+            layers.append({n: p.data for n, p in params.items()})
+            experts_modules.append(experts)
+        self.budget = [resolve_budget(self.budget_spec, layer.num_experts) for layer in info.layers]
+        for layer, b in zip(info.layers, self.budget, strict=True):
+            need = self.policy.min_budget(layer.index, layer.top_k)
+            if b < need:
+                raise BudgetError(
+                    f"MoE layer {layer.index}: a budget of {b} resident experts is too small: the policy "
+                    f"{self.policy.name} needs at least {need} (top-k = {layer.top_k}, {layer.num_experts} experts)"
+                )
+        if self.store_kind == "host":
+            self.store = HostStore(layers)
+        elif self.store_kind == "disk":
+            if self.store_dir is None:
+                self._tmp = tempfile.mkdtemp(prefix="moectl-experts-")
+            self.store = DiskStore.write(self.store_dir or self._tmp, layers, verify=self.verify)
+        else:
+            raise ValueError(f"store must be 'disk' or 'host', got {self.store_kind!r}")
+        for layer, experts, params, b in zip(info.layers, experts_modules, layers, self.budget, strict=True):
+            device = next(iter(params.values())).device
+            res = ResidentSet(layer.index, self.store, b, params, device)
+            meta = {n: experts._parameters[n].requires_grad for n in params}
+            for name in params:
+                del experts._parameters[name]
+                object.__setattr__(experts, name, _ExpertView(res, name, layer.num_experts))
+            wrapper = OffloadedExperts(experts, res, self.policy, layer.index, self)
+            layer.block.experts = wrapper
+            self.modules.append(wrapper)
+            self._restore.append((layer, experts, meta, device))
+            if self.policy.needs_probs:
+                self._hooks.append(layer.router.register_forward_hook(self._probs_hook(layer, wrapper)))
+        del layers, params
+        base = getattr(self.model, "base_model", self.model)
+        self._hooks.append(base.register_forward_pre_hook(self._count_step, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for (layer, experts, meta, device), wrapper in zip(self._restore, self.modules, strict=True):
+            for name, requires_grad in meta.items():
+                full = torch.stack([self.store.load(layer.index, e)[name] for e in range(layer.num_experts)])
+                del experts.__dict__[name]
+                experts.register_parameter(name, nn.Parameter(full.to(device), requires_grad=requires_grad))
+            layer.block.experts = experts
+            wrapper.res.slots.clear()
+        self._restore.clear()
+        if hasattr(self.store, "close"):
+            self.store.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _probs_hook(self, layer, wrapper: OffloadedExperts):
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            wrapper.last_probs = layer.rule.probs(layer.adapter.logits_of(output))
+
+        return hook
+
+    def _count_step(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        self.step += 1
+        self.step_tokens.append(int(x.shape[0] * x.shape[1]) if x is not None else 0)
+
+    # -- counters ------------------------------------------------------------------------------
+    @property
+    def resident_sets(self) -> list[ResidentSet]:
+        return [m.res for m in self.modules]
+
+    def totals(self) -> dict:
+        sets = self.resident_sets
+        return {
+            "loads": sum(r.loads for r in sets),
+            "bytes_moved": sum(r.bytes_moved for r in sets),
+            "hits": sum(r.hits for r in sets),
+            "misses": sum(r.misses for r in sets),
+            "load_s": sum(r.load_s for r in sets),
+            "compute_s": sum(m.compute_s for m in self.modules),
+            "resident_expert_bytes": sum(r.slot_bytes for r in sets),
+            "expert_bytes": [r.expert_bytes for r in sets],
+        }
+
+    def events(self) -> list[tuple[int, int, int]]:
+        """(step, MoE layer, expert) of every load, in order."""
+        return sorted((s, r.layer, e) for r in self.resident_sets for s, e in r.events)
+
+
+def offload(
+    model: nn.Module,
+    budget: float | int,
+    policy="lru",
+    store: str = "disk",
+    store_dir: str | Path | None = None,
+    verify: bool = True,
+) -> OffloadRuntime:
+    """``with offload(model, 0.25, "option:4", store="disk") as rt:`` — generate, read ``rt.totals()``."""
+    return OffloadRuntime(model, budget, policy, store, store_dir, verify)

@@ -1,0 +1,131 @@
+"""Residency policies: which experts of a layer stay resident between steps.
+
+- ``lru``: per-token routing (the model's own), experts loaded on demand into an LRU cache
+  (the mixtral-offloading / MoE-Infinity baseline).
+- ``static``: a fixed per-layer subset ``{moe_layer: [experts]}``, loaded once and pinned; routing
+  is restricted to it with ``ExpertMask(..., renorm="pruned")`` (EMO's expert subsets).
+- ``option:K_HAT``: the router-as-option rule of the switch-rate metric (TE-MoE §2.2): at a switch
+  the top-k-hat option (activated experts first, then the most probable) is loaded and pinned; it
+  persists until an activated expert falls outside it. Routing is the model's own.
+
+A step is one forward of the model. Generation is one sequence at a time: a step with one token
+is a decoding step; a step with several (the prompt) streams its experts through the cache, and
+the option policy then takes its first option at the last prompt token, as the metric's
+``region="generated"`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moectl.metrics.switch_rate import option_of
+
+
+class LRUPolicy:
+    name = "lru"
+    needs_probs = False
+
+    def min_budget(self, layer: int, top_k: int) -> int:
+        return top_k
+
+    def routing(self, info) -> list:
+        return []
+
+    def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        res.pinned.clear()
+
+    def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        pass
+
+
+class StaticPolicy(LRUPolicy):
+    """A fixed expert subset per MoE layer; layers not named keep every expert (served as LRU)."""
+
+    def __init__(self, subsets: dict[int, list[int]]) -> None:
+        self.subsets = {int(k): sorted({int(e) for e in v}) for k, v in subsets.items()}
+        self.name = "static"
+
+    def min_budget(self, layer: int, top_k: int) -> int:
+        return max(top_k, len(self.subsets.get(layer, [])))
+
+    def routing(self, info) -> list:
+        from moectl.routing import ExpertMask
+
+        return [ExpertMask.from_lists(info, self.subsets, renorm="pruned")]
+
+    def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        subset = self.subsets.get(layer)
+        if subset is None:
+            res.pinned.clear()
+            return
+        if res.pinned != set(subset):
+            res.pinned = set(subset)
+            for e in subset:
+                res.ensure(e)
+
+
+class OptionPolicy(LRUPolicy):
+    """The router treated as an option policy with k-hat experts per option."""
+
+    needs_probs = True
+
+    def __init__(self, k_hat: int) -> None:
+        if k_hat < 1:
+            raise ValueError(f"k-hat must be >= 1, got {k_hat}")
+        self.k_hat = k_hat
+        self.name = f"option:{k_hat}"
+        self.option: dict[int, set[int]] = {}
+        self.switches: dict[int, int] = {}
+
+    def min_budget(self, layer: int, top_k: int) -> int:
+        if self.k_hat < top_k:
+            raise ValueError(f"k-hat = {self.k_hat} is smaller than top-k = {top_k}")
+        return self.k_hat
+
+    def _take(self, layer: int, res, probs: Tensor, chosen: Tensor) -> None:
+        onehot = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, chosen.long(), True)
+        option = option_of(probs[None], onehot[None], self.k_hat)[0].nonzero().flatten().tolist()
+        self.option[layer] = set(option)
+        self.switches[layer] = self.switches.get(layer, 0) + 1
+        res.pinned = set(option)
+        for e in option:
+            res.ensure(e)
+
+    def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        if chosen.shape[0] > 1:  # the prompt: stream its experts, the option starts at its last token
+            res.pinned.clear()
+            self.option.pop(layer, None)
+            return
+        current = self.option.get(layer)
+        if current is None or not set(chosen[0].tolist()) <= current:
+            self._take(layer, res, probs[0], chosen[0])
+
+    def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        if chosen.shape[0] > 1:
+            self._take(layer, res, probs[-1], chosen[-1])
+
+
+def parse_policy(spec: str):
+    """``lru`` | ``static:SUBSET.json`` (``{"moe_layer": [experts]}``) | ``option:K_HAT``."""
+    kind, _, arg = spec.partition(":")
+    if kind == "lru" and not arg:
+        return LRUPolicy()
+    if kind == "option":
+        try:
+            return OptionPolicy(int(arg))
+        except ValueError as err:
+            raise ValueError(f"policy {spec!r}: option needs an integer k-hat, as option:8 ({err})") from err
+    if kind == "static" and arg:
+        path = Path(arg)
+        if not path.exists():
+            raise FileNotFoundError(f"policy {spec!r}: subset file {path} does not exist")
+        data = json.loads(path.read_text())
+        data = data.get("subsets", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected {{moe_layer: [expert, ...]}}")
+        return StaticPolicy({int(k): list(v) for k, v in data.items()})
+    raise ValueError(f"unknown policy {spec!r}: use lru, static:SUBSET.json or option:K_HAT")

@@ -1,0 +1,171 @@
+"""Generate greedily with experts offloaded and report memory, traffic and time, JSON-ready."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moectl.generate import Prompt, generate
+from moectl.routing import route
+from moectl.serve.cost import deliberation_cost, measure_load_latency
+from moectl.serve.offload import offload
+
+
+def _peak_rss_bytes() -> dict:
+    """Peak resident set size of this process since it started (resource.getrusage), and now (psutil)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
+    out = {"peak_rss_bytes": int(peak), "peak_rss_source": "resource.getrusage(RUSAGE_SELF).ru_maxrss"}
+    try:
+        import psutil
+
+        out["rss_bytes_now"] = int(psutil.Process().memory_info().rss)
+    except ImportError:  # psutil is optional
+        out["rss_bytes_now"] = None
+    return out
+
+
+def _tensor_bytes(model) -> int:
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def serve_offload(
+    model,
+    tokenizer,
+    prompts: list[Prompt] | list[str],
+    budget: float | int,
+    policy: str = "lru",
+    store: str = "disk",
+    max_new_tokens: int = 64,
+    store_dir: str | Path | None = None,
+    plot: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Generate ``max_new_tokens`` per prompt (greedy, one prompt at a time) with offloaded experts.
+
+    Returns the generated texts and the measured figures; ``plot`` writes the load timeline PNG.
+    """
+    prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
+    impl = getattr(model.config, "_experts_implementation", None)
+    if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # offloading runs the experts' own eager forward
+    total_params = _tensor_bytes(model)
+    with offload(model, budget, policy, store=store, store_dir=store_dir) as rt:
+        non_expert_bytes = _tensor_bytes(model)
+        with route(model, rt.policy.routing(rt.info)):
+            t0, c0 = time.perf_counter(), time.process_time()
+            texts = generate(model, tokenizer, prompts, max_new_tokens, batch_size=1, progress=progress)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        totals = rt.totals()
+        events = rt.events()
+        step_tokens = list(rt.step_tokens)
+        latency = measure_load_latency(rt.store, 0, list(range(min(4, rt.info.layers[0].num_experts))))
+        info = rt.info
+        budget_experts = rt.budget
+    if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(impl)
+    generated = len(prompts) * max_new_tokens
+    decode_steps = {s for s, n in enumerate(step_tokens, 1) if n == 1}
+    decode_loads = [e for e in events if e[0] in decode_steps]
+    expert_bytes = totals["expert_bytes"]
+    total_expert_bytes = sum(
+        b * layer.num_experts for b, layer in zip(expert_bytes, info.layers, strict=True)
+    )
+    accesses = totals["hits"] + totals["misses"]
+    token_s = max(wall - totals["load_s"], 1e-9) / max(generated, 1)  # per-token time without loads
+    load_s = totals["load_s"] / max(totals["loads"], 1)
+    k_hat = getattr(rt.policy, "k_hat", info.top_k)
+    result = {
+        "policy": rt.policy.name,
+        "store": store,
+        "experts_implementation": "eager" if impl in (None, "eager") else f"eager (switched from {impl})",
+        "budget_experts_per_layer": budget_experts,
+        "num_experts": [layer.num_experts for layer in info.layers],
+        "top_k": info.top_k,
+        "prompts": len(prompts),
+        "generated_tokens": generated,
+        "texts": texts,
+        "resident_expert_bytes": totals["resident_expert_bytes"],
+        "total_expert_bytes": total_expert_bytes,
+        "non_expert_bytes": non_expert_bytes,
+        "model_bytes_in_memory": total_params,
+        "expert_bytes_per_expert": expert_bytes,
+        **_peak_rss_bytes(),
+        "loads": totals["loads"],
+        "bytes_moved": totals["bytes_moved"],
+        "decode_loads": len(decode_loads),
+        "decode_bytes_moved": sum(expert_bytes[layer] for _, layer, _ in decode_loads),
+        "loads_per_token": len(decode_loads) / max(generated, 1),
+        "bytes_moved_per_token": sum(expert_bytes[layer] for _, layer, _ in decode_loads) / max(generated, 1),
+        "hits": totals["hits"],
+        "misses": totals["misses"],
+        "hit_rate": totals["hits"] / accesses if accesses else None,
+        "load_s": totals["load_s"],
+        "expert_compute_s": totals["compute_s"],
+        "wall_s": wall,
+        "tokens_per_s": generated / wall if wall > 0 else None,
+        "cpu_s": cpu,  # process CPU time: steadier than wall time on a shared machine
+        "tokens_per_cpu_s": generated / cpu if cpu > 0 else None,
+        "load_latency": latency,
+        "eta": {
+            "value": deliberation_cost(load_s, token_s, k_hat),
+            "formula": "nats_per_token_delay(=1) x k_hat x load_s / token_s (moectl.serve.cost)",
+            "load_s": load_s,
+            "token_s": token_s,
+            "experts_loaded_per_switch": k_hat,
+        },
+        "timeline": {"steps": len(step_tokens), "loads": [list(e) for e in events]},
+    }
+    if plot is not None:
+        result["plot"] = str(
+            plot_timeline(events, step_tokens, info, plot, title=f"{rt.policy.name}, {store}")
+        )
+    return result
+
+
+def plot_timeline(events, step_tokens: list[int], info, path: str | Path, title: str = "") -> Path:
+    """PNG: expert loads per step (top) and which expert of which layer was loaded (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    if path.suffix != ".png":
+        path = path / "offload_timeline.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    steps = len(step_tokens)
+    per_step = torch.zeros(steps + 1)
+    for s, _, _ in events:
+        per_step[s] += 1
+    e = info.layers[0].num_experts
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+    ax0.bar(range(steps + 1), per_step.tolist(), width=1.0, color="tab:red")
+    ax0.set_ylabel("expert loads")
+    ax0.set_title(f"expert loads over forward steps ({title})")
+    for s, n in enumerate(step_tokens, 1):
+        if n > 1:
+            ax0.axvline(s, color="grey", lw=0.5, ls=":")
+    if events:
+        ax1.scatter([s for s, _, _ in events], [layer * e + x for _, layer, x in events], s=4, marker="s")
+    ax1.set_ylabel("MoE layer x experts + expert")
+    ax1.set_xlabel("forward step (dotted: a prompt's prefill; then one generated token per step)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
