@@ -185,6 +185,7 @@ def _mount() -> None:
     from moectl.eval.cli import data_app, eval_command, report_command
     from moectl.pretrain import pretrain_command
     from moectl.serve.cli import serve_offload_command
+    from moectl.subsets.cli import modularity_cmd, subset_app
 
     app.add_typer(corpus_app, name="corpus", help="Build the offline multi-domain corpus.")
     app.add_typer(tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
@@ -192,6 +193,8 @@ def _mount() -> None:
     app.command("eval")(eval_command)
     app.command("report")(report_command)
     app.command("serve-offload")(serve_offload_command)
+    app.add_typer(subset_app, name="subset", help="Select, export and analyse per-domain expert subsets.")
+    app.command("modularity")(modularity_cmd)
     app.add_typer(data_app, name="data", help="Fetch offline evaluation sets.")
 
 

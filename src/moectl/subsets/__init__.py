@@ -1,0 +1,12 @@
+"""Per-domain expert subsets (EMO §4.2, §5.2): select, save/load, export a smaller checkpoint.
+
+keep = select_subset(model, input_ids, k=4, method="router", attention_mask=mask)
+save_subset("math.subset.json", keep, model="tiny:olmoe", method="router", calibration={...})
+export_subset(model, load_subset("math.subset.json", info).keep, "math-4/")
+"""
+
+from moectl.subsets.export import export_subset
+from moectl.subsets.files import SubsetFile, load_subset, save_subset
+from moectl.subsets.select import METHODS, select_subset
+
+__all__ = ["METHODS", "SubsetFile", "export_subset", "load_subset", "save_subset", "select_subset"]

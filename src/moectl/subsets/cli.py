@@ -1,0 +1,240 @@
+"""``moectl subset ...``: per-domain expert subsets from the command line (mounted as ``subset``).
+
+    moectl subset select MODEL --data math_val.jsonl --keep 8 --method router --out math.subset.json
+    moectl subset export MODEL --subset math.subset.json --out math-8/
+    moectl modularity MODEL --data domains/ --out report/     # ``modularity_cmd``, mounted top-level
+
+MODEL is ``tiny:FAMILY`` (an offline random model), a checkpoint directory or a hub id. ``--data``
+is JSONL with a ``text`` field per line. Each verb prints a rich table and writes its results
+with ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+subset_app = typer.Typer(
+    help="Per-domain expert subsets: select, export (EMO §4.2, §5.2).", no_args_is_help=True
+)
+console = Console(width=None if Console().is_terminal else 160)
+
+ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
+DtypeOpt = Annotated[
+    str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
+]
+_ERRORS = (ValueError, OSError, KeyError)
+
+
+def read_texts(path: Path, limit: int | None = None) -> list[str]:
+    """The ``text`` field of every JSONL line, at most ``limit``; blank lines and empty texts skipped."""
+    texts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f'{path}:{number}: each line needs a string "text" field')
+            if not row["text"].strip():
+                continue
+            texts.append(row["text"])
+            if limit is not None and len(texts) >= limit:
+                break
+    if not texts:
+        raise ValueError(f"{path}: no documents")
+    return texts
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    console.print(f"[dim]wrote {path}[/dim]")
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/bold red] {err}")
+    raise typer.Exit(code=2)
+
+
+@subset_app.command("select")
+def select_cmd(
+    model: ModelArg,
+    data: Annotated[Path, typer.Option("--data", help="Calibration JSONL with a 'text' field per line.")],
+    keep: Annotated[int, typer.Option("--keep", help="Experts kept in every MoE layer.")],
+    out: Annotated[Path, typer.Option("--out", help="Subset file to write (JSON).")],
+    method: Annotated[
+        str, typer.Option("--method", help="router | frequency | easy-ep | reconstruction | wanda | random")
+    ] = "router",
+    layerwise: Annotated[
+        bool, typer.Option("--layerwise", help="Prune layer l before measuring layer l+1.")
+    ] = False,
+    max_docs: Annotated[int | None, typer.Option("--max-docs", help="Use the first N documents.")] = None,
+    max_length: Annotated[
+        int, typer.Option("--max-length", help="Tokens per document (the last ones).")
+    ] = 512,
+    seed: Annotated[int, typer.Option("--seed", help="Seed (random method; tiny model weights).")] = 0,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Select the experts to keep per MoE layer from a small calibration set."""
+    from moectl.adapters import inspect
+    from moectl.models.load import load_model
+    from moectl.subsets.calibrate import tokenize
+    from moectl.subsets.files import save_subset
+    from moectl.subsets.select import method_name, select_subset
+
+    try:
+        method = method_name(method)
+        texts = read_texts(data, max_docs)
+        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        info = inspect(lm)
+        batch = tokenize(tokenizer, texts, max_length)
+        kept = select_subset(
+            lm, batch["input_ids"], keep, method, batch["attention_mask"], layerwise, seed, info
+        )
+    except _ERRORS as err:
+        _fail(err)
+    calibration = {
+        "data": str(data),
+        "documents": len(texts),
+        "tokens": int(batch["attention_mask"].sum()),
+        "max_length": max_length,
+        "layerwise": layerwise,
+        "seed": seed,
+    }
+    save_subset(out, kept, model=model, method=method, calibration=calibration)
+    table = Table(title=f"{method} subset: {keep} of {info.num_experts} experts per MoE layer")
+    for column in ("MoE layer", "decoder layer", "kept experts"):
+        table.add_column(column)
+    for layer in info.layers:
+        table.add_row(str(layer.index), str(layer.layer_idx), " ".join(map(str, kept[layer.index])))
+    console.print(table)
+    console.print(f"[dim]wrote {out}[/dim]")
+    result = {"model": model, "method": method, "keep": {str(k): v for k, v in kept.items()}}
+    _write_json(json_path, {**result, "calibration": calibration, "out": str(out)})
+
+
+@subset_app.command("export")
+def export_cmd(
+    model: ModelArg,
+    subset: Annotated[Path, typer.Option("--subset", help="Subset file from `moectl subset select`.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the smaller checkpoint.")],
+    seed: Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights.")] = 0,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Slice the unselected experts out and save a checkpoint plain transformers loads."""
+    from moectl.adapters import inspect
+    from moectl.models.load import load_model
+    from moectl.subsets.export import export_subset
+    from moectl.subsets.files import load_subset
+
+    try:
+        try:
+            lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        except (OSError, ValueError):  # a checkpoint without a (loadable) tokenizer: weights only
+            lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed, with_tokenizer=False)
+            console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
+        info = inspect(lm)
+        chosen = load_subset(subset, info)
+        if chosen.model not in (None, model):
+            console.print(
+                f"[yellow]warning:[/yellow] {subset} was selected on {chosen.model}, exporting {model}"
+            )
+        source = Path(model) if Path(model).is_dir() else None
+        metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
+                    "calibration": chosen.calibration}  # fmt: skip
+        report = export_subset(lm, chosen.keep, out, tokenizer, info, metadata, source, in_place=True)
+    except _ERRORS as err:
+        _fail(err)
+    table = Table(title=f"exported {out}: {report['experts_after']} experts per MoE layer")
+    for column in ("", "before", "after", "after / before"):
+        table.add_column(column, justify="right")
+    before, after = report["before"], report["after"]
+    for key, label in (
+        ("parameters", "parameters"),
+        ("tensor_bytes", "tensor bytes"),
+        ("disk_bytes", "bytes on disk"),
+    ):
+        if key in before:
+            table.add_row(label, f"{before[key]:,}", f"{after[key]:,}", f"{after[key] / before[key]:.3f}")
+        else:
+            table.add_row(label, "-", f"{after[key]:,}", "-")
+    console.print(table)
+    _write_json(json_path, report)
+
+
+def modularity_cmd(
+    model: ModelArg,
+    data: Annotated[Path, typer.Option("--data", help="Directory of DOMAIN.jsonl files ('text' per line).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the heatmap PNGs and similarity.json.")],
+    max_docs: Annotated[int | None, typer.Option("--max-docs", help="Documents per domain.")] = None,
+    max_length: Annotated[
+        int, typer.Option("--max-length", help="Tokens per document (the last ones).")
+    ] = 512,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights.")] = 0,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Domain similarity of expert use per MoE layer (EMO §5.3, Figure 6): heatmaps and a table.
+
+    A plain function, for ``moectl.cli`` to mount as the top-level ``moectl modularity`` verb.
+    """
+    from moectl.adapters import inspect
+    from moectl.models.load import load_model
+    from moectl.subsets.similarity import domain_similarity, domain_vectors, plot_similarity
+
+    try:
+        files = sorted(data.glob("*.jsonl")) if data.is_dir() else []
+        if len(files) < 2:
+            raise ValueError(f"{data}: needs a directory with at least two DOMAIN.jsonl files")
+        texts = {f.stem: read_texts(f, max_docs) for f in files}
+        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        info = inspect(lm)
+        similarity = domain_similarity(domain_vectors(lm, tokenizer, texts, info, max_length))
+    except _ERRORS as err:
+        _fail(err)
+    domains = list(texts)
+    paths = plot_similarity(similarity, domains, out)
+    off_diagonal = ~torch.eye(len(domains), dtype=torch.bool)
+    table = Table(title=f"domain similarity of expert use ({len(domains)} domains)")
+    for column in ("MoE layer", "mean off-diagonal", "min", "max"):
+        table.add_column(column, justify="right")
+    summary = {}
+    for index, matrix in sorted(similarity.items()):
+        values = matrix[off_diagonal]
+        summary[index] = {
+            "mean": float(values.mean()),
+            "min": float(values.min()),
+            "max": float(values.max()),
+        }
+        table.add_row(str(index), *(f"{summary[index][key]:.3f}" for key in ("mean", "min", "max")))
+    console.print(table)
+    result = {
+        "model": model,
+        "domains": domains,
+        "documents": {name: len(docs) for name, docs in texts.items()},
+        "similarity": {str(index): matrix.tolist() for index, matrix in similarity.items()},
+        "summary": {str(index): values for index, values in summary.items()},
+        "plots": [str(p) for p in paths],
+    }
+    (out / "similarity.json").write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"[dim]wrote {out}/similarity.json and {len(paths)} heatmaps[/dim]")
+    _write_json(json_path, result)

@@ -1,0 +1,95 @@
+"""Export a subset as a smaller checkpoint that plain ``transformers`` loads (no moectl import).
+
+``slice_experts`` removes the other experts from the weights, router rows, router bias and
+score-correction buffers, and sets the config's expert count; the result's outputs equal the full
+model's under ``ExpertMask(keep, renorm="pruned")``. transformers configs hold one expert count,
+so every MoE layer keeps the same number; grouped routers keep the same number per group (≥ 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.adapters.slicing import check_keep, slice_experts
+
+METADATA = "moectl_subset.json"
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    seen = {p.data_ptr(): p.numel() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct parameters and persistent buffers (what a checkpoint stores)."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    return sum(tensors.values())
+
+
+def disk_bytes(path: str | Path) -> int:
+    """Real size of the files under ``path``."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def export_subset(
+    model: nn.Module,
+    keep: Mapping[int, Sequence[int]],
+    out_dir: str | Path,
+    tokenizer=None,
+    info: ModelInfo | None = None,
+    metadata: dict | None = None,
+    source: str | Path | None = None,
+    in_place: bool = False,
+) -> dict:
+    """Slice ``model`` to ``keep`` and save it to ``out_dir``; returns the size report.
+
+    The model is deep-copied first unless ``in_place``. ``source`` (the checkpoint directory the
+    model came from) adds its real size on disk to the report. Writes ``moectl_subset.json``
+    (kept experts, ``metadata``, the report) beside the weights.
+    """
+    info = info or inspect(model)
+    keep = check_keep(info, keep)
+    before = {"parameters": count_parameters(model), "tensor_bytes": tensor_bytes(model)}
+    if source is not None and Path(source).is_dir():
+        before["disk_bytes"] = disk_bytes(source)
+    experts_before = {layer.index: layer.num_experts for layer in info.layers}
+    target = model if in_place else copy.deepcopy(model)
+    if not in_place:
+        info = inspect(target)
+    slice_experts(target, keep, info)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target.save_pretrained(out_dir)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out_dir)
+    after = {
+        "parameters": count_parameters(target),
+        "tensor_bytes": tensor_bytes(target),
+        "disk_bytes": disk_bytes(out_dir),
+    }
+    report = {
+        "out": str(out_dir),
+        "experts_before": experts_before,
+        "experts_after": len(next(iter(keep.values()))),
+        "before": before,
+        "after": after,
+        "parameter_fraction": after["parameters"] / before["parameters"],
+    }
+    meta = {
+        "keep": {str(k): v for k, v in sorted(keep.items())},
+        **(metadata or {}),
+        "report": report,
+    }
+    (out_dir / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+    report["disk_bytes_with_metadata"] = disk_bytes(out_dir)
+    return report

@@ -1,0 +1,95 @@
+"""Subset files: the kept experts of every MoE layer, as JSON.
+
+    {"model": "tiny:olmoe", "method": "router", "keep": {"0": [1, 4, 6, 7], "1": [...], ...},
+     "calibration": {"data": "math_val.jsonl", "documents": 5, "tokens": 812, ...}}
+
+Keys of ``keep`` are MoE layer indices (dense layers skipped), values the kept expert ids. Loading
+refuses, naming the file and the layer: non-JSON, missing fields, non-integer layers or ids,
+duplicates; with the model's ``ModelInfo`` also unknown or missing layers, out-of-range ids,
+fewer than top-k experts, unequal counts and unbalanced router groups (``slicing.check_keep``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.adapters.slicing import check_keep
+
+
+@dataclass
+class SubsetFile:
+    keep: dict[int, list[int]]
+    model: str | None = None
+    method: str | None = None
+    calibration: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "method": self.method,
+            "keep": {str(layer): list(ids) for layer, ids in sorted(self.keep.items())},
+            "calibration": self.calibration,
+        }
+
+
+def save_subset(
+    path: str | Path,
+    keep: Mapping[int, Sequence[int]],
+    model: str | None = None,
+    method: str | None = None,
+    calibration: dict | None = None,
+) -> Path:
+    """Write a subset file (parent folders created); returns its path."""
+    subset = SubsetFile(
+        {int(k): sorted(int(i) for i in v) for k, v in keep.items()}, model, method, calibration or {}
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(subset.to_json(), indent=2) + "\n")
+    return path
+
+
+def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
+    """Read and validate a subset file; with ``info``, also against the model. ValueError on problems."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"subset file {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"subset file {path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("keep"), dict) or not data["keep"]:
+        raise ValueError(f'subset file {path}: needs a "keep" object mapping MoE layer -> list of expert ids')
+    keep: dict[int, list[int]] = {}
+    for key, ids in data["keep"].items():
+        try:
+            layer = int(key)
+        except ValueError:
+            raise ValueError(
+                f"subset file {path}: layer key {key!r} is not an integer MoE layer index"
+            ) from None
+        if layer in keep:
+            raise ValueError(f"subset file {path}: MoE layer {layer} is listed twice")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(
+                f"subset file {path}: MoE layer {layer}: keep must be a list of integer expert ids"
+            )
+        if len(set(ids)) != len(ids):
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"subset file {path}: MoE layer {layer}: duplicate experts {dupes}")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"subset file {path}: MoE layer {layer}: negative expert ids in {ids}")
+        keep[layer] = sorted(ids)
+    if info is not None:
+        try:
+            keep = check_keep(info, keep)
+        except ValueError as err:
+            raise ValueError(f"subset file {path} does not fit the model: {err}") from None
+    calibration = data.get("calibration") or {}
+    if not isinstance(calibration, dict):
+        raise ValueError(f'subset file {path}: "calibration" must be an object')
+    return SubsetFile(keep, data.get("model"), data.get("method"), calibration)

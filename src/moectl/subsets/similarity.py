@@ -1,0 +1,88 @@
+"""Domain similarity of expert use (EMO §5.3, Figure 6).
+
+Per domain: average the routing distribution p over each document's real tokens, then over the
+domain's documents; cosine similarity between the domain vectors, per MoE layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.routing import route
+from moectl.subsets.calibrate import tokenize
+
+
+@torch.no_grad()
+def domain_vectors(
+    model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
+    max_length: int = 512,
+) -> dict[int, Tensor]:  # fmt: skip
+    """``{moe_layer: [D, E]}``: mean over documents of the mean routing distribution over tokens."""
+    info = info or inspect(model)
+    device = next(model.parameters()).device
+    per_layer: dict[int, list[Tensor]] = {layer.index: [] for layer in info.layers}
+    for docs in texts.values():
+        batch = tokenize(tokenizer, docs, max_length)
+        with route(model, [], record=True) as session:
+            model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        valid = batch["attention_mask"].bool()
+        for index in per_layer:
+            p = session.trace.probs[index].float().cpu() * valid[..., None]
+            doc_means = p.sum(1) / valid.sum(1, keepdim=True).clamp(min=1)  # [docs, E]
+            per_layer[index].append(doc_means.mean(0))
+    return {index: torch.stack(vectors) for index, vectors in per_layer.items()}
+
+
+def domain_similarity(vectors: Mapping[int, Tensor]) -> dict[int, Tensor]:
+    """``{moe_layer: [D, D]}`` cosine similarity between the domain vectors."""
+    out = {}
+    for index, v in vectors.items():
+        unit = F.normalize(v.double(), dim=-1)
+        out[index] = unit @ unit.T
+    return out
+
+
+def plot_similarity(
+    similarity: Mapping[int, Tensor], domains: Sequence[str], out_dir: str | Path
+) -> list[Path]:
+    """One heatmap PNG per MoE layer (``similarity_layer{i}.png``); returns the paths."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, matrix in sorted(similarity.items()):
+        size = 1.5 + 0.45 * len(domains)
+        fig, ax = plt.subplots(figsize=(size + 1, size))
+        image = ax.imshow(matrix.numpy(), vmin=0, vmax=1, cmap="viridis")
+        ax.set_xticks(range(len(domains)), domains, rotation=60, ha="right")
+        ax.set_yticks(range(len(domains)), domains)
+        if len(domains) <= 12:
+            for (r, c), value in np.ndenumerate(matrix.numpy()):
+                ax.text(
+                    c,
+                    r,
+                    f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="w" if value < 0.6 else "k",
+                )
+        ax.set_title(f"domain similarity, MoE layer {index}")
+        fig.colorbar(image, ax=ax)
+        fig.tight_layout()
+        path = out_dir / f"similarity_layer{index}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

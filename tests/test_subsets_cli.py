@@ -1,0 +1,143 @@
+"""``moectl subset select`` / ``export`` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import typer
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import moectl
+from moectl.models.load import load_model
+from moectl.routing import ExpertMask, route
+from moectl.subsets.cli import modularity_cmd, subset_app
+
+runner = CliRunner()
+
+
+def test_select_then_export(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"text": t}) for t in ["1 + 1 = 2", "x^2 - 4 = 0 so x = 2", ""]) + "\n"
+    )
+    subset = tmp_path / "math.subset.json"
+    result = runner.invoke(
+        subset_app,
+        ["select", "tiny:qwen3_moe", "--data", str(data), "--keep", "4", "--method", "easy-ep", "--layerwise",
+         "--out", str(subset), "--json", str(tmp_path / "select.json")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "easy_ep subset" in result.output
+    saved = json.loads(subset.read_text())
+    assert saved["method"] == "easy_ep" and saved["calibration"]["documents"] == 2
+    assert saved["calibration"]["tokens"] == len("1 + 1 = 2") + len("x^2 - 4 = 0 so x = 2")
+    assert all(len(v) == 4 for v in saved["keep"].values())
+    assert json.loads((tmp_path / "select.json").read_text())["keep"] == saved["keep"]
+
+    result = runner.invoke(
+        subset_app,
+        ["export", "tiny:qwen3_moe", "--subset", str(subset), "--out", str(tmp_path / "math-4"),
+         "--json", str(tmp_path / "export.json")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "bytes on disk" in result.output and "parameters" in result.output
+    report = json.loads((tmp_path / "export.json").read_text())
+    assert report["after"]["parameters"] < report["before"]["parameters"]
+
+    full, _ = load_model("tiny:qwen3_moe")
+    keep = {int(k): v for k, v in saved["keep"].items()}
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), route(full, [ExpertMask.from_lists(moectl.inspect(full), keep)]):
+        masked = full(ids).logits
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "math-4").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, masked, rtol=1e-4, atol=1e-4)
+
+
+def test_errors_are_reported_clearly(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no text field"}\n')
+    result = runner.invoke(
+        subset_app,
+        ["select", "tiny:olmoe", "--data", str(bad), "--keep", "4", "--out", str(tmp_path / "s.json")],
+    )
+    assert result.exit_code == 2
+    assert 'needs a string "text" field' in result.output
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "hello"}\n')
+    result = runner.invoke(
+        subset_app,
+        [
+            "select",
+            "tiny:olmoe",
+            "--data",
+            str(good),
+            "--keep",
+            "4",
+            "--method",
+            "magic",
+            "--out",
+            str(tmp_path / "s.json"),
+        ],
+    )
+    assert result.exit_code == 2 and "unknown selection method" in result.output
+    subset = tmp_path / "s.json"
+    subset.write_text('{"keep": {"0": [0, 1], "1": [0, 1]}}')
+    result = runner.invoke(
+        subset_app, ["export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2 and "missing layers [2]" in result.output
+
+
+def test_export_from_a_checkpoint_directory_reports_disk_size(tmp_path):
+    full = tmp_path / "full"
+    moectl.tiny("mixtral").save_pretrained(full)
+    subset = tmp_path / "s.json"
+    subset.write_text('{"keep": {"0": [1, 5], "1": [0, 7], "2": [2, 3]}}')
+    result = runner.invoke(
+        subset_app,
+        [
+            "export",
+            str(full),
+            "--subset",
+            str(subset),
+            "--out",
+            str(tmp_path / "small"),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["before"]["disk_bytes"] > report["after"]["disk_bytes"] > 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "small").config.num_local_experts == 2
+
+
+def test_modularity_writes_heatmaps_and_similarity(tmp_path):
+    app = typer.Typer()
+    app.command("modularity")(modularity_cmd)
+    app.command("noop")(lambda: None)  # two commands: typer then expects the verb name
+    domains = tmp_path / "domains"
+    domains.mkdir()
+    for name, texts in {
+        "math": ["1 + 1 = 2", "x = 4"],
+        "code": ["def f(): pass"],
+        "prose": ["Once upon a time"],
+    }.items():
+        (domains / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    result = runner.invoke(
+        app, ["modularity", "tiny:olmoe", "--data", str(domains), "--out", str(tmp_path / "report")]
+    )
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "report" / "similarity.json").read_text())
+    assert saved["domains"] == ["code", "math", "prose"] and saved["documents"]["math"] == 2
+    assert len(saved["similarity"]) == 3 and all(len(m) == 3 for m in saved["similarity"].values())
+    assert sorted(p.name for p in (tmp_path / "report").glob("*.png")) == [
+        f"similarity_layer{i}.png" for i in range(3)
+    ]
+    result = runner.invoke(
+        app, ["modularity", "tiny:olmoe", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]
+    )
+    assert result.exit_code == 2 and "at least two DOMAIN.jsonl files" in result.output
