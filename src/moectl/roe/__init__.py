@@ -1,0 +1,40 @@
+"""Roster of Experts (RoE): hyper-parallel MoE ensembles with a clean KV cache and tuned per-layer tau.
+
+Paper: "MoEs are stronger than you think: hyper-parallel inference scaling with RoE" (§2).
+
+>>> from moectl.models.load import load_model
+>>> model, tokenizer = load_model("tiny:olmoe")
+>>> config = RoEConfig(K=16, tau=0.3)                      # or RoEConfig.from_profile("profile.json")
+>>> outs = generate(model, tokenizer, ["The quick brown fox"], config, max_new_tokens=32)
+>>> result = score(model, tokenizer, "heldout.jsonl", config)  # result.ppl, result.accuracy
+
+Layout: ``config`` (RoEConfig, profiles), ``noise`` (Gumbel-top-k keyed by sample and position),
+``masks`` + ``cache`` + ``hybrid`` (clean cache and the comparison variants), ``ensemble`` (one
+step, aggregation), ``generate``, ``score``, ``data``, ``tune``, ``adaptive`` (adaptive K),
+``bench`` (overhead), ``plots``, ``cli`` (``moectl roe ...``).
+"""
+
+from moectl.roe.adaptive import AdaptiveEnsemble, trade_off
+from moectl.roe.config import RoEConfig, load_profile, save_profile
+from moectl.roe.ensemble import Ensemble, aggregate
+from moectl.roe.generate import Generation, GenerationStats, generate
+from moectl.roe.score import ScoreResult, score, token_logprobs
+from moectl.roe.tune import TuneResult, tune
+
+__all__ = [
+    "AdaptiveEnsemble",
+    "Ensemble",
+    "Generation",
+    "GenerationStats",
+    "RoEConfig",
+    "ScoreResult",
+    "TuneResult",
+    "aggregate",
+    "generate",
+    "load_profile",
+    "save_profile",
+    "score",
+    "token_logprobs",
+    "trade_off",
+    "tune",
+]

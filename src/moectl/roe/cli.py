@@ -1,0 +1,460 @@
+"""``moectl roe ...``: Roster of Experts from the command line (mounted by ``moectl.cli`` as ``roe``).
+
+    moectl roe generate MODEL --k 16 --temperatures profile.json --prompt "..." --max-new-tokens 128
+    moectl roe score    MODEL --k 16 --temperatures profile.json --data heldout.jsonl
+    moectl roe tune     MODEL --k 16 --data val.jsonl --objective ppl --trials 50 --max-tau 0.5 --skip-layers 1 --out profile.json
+    moectl roe bench    MODEL --k 1,2,4,8,16,32,64
+
+MODEL is ``tiny:FAMILY`` (an offline random model), a checkpoint directory or a hub id; ``--tiny
+FAMILY`` works too. ``--temperatures`` takes a tau profile JSON (from ``roe tune``), one number for
+every MoE layer, or a comma list with one value per MoE layer. Each verb prints a rich table and
+writes the same results with ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moectl.models.tiny import FAMILIES
+
+roe_app = typer.Typer(help="Roster of Experts: K-sample routing ensembles with a clean KV cache (RoE §2).",
+                      no_args_is_help=True)  # fmt: skip
+console = Console(width=None if Console().is_terminal else 160)
+
+ModelArg = Annotated[str | None, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
+TinyOpt = Annotated[
+    str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
+]
+KOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--k", help="Routing samples per token K (sample 0 is clean); default: the profile's, else 16."
+    ),
+]
+TempsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--temperatures",
+        "--tau",
+        help="Tau profile JSON, one tau for all MoE layers, or a comma list per layer.",
+    ),
+]
+CacheOpt = Annotated[str, typer.Option("--cache", help="clean (RoE §2.3) | separate | none.")]
+AggOpt = Annotated[str, typer.Option("--aggregation", help="prob_mean (the paper's) | logprob_mean.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing noise.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
+DtypeOpt = Annotated[
+    str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
+]
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _spec(model: str | None, tiny: str | None) -> str:
+    if (model is None) == (tiny is None):
+        raise typer.BadParameter(
+            "give exactly one of MODEL (tiny:FAMILY, a checkpoint path or hub id) or --tiny FAMILY"
+        )
+    return f"tiny:{tiny}" if tiny else str(model)
+
+
+def _load(spec: str, device: str, dtype: str):
+    from moectl.models.load import load_model
+
+    return load_model(spec, dtype=dtype, device=device)
+
+
+def _config(k: int | None, temperatures: str | None, cache: str, aggregation: str, seed: int):
+    """RoEConfig from the CLI options (a profile path, a number, or a comma list)."""
+    from moectl.roe.config import RoEConfig
+
+    if temperatures is None:
+        return RoEConfig(K=16 if k is None else k, tau=0.0, cache=cache, aggregation=aggregation, seed=seed)
+    path = Path(temperatures)
+    if path.suffix == ".json" or path.exists():
+        overrides = {"cache": cache, "aggregation": aggregation, "seed": seed}
+        if k is not None:
+            overrides["K"] = k
+        return RoEConfig.from_profile(path, **overrides)
+    try:
+        values = [float(v) for v in temperatures.split(",")]
+    except ValueError:
+        raise typer.BadParameter(
+            f"--temperatures {temperatures!r} is neither a profile file nor numbers (e.g. 0.3 or 0,0.2,0.3,0)"
+        ) from None
+    tau: float | list[float] = values[0] if len(values) == 1 else values
+    return RoEConfig(K=16 if k is None else k, tau=tau, cache=cache, aggregation=aggregation, seed=seed)
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+    console.print(f"[dim]wrote {path}[/dim]")
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/bold red] {err}")
+    raise typer.Exit(code=2)
+
+
+_ERRORS = (ValueError, OSError, NotImplementedError)
+
+
+def _taus_text(taus: list[float]) -> str:
+    return "0" if not any(taus) else ", ".join(f"{t:.3g}" for t in taus)
+
+
+# -- generate -------------------------------------------------------------------------------
+@roe_app.command("generate")
+def generate_cmd(
+    model: ModelArg = None,
+    tiny: TinyOpt = None,
+    k: KOpt = None,
+    temperatures: TempsOpt = None,
+    prompt: Annotated[
+        list[str] | None, typer.Option("--prompt", help="A prompt (repeat for a batch).")
+    ] = None,
+    prompts: Annotated[
+        Path | None, typer.Option("--prompts", help="JSONL with 'prompt' (or 'text') per line.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    sampling_temperature: Annotated[
+        float, typer.Option("--sampling-temperature", help="0 = greedy (the paper's setting); > 0 samples.")
+    ] = 0.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", help="Nucleus sampling mass (with a sampling temperature).")
+    ] = 1.0,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Always generate max-new-tokens.")] = False,
+    adaptive: Annotated[
+        float | None,
+        typer.Option("--adaptive", help="Adaptive K: noisy samples only where clean entropy > this (nats)."),
+    ] = None,
+    cache: CacheOpt = "clean",
+    aggregation: AggOpt = "prob_mean",
+    seed: SeedOpt = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    stream: Annotated[
+        bool, typer.Option("--stream/--no-stream", help="Print tokens as they come (one prompt).")
+    ] = True,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    json_path: JsonOpt = None,
+) -> None:
+    """Generate with a K-sample RoE ensemble per token (greedy by default, RoE §3.1)."""
+    from moectl.adapters.inspect import inspect
+    from moectl.generate import load_prompts
+    from moectl.roe.config import config_dict
+    from moectl.roe.generate import GenerationStats, generate
+
+    try:
+        spec = _spec(model, tiny)
+        config = _config(k, temperatures, cache, aggregation, seed)
+        texts = list(prompt or [])
+        if prompts is not None:
+            texts += [p.text for p in load_prompts(str(prompts))]
+        if not texts:
+            raise ValueError("give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+        lm, tokenizer = _load(spec, device, dtype)
+        info = inspect(lm)
+        taus = config.taus(info.num_moe_layers)
+        streaming = stream and len(texts) == 1
+        if streaming:
+            console.print(f"[bold]{texts[0]}[/bold]", end="")
+
+        def on_text(row: int, piece: str) -> None:
+            console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+
+        stats = GenerationStats()
+        outs = generate(
+            lm, tokenizer, texts, config, max_new_tokens=max_new_tokens, temperature=sampling_temperature,
+            top_p=top_p, stop=stop or (), ignore_eos=ignore_eos, batch_size=batch_size, sample_seed=seed,
+            on_text=on_text if streaming else None, progress=not streaming, info=info,
+            adaptive_threshold=adaptive, stats=stats,
+        )  # fmt: skip
+        if streaming:
+            console.print()
+    except _ERRORS as err:
+        _fail(err)
+    table = Table(title=f"RoE generate {spec}: K={config.K}, tau=[{_taus_text(taus)}], cache={config.cache}")
+    table.add_column("#", justify="right")
+    table.add_column("prompt")
+    table.add_column("generated")
+    table.add_column("tokens", justify="right")
+    table.add_column("finish")
+    for n, out in enumerate(outs):
+        table.add_row(str(n), out.prompt[:40], out.text[:200], str(len(out.token_ids)), out.finish_reason)
+    console.print(table)
+    ms = 1e3 * stats.seconds / max(stats.steps, 1)
+    console.print(
+        f"{stats.steps} steps, {stats.forwards} forwards, {ms:.1f} ms per step, "
+        f"{stats.sample_tokens / max(stats.tokens, 1):.2f} routing samples per generated token"
+    )
+    _write_json(json_path, {
+        "model": spec,
+        "config": config_dict(config, info.num_moe_layers),
+        "decoding": {"max_new_tokens": max_new_tokens, "temperature": sampling_temperature, "top_p": top_p,
+                     "stop": stop or [], "ignore_eos": ignore_eos, "adaptive_threshold": adaptive},
+        "outputs": [out.__dict__ for out in outs],
+        "stats": stats.__dict__,
+    })  # fmt: skip
+
+
+# -- score ----------------------------------------------------------------------------------
+@roe_app.command("score")
+def score_cmd(
+    model: ModelArg = None,
+    tiny: TinyOpt = None,
+    k: KOpt = None,
+    temperatures: TempsOpt = None,
+    data: Annotated[
+        Path | None, typer.Option("--data", help="JSONL(.gz): text | prompt+continuation | choices.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Score only the first N items.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    max_length: Annotated[
+        int, typer.Option("--max-length", help="Tokens per sequence (context cut on the left).")
+    ] = 512,
+    method: Annotated[str, typer.Option("--method", help="auto | parallel | stepwise.")] = "auto",
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also score the plain model.")
+    ] = True,
+    adaptive: Annotated[
+        str | None,
+        typer.Option(
+            "--adaptive", help="Adaptive-K trade-off: entropy thresholds (comma list, nats) or 'auto'."
+        ),
+    ] = None,
+    cache: CacheOpt = "clean",
+    aggregation: AggOpt = "prob_mean",
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    json_path: JsonOpt = None,
+) -> None:
+    """RoE log-likelihood of held-out data: perplexity, multiple-choice or exact-match accuracy."""
+    from moectl.adapters.inspect import inspect
+    from moectl.roe.config import config_dict
+    from moectl.roe.data import load_items
+    from moectl.roe.score import score
+
+    try:
+        spec = _spec(model, tiny)
+        if data is None:
+            raise ValueError("give --data FILE.jsonl (see `moectl.roe.data` for the accepted lines)")
+        config = _config(k, temperatures, cache, aggregation, seed)
+        items = load_items(data, limit)
+        lm, tokenizer = _load(spec, device, dtype)
+        info = inspect(lm)
+        taus = config.taus(info.num_moe_layers)
+        runs = [("RoE", config)]
+        if baseline:
+            runs.insert(0, ("plain (K=1)", config.with_(K=1, tau=0.0)))
+        results = {}
+        for label, cfg in runs:
+            results[label] = score(
+                lm, tokenizer, items, cfg, batch_size=batch_size, max_length=max_length, method=method,
+                progress=True, info=info,
+            )  # fmt: skip
+        trade = None
+        if adaptive is not None:
+            from moectl.roe.adaptive import trade_off
+
+            thresholds = None if adaptive == "auto" else [float(x) for x in adaptive.split(",")]
+            trade = trade_off(lm, tokenizer, items, config, thresholds, batch_size=batch_size,
+                              max_length=max_length, info=info)  # fmt: skip
+    except _ERRORS as err:
+        _fail(err)
+    table = Table(title=f"RoE score {spec} on {data}: K={config.K}, tau=[{_taus_text(taus)}]")
+    for col in ("run", "items", "tokens", "perplexity", "accuracy", "seconds"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for label, res in results.items():
+        acc = "" if res.accuracy is None else f"{res.accuracy:.4f}"
+        ppl = "" if res.kind == "gen" else f"{res.ppl:.4f}"
+        table.add_row(label, str(res.items), str(res.tokens), ppl, acc, f"{res.seconds:.2f}")
+    console.print(table)
+    if trade:
+        t2 = Table(title="Adaptive K: quality vs compute (teacher-forced, clean cache)")
+        for col in ("mode", "samples/token", "noisy tokens", "perplexity", "seconds"):
+            t2.add_column(col, justify="left" if col == "mode" else "right")
+        for row in trade:
+            t2.add_row(row["mode"], f"{row['samples_per_token']:.2f}", f"{row['noisy_fraction']:.0%}",
+                       f"{row['ppl']:.4f}", f"{row['seconds']:.1f}")  # fmt: skip
+        console.print(t2)
+    _write_json(json_path, {
+        "model": spec,
+        "data": str(data),
+        "config": config_dict(config, info.num_moe_layers),
+        "results": {label: res.summary() for label, res in results.items()},
+        "adaptive": trade,
+    })  # fmt: skip
+
+
+# -- tune -----------------------------------------------------------------------------------
+@roe_app.command("tune")
+def tune_cmd(
+    model: ModelArg = None,
+    tiny: TinyOpt = None,
+    k: KOpt = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Validation JSONL(.gz).")] = None,
+    objective: Annotated[
+        str, typer.Option("--objective", help="ppl (validation perplexity) | acc (accuracy).")
+    ] = "ppl",
+    trials: Annotated[
+        int, typer.Option("--trials", help="Tuning budget (total trials, resumed studies included).")
+    ] = 50,
+    max_tau: Annotated[
+        float, typer.Option("--max-tau", help="Upper bound of each tau (RoE §2.2.2: 0.5).")
+    ] = 0.5,
+    skip_layers: Annotated[
+        int, typer.Option("--skip-layers", help="First and last L MoE layers held at tau = 0.")
+    ] = 1,
+    uniform: Annotated[
+        bool, typer.Option("--uniform", help="Sweep one shared tau instead (Appendix B).")
+    ] = False,
+    uniform_step: Annotated[float, typer.Option("--uniform-step")] = 0.05,
+    out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path("out/roe/profile.json"),
+    storage: Annotated[
+        Path | None,
+        typer.Option("--storage", help="Optuna SQLite file (default: next to --out); reruns resume."),
+    ] = None,
+    study_name: Annotated[str | None, typer.Option("--study-name")] = None,
+    plot_dir: Annotated[
+        Path | None, typer.Option("--plot-dir", help="Where the PNGs go (default: --out's folder).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use the first N validation items.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    max_length: Annotated[int, typer.Option("--max-length")] = 256,
+    aggregation: AggOpt = "prob_mean",
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    json_path: JsonOpt = None,
+) -> None:
+    """Tune per-layer tau with Optuna TPE (RoE §2.2); writes a profile JSON and a heatmap PNG."""
+    from moectl.adapters.inspect import inspect
+    from moectl.roe.tune import tune
+
+    try:
+        spec = _spec(model, tiny)
+        if data is None:
+            raise ValueError("give --data FILE.jsonl (validation items)")
+        lm, tokenizer = _load(spec, device, dtype)
+        info = inspect(lm)
+        k = 16 if k is None else k
+        result = tune(
+            lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau, skip_layers=skip_layers,
+            seed=seed, aggregation=aggregation, uniform=uniform, uniform_step=uniform_step,
+            storage=storage or out.with_suffix(".optuna.db"), study_name=study_name, out=out,
+            plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
+            info=info, model_name=spec,
+        )  # fmt: skip
+    except _ERRORS as err:
+        _fail(err)
+    except ImportError as err:
+        _fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
+    label = "validation perplexity" if objective == "ppl" else "validation accuracy"
+    table = Table(title=f"RoE tune {spec}: K={k}, {label}, {result.trials} trials ({result.info['mode']})")
+    table.add_column("MoE layer", justify="right")
+    table.add_column("decoder layer", justify="right")
+    table.add_column("tau", justify="right")
+    for i, tau in enumerate(result.tau):
+        held = not uniform and (i < skip_layers or i >= info.num_moe_layers - skip_layers)
+        table.add_row(str(i), str(info.layers[i].layer_idx), f"{tau:.4f}" + (" (held)" if held else ""))
+    console.print(table)
+    base = "" if result.baseline is None else f" (tau = 0: {result.baseline:.6g})"
+    console.print(f"best {label}: {result.value:.6g}{base}; {result.seconds:.1f} s this run")
+    for path in [result.profile, *result.figures]:
+        console.print(f"[dim]wrote {path}[/dim]")
+    _write_json(json_path, {
+        "model": spec, "K": k, "objective": objective, "tau": result.tau, "value": result.value,
+        "baseline_tau0": result.baseline, "trials": result.trials, "seconds": result.seconds,
+        "profile": str(result.profile), "figures": [str(f) for f in result.figures], "history": result.history,
+        **result.info,
+    })  # fmt: skip
+
+
+# -- bench ----------------------------------------------------------------------------------
+@roe_app.command("bench")
+def bench_cmd(
+    model: ModelArg = None,
+    tiny: TinyOpt = None,
+    k: Annotated[str, typer.Option("--k", help="Comma list of K.")] = "1,2,4,8,16,32,64",
+    variants: Annotated[
+        str, typer.Option("--variants", help="Comma list of clean, separate, none.")
+    ] = "clean,separate,none",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 128,
+    new_tokens: Annotated[int, typer.Option("--new-tokens")] = 32,
+    batch: Annotated[int, typer.Option("--batch", help="Prompts per batch B.")] = 1,
+    repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    tau: Annotated[float, typer.Option("--tau", help="tau on every MoE layer during the benchmark.")] = 0.3,
+    memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Also measure peak memory.")] = True,
+    threads: Annotated[
+        int, typer.Option("--threads", help="torch threads (1: CPU-time ratios robust to a shared machine).")
+    ] = 1,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    json_path: JsonOpt = None,
+) -> None:
+    """Per-token latency, peak memory and KV-cache bytes vs K, as ratios to the plain model (RoE §3.3)."""
+    import torch
+
+    from moectl.roe.bench import measure_overhead
+
+    try:
+        spec = _spec(model, tiny)
+        ks = [int(x) for x in k.split(",")]
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+        lm, tokenizer = _load(spec, device, dtype)
+        vocab = int(getattr(tokenizer, "vocab_size", lm.config.vocab_size))
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(
+            3, max(4, min(vocab, lm.config.vocab_size)), (batch, prompt_tokens), generator=generator
+        )
+        ids = ids.to(lm.device)
+        result = measure_overhead(
+            lm, ids, torch.ones_like(ids), Ks=ks, variants=[v.strip() for v in variants.split(",")],
+            new_tokens=new_tokens, repeats=repeats, tau=tau, memory=memory,
+        )  # fmt: skip
+    except _ERRORS as err:
+        _fail(err)
+    table = Table(
+        title=f"RoE overhead {spec}: B={batch}, prompt {prompt_tokens}, {new_tokens} new tokens, tau={tau}"
+    )
+    columns = (
+        "variant",
+        "K",
+        "CPU ms/token",
+        "latency ×",
+        "wall ms/token",
+        "peak MB",
+        "memory ×",
+        "KV KB",
+        "KV ×",
+    )
+    for col in columns:
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for row in result["rows"]:
+        mem = "" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.2f}"
+        mem_r = "" if row["memory_ratio"] is None else f"{row['memory_ratio']:.3f}"
+        kv_r = "" if row["variant"] == "none" or row["kv_ratio"] is None else f"{row['kv_ratio']:.2f}"
+        kv = "no cache" if row["variant"] == "none" else f"{row['kv_cache_bytes'] / 1024:.1f}"
+        table.add_row(
+            row["variant"], "" if row["K"] is None else str(row["K"]), f"{row['ms_per_token']:.2f}",
+            f"{row['latency_ratio']:.3f}", f"{row['wall_ms_per_token']:.2f}", mem, mem_r, kv, kv_r,
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"[dim]latency: {result['latency_method']}; memory: {result['memory_method']}[/dim]")
+    _write_json(json_path, {"model": spec, **result})

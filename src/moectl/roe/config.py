@@ -1,0 +1,182 @@
+"""RoEConfig: the knobs of Roster of Experts under the paper's names, and tau profiles on disk.
+
+- ``K`` — routing samples per token (the paper's N / K: Appendix A Table 1 "N", §3.4 "sample size K").
+  Sample 0 is the clean path (tau = 0, §2.3); samples 1 … K−1 use Gumbel-top-k routing.
+- ``tau`` — the Gumbel temperature per MoE layer (§2.2: a vector τ = {τ_i}, i ∈ L_MoE): one float
+  for every MoE layer, a list with one value per MoE layer, or ``{moe_layer: tau}`` (others 0).
+  The default 0 is the plain model (every sample clean): tune tau (``moectl roe tune``) or set it.
+- ``aggregation`` — how the K next-token distributions become one: ``"prob_mean"`` (probability
+  averaging, what the paper uses: §3.1 "RoE predictions are aggregated by probability averaging")
+  or ``"logprob_mean"`` (mean of log-probabilities, renormalised: a geometric mean).
+- ``cache`` — ``"clean"`` (§2.3 Clean Cache: one KV cache from the clean path, shared by all K
+  samples), ``"separate"`` (K caches, each sample keeps its own noisy history) or ``"none"``
+  (recompute every sample from scratch with the clean prefix each step: the definition the clean
+  cache must reproduce, and the paper's Figure 4(b) no-cache baseline).
+- ``seed`` — seeds the Gumbel noise; the noise for (MoE layer, sample, position, expert) is a fixed
+  function of the seed, so every cache variant and batch layout sees the same draws.
+
+A *profile* is the JSON that ``moectl roe tune`` writes: the tuned per-layer tau and how it was
+found. ``RoEConfig.from_profile`` reads one back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+Aggregation = Literal["prob_mean", "logprob_mean"]
+CacheMode = Literal["clean", "separate", "none"]
+TauSpec = float | Sequence[float] | Mapping[int, float]
+
+AGGREGATIONS: tuple[str, ...] = ("prob_mean", "logprob_mean")
+CACHE_MODES: tuple[str, ...] = ("clean", "separate", "none")
+PROFILE_FORMAT = "moectl-roe-profile/1"
+
+
+@dataclass(frozen=True)
+class RoEConfig:
+    """Roster of Experts settings (RoE §2). Validated on construction; ``taus(n)`` checks tau's length."""
+
+    K: int = 16
+    tau: TauSpec = 0.0
+    aggregation: Aggregation = "prob_mean"
+    cache: CacheMode = "clean"
+    seed: int = 0
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.K, bool) or not isinstance(self.K, int) or self.K < 1:
+            raise ValueError(
+                f"RoEConfig: K (routing samples per token) must be an integer >= 1, got {self.K!r}"
+            )
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"RoEConfig: aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
+            )
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"RoEConfig: cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+        _check_tau_values(self.tau)
+
+    def taus(self, num_moe_layers: int) -> list[float]:
+        """tau for each of the model's MoE layers (RoE §2.2's vector τ), checked against the model."""
+        return resolve_tau(self.tau, num_moe_layers)
+
+    def with_(self, **changes: Any) -> RoEConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    # -- profiles ---------------------------------------------------------------------------
+    @classmethod
+    def from_profile(cls, path: str | Path, **overrides: Any) -> RoEConfig:
+        """Read a tau profile written by ``save_profile`` (``moectl roe tune --out``)."""
+        data = load_profile(path)
+        fields = {
+            "K": data.get("K", 16),
+            "tau": data["tau"],
+            "aggregation": data.get("aggregation", "prob_mean"),
+        }
+        fields.update(overrides)
+        return cls(**fields, meta={k: v for k, v in data.items() if k != "tau"})
+
+
+def _check_tau_values(spec: TauSpec) -> None:
+    if isinstance(spec, bool):
+        raise ValueError(
+            f"RoEConfig: tau must be a number, a list or a {{moe_layer: tau}} mapping, got {spec!r}"
+        )
+    if isinstance(spec, (int, float)):
+        values = {"all layers": spec}
+    elif isinstance(spec, Mapping):
+        values = {f"MoE layer {k}": v for k, v in spec.items()}
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        values = {f"MoE layer {i}": v for i, v in enumerate(spec)}
+    else:
+        raise ValueError(
+            f"RoEConfig: tau must be a number, a list (one per MoE layer) or a {{moe_layer: tau}} mapping, "
+            f"got {type(spec).__name__}"
+        )
+    bad = {}
+    for where, v in values.items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            bad[where] = v
+            continue
+        if not (math.isfinite(f) and f >= 0):
+            bad[where] = v
+    if bad:
+        raise ValueError(f"RoEConfig: Gumbel temperatures tau must be finite and >= 0 (RoE §2.1), got {bad}")
+
+
+def resolve_tau(spec: TauSpec, num_moe_layers: int) -> list[float]:
+    """Expand a tau spec to one value per MoE layer; raise on a length or layer mismatch."""
+    _check_tau_values(spec)
+    n = int(num_moe_layers)
+    if isinstance(spec, (int, float)):
+        return [float(spec)] * n
+    if isinstance(spec, Mapping):
+        bad = [k for k in spec if not (isinstance(k, int) or str(k).isdigit()) or not 0 <= int(k) < n]
+        if bad:
+            raise ValueError(
+                f"RoEConfig: tau given for MoE layers {bad}; the model has MoE layers 0..{n - 1}"
+            )
+        out = [0.0] * n
+        for k, v in spec.items():
+            out[int(k)] = float(v)
+        return out
+    values = [float(v) for v in spec]
+    if len(values) != n:
+        raise ValueError(
+            f"RoEConfig: {len(values)} temperatures given, the model has {n} MoE layers "
+            "(give one tau per MoE layer, one float for all, or a {moe_layer: tau} mapping)"
+        )
+    return values
+
+
+# -- profile files ---------------------------------------------------------------------------
+def save_profile(path: str | Path, tau: Sequence[float], **info: Any) -> Path:
+    """Write a tau profile: ``{"format", "tau": [per MoE layer], ...info}`` (atomic replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": PROFILE_FORMAT, "tau": [float(t) for t in tau], **info}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    """Read and check a tau profile."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tau profile {path} does not exist (write one with `moectl roe tune --out`)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a JSON tau profile ({err.msg})") from err
+    if not isinstance(data, dict) or "tau" not in data:
+        raise ValueError(
+            f"{path}: a tau profile is a JSON object with a 'tau' list (one value per MoE layer)"
+        )
+    if data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
+        raise ValueError(
+            f"{path}: unknown profile format {data.get('format')!r}, expected {PROFILE_FORMAT!r}"
+        )
+    tau = data["tau"]
+    if isinstance(tau, dict):
+        tau = {int(k): v for k, v in tau.items()}
+    _check_tau_values(tau)
+    data["tau"] = tau
+    return data
+
+
+def config_dict(config: RoEConfig, num_moe_layers: int) -> dict[str, Any]:
+    """A JSON-ready description of a config with tau expanded per MoE layer."""
+    d = asdict(config)
+    d.pop("meta", None)
+    d["tau"] = config.taus(num_moe_layers)
+    return d

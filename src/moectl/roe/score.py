@@ -1,0 +1,365 @@
+"""RoE log-likelihood of given continuations: perplexity and multiple-choice accuracy (RoE §2.2.1, §3.1).
+
+The RoE probability of token x_t is the aggregated distribution of the K routing samples that
+predict it from the clean prefix x_<t (the clean-cache definition, §2.3):
+
+    p_RoE(x_t | x_<t) = agg_k p_k(x_t | clean prefix, noisy routing of x_{t-1} in sample k)
+
+Two ways to compute it, with the same Gumbel draws and therefore the same numbers:
+
+``parallel`` (clean cache, attention-only models; the default there)
+    One clean forward over the whole sequence fills a KV cache; one forward of the noisy samples
+    (K−1 rows per sequence, in chunks) reads it: at every position t a noisy row sees the clean
+    keys before t and its own key t only (``masks.teacher_forced_masks``). All positions in two
+    forwards — "a single forward pass over the validation set" in spirit (§2.2.1).
+``stepwise`` (any cache variant, hybrid models)
+    Teacher-forced decoding with ``Ensemble``: one ensemble step per position.
+
+Perplexity is exp of the mean negative log-likelihood over scored tokens. For multiple choice the
+prediction is the choice with the highest summed log-probability (§3.1, following Hu et al.).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.roe.cache import left_padded
+from moectl.roe.config import RoEConfig
+from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
+from moectl.roe.ensemble import Ensemble, experts_implementation
+from moectl.roe.masks import attention_kinds, teacher_forced_masks
+from moectl.roe.noise import NoiseLayout, SampleGumbel
+from moectl.routing.session import route
+
+_CHUNK_BYTES = 1 << 28  # logits + masks budget per noisy chunk in the parallel path
+
+
+# -- tokens ---------------------------------------------------------------------------------
+def _encode(tokenizer, text: str, special: bool) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    except TypeError:  # tokenizers without the keyword (moectl's ByteTokenizer adds none)
+        return list(tokenizer.encode(text))
+
+
+def encode_pair(tokenizer, context: str, continuation: str, max_length: int) -> tuple[list[int], int]:
+    """Token ids of context + continuation and the index of the first scored token.
+
+    An empty context starts from BOS (when the tokenizer has one) so every token of the text is
+    scored; too-long sequences lose context from the left (at least one token of context stays).
+    """
+    ctx = _encode(tokenizer, context, special=True) if context else []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    cont = _encode(tokenizer, continuation, special=not context)
+    if not context:
+        if bos is not None and (not cont or cont[0] != bos):
+            cont = [bos, *cont]
+        ctx, cont = cont[:1], cont[1:]
+    if not ctx:
+        ctx = [bos if bos is not None else getattr(tokenizer, "eos_token_id", 0) or 0]
+    if not cont:
+        raise ValueError(f"nothing to score: the continuation {continuation[:40]!r} encodes to no tokens")
+    ids = ctx + cont
+    if len(ids) > max_length:
+        cut = min(len(ids) - max_length, len(ctx) - 1)
+        ids = ids[cut:]
+        ctx = ctx[cut:]
+        ids = ids[:max_length]
+    return ids, len(ctx)
+
+
+def pad_left(
+    seqs: Sequence[tuple[list[int], int]], pad_id: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids [B, L], attention mask [B, L], scored [B, L] bool) for sequences with their first scored index."""
+    width = max(len(s) for s, _ in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    scored = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, (seq, first) in enumerate(seqs):  # building the batch, not a tensor hot path
+        ids[row, width - len(seq) :] = torch.tensor(seq)
+        mask[row, width - len(seq) :] = 1
+        scored[row, width - len(seq) + first :] = True
+    return ids.to(device), mask.to(device), scored.to(device)
+
+
+# -- RoE token log-probabilities ------------------------------------------------------------
+def _full_cache(model: nn.Module):
+    """A cache whose attention layers keep every token (sliding layers too)."""
+    if getattr(model.config, "model_type", "") == "minimax":
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        return MiniMaxCache()
+    return DynamicCache()
+
+
+def _gather_next(logits: Tensor, ids: Tensor) -> Tensor:
+    """log p(ids[t] | logits at t−1) → [..., L] (position 0 gets 0)."""
+    logp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
+    target = ids[:, 1:].reshape(ids.shape[0], *([1] * (logits.dim() - 3)), -1, 1)
+    target = target.expand(*logp.shape[:-1], 1)
+    out = logp.gather(-1, target).squeeze(-1)
+    return torch.nn.functional.pad(out, (1, 0))
+
+
+@torch.no_grad()
+def token_logprobs_parallel(
+    model: nn.Module, ids: Tensor, mask: Tensor, config: RoEConfig, info: ModelInfo | None = None
+) -> Tensor:
+    """RoE log p(x_t | x_<t) [B, L] for every position, clean cache semantics, two forwards."""
+    info = info or inspect(model)
+    kinds, as_dict = attention_kinds(model.config)
+    if any(k.kind == "recurrent" for k in kinds):
+        raise ValueError("the parallel scoring path needs an attention-only model; use method='stepwise'")
+    valid, left_pad, position = left_padded(mask)
+    b, length = ids.shape
+    noise = SampleGumbel(config.taus(info.num_moe_layers), seed=config.seed)
+    with experts_implementation(model, "grouped_mm"), route(model, [noise], info=info):
+        cache = _full_cache(model)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+        )
+        cache = out.past_key_values
+        clean = out.logits
+        vocab = clean.shape[-1]
+        if config.aggregation == "prob_mean":
+            per_sample = [_gather_next(clean, ids)[:, None]]  # [B, 1, L]
+        else:
+            logp_sum = torch.log_softmax(clean.float(), -1)
+        del out
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        base_mask = teacher_forced_masks(kinds, as_dict, valid, left_pad, dtype)
+        per_chunk = max(1, _CHUNK_BYTES // max(1, b * length * (vocab + 2 * length) * 4))
+        for first in range(1, config.K, per_chunk):
+            c = min(per_chunk, config.K - first)
+            rows = b * c
+            rep = _full_cache(model)
+            for i, layer in enumerate(cache.layers):
+                if getattr(layer, "is_initialized", False) and layer.keys is not None:
+                    rep.update(layer.keys.repeat_interleave(c, 0), layer.values.repeat_interleave(c, 0), i)
+            masks = _repeat_masks(base_mask, c)
+            sample = (first + torch.arange(rows, device=ids.device) % c)[:, None]
+            noise.layout = NoiseLayout(
+                sample=sample, position=position.repeat_interleave(c, 0), scale=sample > 0
+            )
+            try:
+                noisy = model(
+                    input_ids=ids.repeat_interleave(c, 0),
+                    attention_mask=masks,
+                    position_ids=position.repeat_interleave(c, 0),
+                    past_key_values=rep,
+                    use_cache=True,
+                ).logits.reshape(b, c, length, vocab)
+            finally:
+                noise.layout = None
+            del rep
+            if config.aggregation == "prob_mean":
+                per_sample.append(_gather_next(noisy, ids))
+            else:
+                logp_sum = logp_sum + torch.log_softmax(noisy.float(), -1).sum(1)
+            del noisy
+    if config.aggregation == "prob_mean":
+        lp = torch.logsumexp(torch.cat(per_sample, 1), dim=1) - math.log(config.K)
+    else:
+        lp = _gather_next(torch.log_softmax(logp_sum / config.K, -1), ids)
+    return lp * valid
+
+
+def _repeat_masks(masks, c: int):
+    def rep(m: Tensor | None) -> Tensor | None:
+        return None if m is None else m.repeat_interleave(c, 0)
+
+    return {k: rep(v) for k, v in masks.items()} if isinstance(masks, dict) else rep(masks)
+
+
+@torch.no_grad()
+def token_logprobs_stepwise(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    scored: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None = None,
+    ensemble: Ensemble | None = None,
+) -> Tensor:
+    """RoE log p(x_t | x_<t) [B, L] by teacher-forced ensemble steps (any cache variant)."""
+    b, length = ids.shape
+    first = int(scored.float().argmax(1)[scored.any(1)].min()) if bool(scored.any()) else length
+    lp = torch.zeros(b, length, device=ids.device)
+    if first >= length:
+        return lp
+    first = max(first, 1)
+    valid = mask.bool()
+    ens = ensemble or Ensemble(model, config, info=info)
+    with ens:
+        out = ens.start(ids[:, :first], mask[:, :first])
+        for t in range(first, length):
+            lp[:, t] = out.logprobs.gather(-1, ids[:, t : t + 1]).squeeze(-1)
+            if t < length - 1:
+                out = ens.step(ids[:, t], valid[:, t])
+    return lp * valid
+
+
+def token_logprobs(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    scored: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None = None,
+    method: str = "auto",
+) -> Tensor:
+    """RoE log-probabilities [B, L] of each token given its prefix; 0 where not ``scored``.
+
+    ``method``: ``auto`` (parallel for the clean cache on attention-only models, else
+    stepwise), ``parallel`` or ``stepwise``.
+    """
+    if method not in ("auto", "parallel", "stepwise"):
+        raise ValueError(f"method must be auto, parallel or stepwise, got {method!r}")
+    if method == "auto":
+        recurrent = any(k.kind == "recurrent" for k in attention_kinds(model.config)[0])
+        method = "parallel" if config.cache == "clean" and not recurrent else "stepwise"
+    if method == "parallel":
+        if config.cache != "clean":
+            raise ValueError(f"the parallel scoring path is the clean cache; got cache={config.cache!r}")
+        lp = token_logprobs_parallel(model, ids, mask, config, info)
+    else:
+        lp = token_logprobs_stepwise(model, ids, mask, scored, config, info)
+    return lp * scored
+
+
+# -- datasets ------------------------------------------------------------------------------
+@dataclass
+class ScoreResult:
+    """What ``score`` measured. ``loglik`` is per LM item, or per (item, choice) for multiple choice."""
+
+    kind: str
+    items: int
+    tokens: int
+    nll: float  # summed negative log-likelihood (nats) of the scored tokens
+    seconds: float
+    loglik: list[float] = field(default_factory=list)
+    predictions: list[int] = field(default_factory=list)
+    accuracy: float | None = None
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / max(self.tokens, 1))
+
+    def summary(self) -> dict:
+        out = {
+            "kind": self.kind,
+            "items": self.items,
+            "tokens": self.tokens,
+            "nll_per_token": self.nll / max(self.tokens, 1),
+        }
+        out["ppl"] = self.ppl
+        if self.accuracy is not None:
+            out["accuracy"] = self.accuracy
+        out["seconds"] = self.seconds
+        return out
+
+
+def _progress(enabled: bool, label: str) -> Progress:
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+    return Progress(*columns, disable=not enabled, transient=True)
+
+
+def score(
+    model: nn.Module,
+    tokenizer,
+    data: str | Path | Sequence[Item],
+    config: RoEConfig | None = None,
+    *,
+    batch_size: int = 8,
+    max_length: int = 512,
+    method: str = "auto",
+    limit: int | None = None,
+    progress: bool = False,
+    info: ModelInfo | None = None,
+) -> ScoreResult:
+    """RoE log-likelihood of a dataset: perplexity (LM items), accuracy (multiple choice or generation).
+
+    ``data`` is a JSONL path (see ``moectl.roe.data``) or a list of items.
+    """
+    config = config or RoEConfig()
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    items = load_items(data, limit) if isinstance(data, (str, Path)) else list(data)[:limit]
+    if not items:
+        raise ValueError("no items to score")
+    kind = item_kind(items)
+    info = info or inspect(model)
+    start = time.perf_counter()
+    if kind == "gen":
+        return _exact_match(model, tokenizer, items, config, batch_size, progress, info, start)
+    pairs: list[tuple[str, str]] = []
+    owner: list[int] = []
+    for n, item in enumerate(items):
+        if isinstance(item, ChoiceItem):
+            pairs += [(item.context, choice) for choice in item.choices]
+            owner += [n] * len(item.choices)
+        else:
+            assert isinstance(item, LMItem)
+            pairs.append((item.context, item.continuation))
+            owner.append(n)
+    seqs = [encode_pair(tokenizer, c, x, max_length) for c, x in pairs]
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths share a batch
+    device = next(model.parameters()).device
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    loglik = [0.0] * len(seqs)
+    counts = [0] * len(seqs)
+    with _progress(progress, f"scoring K={config.K}") as bar:
+        task = bar.add_task("score", total=len(seqs))
+        for first in range(0, len(order), batch_size):
+            chunk = order[first : first + batch_size]
+            ids, mask, scored = pad_left([seqs[i] for i in chunk], pad_id, device)
+            lp = token_logprobs(model, ids, mask, scored, config, info, method)
+            for row, i in enumerate(chunk):
+                loglik[i] = float(lp[row].sum())
+                counts[i] = int(scored[row].sum())
+            bar.advance(task, len(chunk))
+    result = ScoreResult(kind, len(items), 0, 0.0, 0.0, loglik)
+    if kind == "lm":
+        result.tokens, result.nll = sum(counts), -sum(loglik)
+    else:
+        by_item: dict[int, list[int]] = {}
+        for pair, n in enumerate(owner):
+            by_item.setdefault(n, []).append(pair)
+        preds = [max(range(len(p)), key=lambda j, p=p: loglik[p[j]]) for p in by_item.values()]
+        gold = [items[n].answer for n in by_item]  # type: ignore[union-attr]
+        correct = [by_item[n][items[n].answer] for n in by_item]  # type: ignore[union-attr]
+        result.predictions = preds
+        result.accuracy = sum(int(p == g) for p, g in zip(preds, gold, strict=True)) / len(preds)
+        result.tokens = sum(counts[c] for c in correct)
+        result.nll = -sum(loglik[c] for c in correct)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _exact_match(model, tokenizer, items, config, batch_size, progress, info, start) -> ScoreResult:
+    from moectl.roe.generate import generate
+
+    assert all(isinstance(i, GenItem) for i in items)
+    longest = max(len(_encode(tokenizer, i.answer, special=False)) for i in items)
+    outs = generate(
+        model, tokenizer, [i.prompt for i in items], config,
+        max_new_tokens=longest + 2, batch_size=batch_size, progress=progress, info=info,
+    )  # fmt: skip
+    hits = [o.text.strip().startswith(i.answer.strip()) for o, i in zip(outs, items, strict=True)]
+    result = ScoreResult("gen", len(items), 0, 0.0, 0.0, predictions=[int(h) for h in hits])
+    result.accuracy = sum(hits) / len(hits)
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,263 @@
+"""Per-layer Gumbel temperature tuning with Optuna TPE (RoE §2.2, Appendix A Table 1, B, C).
+
+The search space is τ = {τ_i}, i ∈ L_MoE (§2.2), pruned by the paper's two heuristics (§2.2.2):
+
+1. RoE on the middle layers only — the first and last ``skip_layers`` (L) MoE layers keep τ = 0;
+2. a bounded range — every other τ_i ∈ [0, ``max_tau``] (the paper: 0.5; T in Table 1).
+
+The objective (§2.2.1) is validation perplexity (cheap: ``score``'s two-forward parallel path) or
+validation accuracy (multiple choice by log-likelihood, or exact match of greedy generations).
+The optimiser is TPE (§2.2.2) with a seeded sampler; with ``storage`` (an SQLite file) the study
+persists and a rerun continues it up to the trial budget. The first trial is τ = 0 everywhere
+(the plain model), so the tuned profile is never worse than the baseline *on validation*.
+Every trial uses the same noise seed (common random numbers), so trials differ only in τ.
+
+``uniform=True`` instead sweeps one shared τ over every MoE layer in steps of ``uniform_step``
+(Appendix B: "a uniform temperature across all MoE layers ... in increments of 0.05"), with an
+Optuna grid sampler so it is resumable too.
+
+Results: a JSON profile (``config.save_profile``; ``RoEConfig.from_profile`` reads it) and PNGs —
+the tuned τ heatmap (Figure 10 layout; rows are the best trials) and, for ``uniform``, the curve.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.roe.config import AGGREGATIONS, RoEConfig, save_profile
+from moectl.roe.data import Item, item_kind, load_items
+from moectl.roe.score import score
+
+OBJECTIVES = ("ppl", "acc")
+
+
+@dataclass
+class TuneResult:
+    """The best τ per MoE layer and how it was found."""
+
+    tau: list[float]
+    value: float
+    baseline: float | None
+    objective: str
+    trials: int
+    history: list[dict] = field(default_factory=list)
+    profile: Path | None = None
+    figures: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def check_tuning(
+    num_moe_layers: int, K: int, objective: str, trials: int, max_tau: float, skip_layers: int, uniform: bool
+) -> list[int]:
+    """Validate tuning arguments; return the MoE layers whose τ is searched."""
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ValueError(f"K (routing samples) must be an integer >= 1, got {K!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(
+            f"objective must be one of {', '.join(OBJECTIVES)} (validation perplexity or accuracy), got {objective!r}"
+        )
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials (the tuning budget) must be an integer >= 1, got {trials!r}")
+    if not (math.isfinite(max_tau) and max_tau > 0):
+        raise ValueError(
+            f"max_tau must be a finite number > 0 (the paper bounds tau to [0, 0.5], RoE §2.2.2), got {max_tau}"
+        )
+    if not isinstance(skip_layers, int) or skip_layers < 0:
+        raise ValueError(
+            f"skip_layers (first and last L MoE layers held at tau = 0) must be an integer >= 0, got {skip_layers!r}"
+        )
+    if uniform:
+        return list(range(num_moe_layers))
+    tuned = list(range(skip_layers, num_moe_layers - skip_layers))
+    if not tuned:
+        raise ValueError(
+            f"skip_layers={skip_layers} holds the first and last {skip_layers} MoE layers at tau = 0, which leaves "
+            f"none of the model's {num_moe_layers} MoE layers to tune; use skip_layers <= {(num_moe_layers - 1) // 2}"
+        )
+    return tuned
+
+
+def _evaluator(model, tokenizer, items, objective, K, aggregation, seed, batch_size, max_length, info):
+    kind = item_kind(items)
+    if objective == "ppl" and kind not in ("lm", "choice"):
+        raise ValueError(
+            "objective ppl needs language-modelling items ({'text'} or {'prompt', 'continuation'})"
+        )
+    if objective == "acc" and kind not in ("choice", "gen"):
+        raise ValueError(
+            "objective acc needs multiple-choice items ({'context', 'choices', 'answer'}) or {'prompt', 'answer'}"
+        )
+
+    def evaluate(tau: list[float]) -> float:
+        config = RoEConfig(K=K, tau=tau, aggregation=aggregation, seed=seed)
+        result = score(
+            model, tokenizer, items, config, batch_size=batch_size, max_length=max_length, info=info
+        )
+        return result.ppl if objective == "ppl" else float(result.accuracy or 0.0)
+
+    return evaluate
+
+
+def tune(
+    model: nn.Module,
+    tokenizer,
+    data: str | Path | Sequence[Item],
+    *,
+    K: int = 16,
+    objective: str = "ppl",
+    trials: int = 50,
+    max_tau: float = 0.5,
+    skip_layers: int = 1,
+    seed: int = 0,
+    aggregation: str = "prob_mean",
+    uniform: bool = False,
+    uniform_step: float = 0.05,
+    storage: str | Path | None = None,
+    study_name: str | None = None,
+    out: str | Path | None = None,
+    plot_dir: str | Path | None = None,
+    batch_size: int = 8,
+    max_length: int = 256,
+    limit: int | None = None,
+    progress: bool = True,
+    info: ModelInfo | None = None,
+    model_name: str = "",
+) -> TuneResult:
+    """Tune per-layer τ (or one uniform τ) for RoE with ``K`` samples; see the module docstring."""
+    import optuna
+
+    info = info or inspect(model)
+    n = info.num_moe_layers
+    tuned = check_tuning(n, K, objective, trials, max_tau, skip_layers, uniform)
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+    if uniform and not uniform_step > 0:
+        raise ValueError(f"uniform_step must be > 0, got {uniform_step}")
+    items = load_items(data, limit) if isinstance(data, (str, Path)) else list(data)[:limit]
+    evaluate = _evaluator(
+        model, tokenizer, items, objective, K, aggregation, seed, batch_size, max_length, info
+    )
+    direction = "minimize" if objective == "ppl" else "maximize"
+    mode = "uniform" if uniform else "per-layer"
+    name = study_name or f"roe-{info.family}-K{K}-{objective}-{mode}"
+    url = None
+    if storage is not None:
+        Path(storage).parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{Path(storage).resolve()}"
+    optuna.logging.set_verbosity(logging.WARNING)
+    grid = [round(i * uniform_step, 6) for i in range(int(max_tau / uniform_step + 1e-9) + 1)]
+    budget = len(grid) if uniform else trials
+    study = optuna.create_study(storage=url, study_name=name, direction=direction, load_if_exists=True)
+    done_before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    # a resumed study reseeds with the trials already done, so it does not replay the same draws
+    if uniform:
+        study.sampler = optuna.samplers.GridSampler({"tau": grid}, seed=seed + done_before)
+    else:
+        study.sampler = optuna.samplers.TPESampler(seed=seed + done_before, multivariate=True)
+    if not uniform and not study.trials:
+        study.enqueue_trial({f"tau_{i}": 0.0 for i in tuned})  # the plain model first
+
+    def tau_of(params: dict) -> list[float]:
+        if uniform:
+            return [float(params["tau"])] * n
+        taus = [0.0] * n
+        for i in tuned:
+            taus[i] = float(params[f"tau_{i}"])
+        return taus
+
+    def objective_fn(trial) -> float:
+        if uniform:
+            params = {"tau": trial.suggest_categorical("tau", grid)}
+        else:
+            params = {f"tau_{i}": trial.suggest_float(f"tau_{i}", 0.0, max_tau) for i in tuned}
+        return evaluate(tau_of(params))
+
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    remaining = max(0, budget - len(done))
+    start = time.perf_counter()
+    columns = [TextColumn("tuning {task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+               TextColumn("best {task.fields[best]}")]  # fmt: skip
+    with Progress(*columns, disable=not progress, transient=True) as bar:
+        best = f"{study.best_value:.4g}" if done else "-"
+        task = bar.add_task(
+            "tune", total=budget, completed=len(done), label=f"{mode} K={K} {objective}", best=best
+        )
+
+        def tick(study, trial) -> None:
+            bar.update(task, advance=1, best=f"{study.best_value:.4g}")
+
+        if remaining:
+            study.optimize(objective_fn, n_trials=remaining, callbacks=[tick])
+    seconds = time.perf_counter() - start
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    history = [{"trial": t.number, "value": float(t.value), "tau": tau_of(t.params)} for t in complete]
+    best_trial = study.best_trial
+    best_tau = tau_of(best_trial.params)
+    zero = [h["value"] for h in history if all(x == 0 for x in h["tau"])]
+    result = TuneResult(
+        tau=best_tau,
+        value=float(best_trial.value),
+        baseline=zero[0] if zero else None,
+        objective=objective,
+        trials=len(complete),
+        history=history,
+        seconds=seconds,
+        info={"study": name, "storage": str(storage) if storage else None, "mode": mode},
+    )
+    meta = {
+        "K": K,
+        "aggregation": aggregation,
+        "objective": objective,
+        "value": result.value,
+        "baseline_tau0": result.baseline,
+        "mode": mode,
+        "trials": result.trials,
+        "max_tau": max_tau,
+        "skip_layers": 0 if uniform else skip_layers,
+        "tuned_layers": tuned,
+        "seed": seed,
+        "model": model_name,
+        "family": info.family,
+        "moe_layers": [layer.layer_idx for layer in info.layers],
+        "study": name,
+        "storage": str(storage) if storage else None,
+        "validation_items": len(items),
+        "history": history,
+    }
+    if out is not None:
+        result.profile = save_profile(out, best_tau, **meta)
+    if plot_dir is not None:
+        result.figures = _figures(result, Path(plot_dir), max_tau, uniform, direction)
+    return result
+
+
+def _figures(result: TuneResult, plot_dir: Path, max_tau: float, uniform: bool, direction: str) -> list[Path]:
+    from moectl.roe.plots import plot_tau_heatmap, plot_uniform_curve  # matplotlib only when plotting
+
+    ranked = sorted(result.history, key=lambda h: h["value"], reverse=direction == "maximize")[:10]
+    label = "ppl" if result.objective == "ppl" else "acc"
+    rows = [h["tau"] for h in ranked]
+    labels = [f"#{h['trial']} {label}={h['value']:.6g}" for h in ranked]
+    figures = [
+        plot_tau_heatmap(
+            rows, labels, plot_dir / "tau_heatmap.png", max_tau,
+            title=f"Tuned tau per MoE layer (best {len(rows)} trials, best first)",
+        )
+    ]  # fmt: skip
+    if uniform:
+        taus = [h["tau"][0] for h in result.history]
+        values = [h["value"] for h in result.history]
+        ylabel = "validation perplexity" if result.objective == "ppl" else "validation accuracy"
+        figures.append(plot_uniform_curve(taus, values, plot_dir / "uniform_tau.png", ylabel))
+    return figures

@@ -1,0 +1,131 @@
+"""RoE text generation: greedy, sampling, stop strings, EOS, streaming, batches with left padding."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moectl.models.load import ByteTokenizer, load_model
+from moectl.roe import GenerationStats, RoEConfig, generate
+from moectl.roe.generate import choose_next
+
+PROMPTS = ["The quick brown fox", "Hi", "Mixture of experts"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def _load(family: str = "olmoe"):
+    return load_model(f"tiny:{family}")
+
+
+def test_batch_equals_one_prompt_at_a_time():
+    model, tokenizer = _load()
+    config = RoEConfig(K=4, tau=0.4, seed=1)
+    batched = generate(model, tokenizer, PROMPTS, config, max_new_tokens=8, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        (alone,) = generate(model, tokenizer, prompt, config, max_new_tokens=8, ignore_eos=True)
+        assert out.token_ids == alone.token_ids
+        assert out.text == alone.text and out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+def test_stop_string_cuts_the_text():
+    model, tokenizer = _load()
+    config = RoEConfig(K=3, tau=0.3)
+    (free,) = generate(model, tokenizer, "Hello", config, max_new_tokens=24, ignore_eos=True)
+    # an ASCII character first seen after the start (random weights also emit invalid UTF-8 bytes)
+    stop = next(
+        c
+        for i, c in enumerate(free.text)
+        if i > 0 and c.isascii() and c.isprintable() and free.text.index(c) == i
+    )
+    (cut,) = generate(
+        model, tokenizer, "Hello", config, max_new_tokens=24, stop=["zz", stop], ignore_eos=True
+    )
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert len(cut.token_ids) < len(free.token_ids)
+
+
+def test_eos_finishes_a_row():
+    model, _ = _load()
+    tokenizer = ByteTokenizer()
+    config = RoEConfig(K=3, tau=0.3)
+    (free,) = generate(model, tokenizer, "Hello", config, max_new_tokens=6, ignore_eos=True)
+    tokenizer.eos_token_id = free.token_ids[3]  # make the 4th generated token the end of sequence
+    first = free.token_ids.index(tokenizer.eos_token_id)
+    (out,) = generate(model, tokenizer, "Hello", config, max_new_tokens=6)
+    assert out.finish_reason == "eos"
+    assert out.token_ids == free.token_ids[: first + 1]
+
+
+def test_streaming_pieces_add_up_to_the_text():
+    model, tokenizer = _load()
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    outs = generate(
+        model, tokenizer, ["Hello", "Hi"], RoEConfig(K=2, tau=0.3), max_new_tokens=10, ignore_eos=True,
+        on_text=lambda row, piece: pieces[row].append(piece),
+    )  # fmt: skip
+    for row, out in enumerate(outs):
+        assert "".join(pieces[row]) == out.text
+        assert len(pieces[row]) >= 2
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy():
+    model, tokenizer = _load()
+    config = RoEConfig(K=3, tau=0.3)
+    kw = {"max_new_tokens": 10, "ignore_eos": True}
+    a = generate(model, tokenizer, PROMPTS, config, temperature=1.0, sample_seed=7, **kw)
+    b = generate(model, tokenizer, PROMPTS, config, temperature=1.0, sample_seed=7, **kw)
+    c = generate(model, tokenizer, PROMPTS, config, temperature=1.0, sample_seed=8, **kw)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    greedy = generate(model, tokenizer, PROMPTS, config, **kw)
+    nucleus = generate(model, tokenizer, PROMPTS, config, temperature=1.0, top_p=1e-6, **kw)
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in nucleus]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    draws = torch.stack([choose_next(logp, 1.0, 0.75, torch.Generator().manual_seed(s)) for s in range(300)])
+    assert set(draws.flatten().tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.75; 2 and 3 are cut
+    assert int(choose_next(logp, 0.0)) == 0
+
+
+def test_stats_count_samples_and_forwards():
+    model, tokenizer = _load()
+    stats = GenerationStats()
+    generate(
+        model, tokenizer, PROMPTS[:2], RoEConfig(K=5, tau=0.3), max_new_tokens=4, ignore_eos=True, stats=stats
+    )
+    assert stats.steps == 4 and stats.forwards == 4 and stats.tokens == 8
+    assert stats.sample_tokens == 5 * 8
+
+
+def test_adaptive_generation_spends_fewer_samples():
+    model, tokenizer = _load()
+    config = RoEConfig(K=5, tau=0.3)
+    always, never = GenerationStats(), GenerationStats()
+    kw = {"max_new_tokens": 6, "ignore_eos": True}
+    full = generate(model, tokenizer, PROMPTS, config, **kw)
+    a = generate(model, tokenizer, PROMPTS, config, adaptive_threshold=0.0, stats=always, **kw)
+    plain = generate(model, tokenizer, PROMPTS, config.with_(K=1), **kw)
+    n = generate(model, tokenizer, PROMPTS, config, adaptive_threshold=1e9, stats=never, **kw)
+    assert [o.token_ids for o in a] == [o.token_ids for o in full]
+    assert [o.token_ids for o in n] == [o.token_ids for o in plain]
+    assert always.sample_tokens == 5 * always.tokens and never.sample_tokens == never.tokens
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next"])
+def test_other_families_generate(family):
+    model, tokenizer = _load(family)
+    outs = generate(model, tokenizer, PROMPTS, RoEConfig(K=4, tau=0.3), max_new_tokens=5, ignore_eos=True)
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5]
