@@ -231,11 +231,12 @@ class Trainer:
         data = data or self.val_data
         self.model.eval()
         n_rows = data.rows if batches is None else min(data.rows, batches * self.config.micro_batch)
+        # a limited evaluation takes rows spread over the split, so every domain is represented
+        picked = torch.linspace(0, data.rows - 1, n_rows).round().long().unique()
         loss_sum = torch.zeros(len(data.domains), dtype=torch.float64)
         count = torch.zeros(len(data.domains), dtype=torch.float64)
-        for start in range(0, n_rows, self.config.micro_batch):
-            rows = torch.arange(start, min(start + self.config.micro_batch, n_rows))
-            batch = data.batch(rows)
+        for start in range(0, len(picked), self.config.micro_batch):
+            batch = data.batch(picked[start : start + self.config.micro_batch])
             ids = batch["input_ids"].to(self.accelerator.device)
             logits = self.raw_model(input_ids=ids).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
