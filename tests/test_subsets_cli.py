@@ -141,3 +141,33 @@ def test_modularity_writes_heatmaps_and_similarity(tmp_path):
         app, ["modularity", "tiny:olmoe", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]
     )
     assert result.exit_code == 2 and "at least two DOMAIN.jsonl files" in result.output
+
+
+def test_modularity_groups_a_corpus_folder_by_domain(tmp_path):
+    from moectl.data.sample import sample_corpus_dir
+    from moectl.subsets.cli import corpus_texts_by_domain
+
+    texts = corpus_texts_by_domain(sample_corpus_dir(), max_docs=2)
+    assert len(texts) >= 2 and "validation" not in texts and "train" not in texts
+    assert all(1 <= len(docs) <= 2 and all(isinstance(t, str) and t for t in docs) for docs in texts.values())
+    app = typer.Typer()
+    app.command("modularity")(modularity_cmd)
+    app.command("noop")(lambda: None)
+    result = runner.invoke(
+        app,
+        [
+            "modularity",
+            "tiny:olmoe",
+            "--data",
+            str(sample_corpus_dir()),
+            "--max-docs",
+            "1",
+            "--max-length",
+            "32",
+            "--out",
+            str(tmp_path / "report"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "report" / "similarity.json").read_text())
+    assert saved["domains"] == sorted(texts)

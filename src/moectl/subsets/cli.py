@@ -182,7 +182,12 @@ def export_cmd(
 
 def modularity_cmd(
     model: ModelArg,
-    data: Annotated[Path, typer.Option("--data", help="Directory of DOMAIN.jsonl files ('text' per line).")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data", help="Directory of DOMAIN.jsonl files ('text' per line), or a moectl corpus folder."
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", help="Directory for the heatmap PNGs and similarity.json.")],
     max_docs: Annotated[int | None, typer.Option("--max-docs", help="Documents per domain.")] = None,
     max_length: Annotated[
@@ -202,10 +207,15 @@ def modularity_cmd(
     from moectl.subsets.similarity import domain_similarity, domain_vectors, plot_similarity
 
     try:
-        files = sorted(data.glob("*.jsonl")) if data.is_dir() else []
-        if len(files) < 2:
-            raise ValueError(f"{data}: needs a directory with at least two DOMAIN.jsonl files")
-        texts = {f.stem: read_texts(f, max_docs) for f in files}
+        texts = corpus_texts_by_domain(data, max_docs) if _is_corpus(data) else {}
+        if not texts:
+            files = sorted(data.glob("*.jsonl")) if data.is_dir() else []
+            if len(files) < 2:
+                raise ValueError(
+                    f"{data}: needs a directory with at least two DOMAIN.jsonl files, or a corpus folder "
+                    "(validation.jsonl with a 'domain' field)"
+                )
+            texts = {f.stem: read_texts(f, max_docs) for f in files}
         lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
         info = inspect(lm)
         similarity = domain_similarity(domain_vectors(lm, tokenizer, texts, info, max_length))
@@ -238,3 +248,19 @@ def modularity_cmd(
     (out / "similarity.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/similarity.json and {len(paths)} heatmaps[/dim]")
     _write_json(json_path, result)
+
+
+def _is_corpus(path: Path) -> bool:
+    return path.is_dir() and any((path / f"validation.{ext}").exists() for ext in ("jsonl", "jsonl.gz"))
+
+
+def corpus_texts_by_domain(path: Path, max_docs: int | None) -> dict[str, list[str]]:
+    """Validation documents of a moectl corpus folder, grouped by their ``domain`` field."""
+    from moectl.data.sample import iter_documents
+
+    texts: dict[str, list[str]] = {}
+    for doc in iter_documents(path, "validation"):
+        bucket = texts.setdefault(doc["domain"], [])
+        if max_docs is None or len(bucket) < max_docs:
+            bucket.append(doc["text"])
+    return dict(sorted(texts.items()))
