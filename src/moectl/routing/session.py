@@ -127,6 +127,8 @@ class RoutingSession:
                     f"{ctx.batch}x{ctx.length}; was the model called through its base model?"
                 )
             state = RoutingState(layer.index, logits.reshape(ctx.batch, ctx.length, e).float(), rule, ctx)
+            if args and isinstance(args[0], Tensor) and args[0].numel() % (ctx.batch * ctx.length) == 0:
+                state.hidden = args[0].reshape(ctx.batch, ctx.length, -1)
             for policy in self.policies:
                 policy.apply(state)
             new = None

@@ -40,7 +40,7 @@ class RoutingState:
     """One MoE layer's routing inputs during one forward call, as policies leave them.
 
     ``logits`` [B, T, E] are the router's raw output (float32) and ``probs`` its distribution
-    p = rule.probs(logits). Policies narrow ``allowed`` ([B, T, E] bool, or None for all) and add
+    p = rule.probs(logits). ``hidden`` is the router's input (TE-MoE's controller state h_t). Policies narrow ``allowed`` ([B, T, E] bool, or None for all) and add
     to ``noise`` (on the logits used for choosing only).
     """
 
@@ -52,6 +52,7 @@ class RoutingState:
     noise: Tensor | None = None
     renorm: Renorm = "pruned"
     restrictions: int = 0  # how many policies narrowed ``allowed`` (one alone was checked at bind)
+    hidden: Tensor | None = None  # [B, T, H] the router's input h_t (pre-MLP hidden state), as the model holds it
     extras: dict = field(default_factory=dict)
 
     @cached_property
