@@ -184,6 +184,7 @@ def _mount() -> None:
     from moectl.data.cli import corpus_app, tokenizer_app
     from moectl.eval.cli import data_app, eval_command, report_command
     from moectl.pretrain import pretrain_command
+    from moectl.options.cli import options_app
     from moectl.roe.cli import roe_app
     from moectl.serve.cli import serve_offload_command
     from moectl.subsets.cli import modularity_cmd, subset_app
@@ -198,6 +199,7 @@ def _mount() -> None:
     app.command("modularity")(modularity_cmd)
     app.add_typer(roe_app, name="roe", help="Roster of Experts: Gumbel-routed ensembles with a clean KV cache.")
     app.add_typer(data_app, name="data", help="Fetch offline evaluation sets.")
+    app.add_typer(options_app, name="options", help="Temporally extended MoE: option controllers (TE-MoE).")
 
 
 _mount()

@@ -57,7 +57,8 @@ class RoutingSession:
         self.trace = RoutingTrace(self.info.num_moe_layers, meta, self.probs_dtype) if self.record else None
         self.ctx = RouteContext()
         self._fired = [0] * self.info.num_moe_layers
-        base = getattr(self.model, "base_model", self.model)
+        root = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        base = getattr(root, "base_model", root)
         try:
             self._handles.append(base.register_forward_pre_hook(self._begin, with_kwargs=True))
             self._handles.append(base.register_forward_hook(self._end))

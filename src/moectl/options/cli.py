@@ -1,0 +1,304 @@
+"""``moectl options train | generate | eval``: temporally extended MoE controllers (TE-MoE)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+options_app = typer.Typer(no_args_is_help=True, help="Learn and use per-layer option controllers (TE-MoE).")
+console = Console()
+
+ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16, float16.")]
+ControllerOpt = Annotated[
+    Path, typer.Option("--controller", help="Folder written by `moectl options train` (its final/).")
+]
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        console.print(f"[dim]wrote {path}[/dim]")
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[red]error:[/red] {err}")
+    raise typer.Exit(2) from err
+
+
+def _controller_dir(path: Path) -> Path:
+    return path / "final" if (path / "final" / "controller.json").exists() else path
+
+
+@options_app.command("train")
+def train_cmd(
+    model: ModelArg,
+    k_hat: Annotated[int, typer.Option("--k-hat", help="Experts per option k̂ (top-k ≤ k̂ ≤ N).")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Output folder (checkpoints/, final/, log.jsonl, curves.png).")
+    ],
+    eta: Annotated[float, typer.Option("--eta", help="Deliberation cost η (nats per switch).")] = 0.02,
+    eta_from_latency: Annotated[
+        float | None,
+        typer.Option(
+            "--eta-from-latency",
+            help="Set η from measured expert-load and decode latency, at this many nats per token of delay.",
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data", help="Prompts: JSONL ('prompt'/'text') or a corpus folder; default sample corpus."
+        ),
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps")] = 300,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per step.")] = 16,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens")] = 128,
+    tau: Annotated[float, typer.Option("--tau", help="Teacher mixing ratio τ.")] = 0.2,
+    no_intra: Annotated[
+        bool, typer.Option("--no-intra", help="Train the controller only (no LoRA, routers frozen).")
+    ] = False,
+    cross_layer: Annotated[
+        bool, typer.Option("--cross-layer", help="One switch decision for all layers (§A4).")
+    ] = False,
+    lora_r: Annotated[int, typer.Option("--lora-r")] = 16,
+    no_lora_experts: Annotated[
+        bool, typer.Option("--no-lora-experts", help="LoRA on attention only (expert LoRA costs a delta per forward).")
+    ] = False,
+    save_every: Annotated[int, typer.Option("--save-every")] = 50,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore checkpoints in --out.")] = False,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    json_path: JsonOpt = None,
+) -> None:
+    """Train per-layer option controllers with a deliberation cost (TE-MoE Algorithm 2)."""
+    from moectl.adapters.inspect import inspect
+    from moectl.models.load import load_model
+    from moectl.options.data import read_prompts
+    from moectl.options.trainer import OptionsConfig, train_options
+
+    try:
+        prompts = read_prompts(data)
+        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        latency = None
+        if eta_from_latency is not None:
+            from moectl.options.latency import measure_switch_cost
+
+            latency = measure_switch_cost(lm, inspect(lm), k_hat, eta_from_latency)
+            eta = latency["eta"]
+            console.print(
+                f"η from latency: one expert {latency['expert_bytes']} B in {latency['load_s'] * 1e6:.0f} µs, "
+                f"decode step {latency['token_s'] * 1e3:.2f} ms → η = {eta:.4f}"
+            )
+        config = OptionsConfig(
+            k_hat=k_hat,
+            eta=eta,
+            steps=steps,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            tau=tau,
+            intra=not no_intra,
+            cross_layer=cross_layer,
+            lora_r=lora_r,
+            lora_alpha=lora_r,
+            lora_experts=not no_lora_experts,
+            save_every=save_every,
+            seed=seed,
+        )
+        result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume)
+    except (ValueError, FileNotFoundError) as err:
+        _fail(err)
+    log = result["log"]
+    first, last = log[0], log[-1]
+    table = Table(title=f"options training, k̂={k_hat}, η={eta:.4f}")
+    for col in ("", "reward", "switch rate", "switch prob P95", "value loss", "teacher ppl"):
+        table.add_column(col)
+    for name, row in (("first step", first), ("last step", last)):
+        table.add_row(
+            name,
+            f"{row['reward']:.4f}",
+            f"{row['switch_rate']:.4f}",
+            f"{row['switch_prob_p95']:.4f}",
+            f"{row['value_loss']:.4f}",
+            f"{row['teacher_ppl']:.2f}",
+        )
+    console.print(table)
+    console.print(f"[dim]controller: {result['final']}; curves: {out / 'curves.png'}[/dim]")
+    _write_json(
+        json_path, {"config": asdict(config), "latency": latency, "final": result["final"], "log": log}
+    )
+
+
+def _load(model: str, controller: Path | None, device: str, dtype: str, seed: int, merge: bool = True):
+    from moectl.adapters.inspect import inspect
+    from moectl.models.load import load_model
+
+    lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+    if controller is None:
+        return lm, tokenizer, None, {}, None
+    from moectl.options.state import load_controlled
+
+    lm, ctrl, config, snapshot = load_controlled(lm, _controller_dir(controller), merge=merge)
+    lm.eval()
+    inspect(lm)
+    return lm, tokenizer, ctrl, config, snapshot
+
+
+@options_app.command("generate")
+def generate_cmd(
+    model: ModelArg,
+    controller: ControllerOpt,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.5,
+    greedy_controller: Annotated[
+        bool,
+        typer.Option("--greedy-controller", help="Switch when β > 1/2 and take the top-k̂ (no sampling)."),
+    ] = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write the options over positions (Fig. 6) here.")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    json_path: JsonOpt = None,
+) -> None:
+    """Generate under a controller and show where the options switch."""
+    from moectl.generate import Prompt, generate
+    from moectl.metrics.switch_rate import switch_rate
+    from moectl.options.policy import ControllerPolicy
+    from moectl.routing import route
+
+    try:
+        lm, tokenizer, ctrl, _, _ = _load(model, controller, device, dtype, seed)
+        policy = ControllerPolicy(
+            ctrl, mode="greedy" if greedy_controller else "sample", seed=seed, record=True
+        )
+        prompts = [Prompt(p) for p in (prompt or ["The history of the"])]
+        with route(lm, policy, record=True) as session:
+            texts = generate(lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        _fail(err)
+    trace = session.trace
+    report = switch_rate(trace, source="allowed")
+    records = policy.layer_records()
+    rows = []
+    for i, (p, text) in enumerate(zip(prompts, texts, strict=True)):
+        start = int(trace.prompt_len[i]) - 1
+        events = {
+            layer: [int(t) - start for t in rec.switch[i].nonzero().flatten().tolist() if t >= start]
+            for layer, rec in records.items()
+        }
+        ids = tokenizer.encode(text) if hasattr(tokenizer, "encode") else []
+        any_switch = sorted({t for ts in events.values() for t in ts})
+        marked = "".join(
+            ("│" if j in any_switch else "") + tokenizer.decode([tok]) for j, tok in enumerate(ids, start=1)
+        )
+        console.print(f"[bold]{p.text}[/bold]{marked}")
+        console.print(f"[dim]switch events per layer (generated position): {events}[/dim]")
+        rows.append({"prompt": p.text, "text": text, "switch_events": events})
+    console.print(f"switch rate {report.mean:.4f} (per layer {[round(x, 4) for x in report.per_layer]})")
+    if plot is not None:
+        from moectl.options.plots import plot_options
+
+        for layer in sorted(records)[:3]:
+            plot_options(trace, plot / f"options_layer{layer}.png", layer=layer)
+        console.print(f"[dim]wrote option plots to {plot}[/dim]")
+    _write_json(json_path, {"switch_rate": report.mean, "per_layer": report.per_layer, "samples": rows})
+
+
+@options_app.command("eval")
+def eval_cmd(
+    model: ModelArg,
+    controller: Annotated[
+        Path | None,
+        typer.Option("--controller", help="Trained controller folder; without it the plain model."),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data", help="Held-out texts: JSONL or corpus folder (test split); default sample corpus."
+        ),
+    ] = None,
+    prompts: Annotated[
+        Path | None, typer.Option("--prompts", help="Prompts for the switch rate (JSONL); default built-in.")
+    ] = None,
+    k_hat: Annotated[
+        int | None, typer.Option("--k-hat", help="k̂ for the plain model's router-as-option switch rate.")
+    ] = None,
+    max_docs: Annotated[int, typer.Option("--max-docs", help="Documents per domain.")] = 16,
+    max_length: Annotated[int, typer.Option("--max-length")] = 256,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.5,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    json_path: JsonOpt = None,
+) -> None:
+    """Quality against the teacher (per-token KL, per-domain perplexity) and switch rate."""
+    from functools import partial
+
+    from moectl.adapters.inspect import inspect
+    from moectl.generate import load_prompts
+    from moectl.options.data import texts_by_domain
+    from moectl.options.evaluate import generation_switch_rate, heldout_quality
+    from moectl.options.policy import ControllerPolicy
+    from moectl.options.teacher import teacher_mode
+
+    try:
+        texts = texts_by_domain(data, "test", max_docs)
+        lm, tokenizer, ctrl, config, snapshot = _load(model, controller, device, dtype, seed, merge=False)
+        info = inspect(lm)
+        if ctrl is None:
+            policies = list
+            teacher = partial(lambda: teacher_mode(lm, info, None))
+            k = k_hat or info.top_k
+        else:
+            policies = lambda: [ControllerPolicy(ctrl, seed=seed)]  # noqa: E731
+            teacher = partial(teacher_mode, lm, info, snapshot)
+            k = ctrl.k_hat
+        quality = heldout_quality(lm, info, tokenizer, texts, policies, teacher, max_length)
+        switching = generation_switch_rate(
+            lm, info, tokenizer, load_prompts(prompts), policies, k, max_new_tokens, temperature, seed=seed
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        _fail(err)
+    table = Table(title=f"{'controller ' + str(controller) if controller else 'plain model'}, k̂={k}")
+    for col in ("domain", "KL(teacher‖student)", "ppl", "teacher ppl", "docs"):
+        table.add_column(col)
+    for domain, row in quality["domains"].items():
+        table.add_row(
+            domain,
+            f"{row['kl']:.4f} ± {row['kl_ci95']:.4f}",
+            f"{row['ppl']:.2f}",
+            f"{row['teacher_ppl']:.2f}",
+            str(row["documents"]),
+        )
+    console.print(table)
+    console.print(
+        f"switch rate on generated tokens: {switching['switch_rate']:.4f} ± {switching['switch_rate_ci95']:.4f} "
+        f"({switching['source']})"
+    )
+    _write_json(
+        json_path,
+        {
+            "model": model,
+            "controller": str(controller) if controller else None,
+            "k_hat": k,
+            "options": config,
+            "quality": quality,
+            "switching": switching,
+        },
+    )

@@ -1,0 +1,132 @@
+"""Quality and switch rate of a routing policy against the unrestricted teacher (TE-MoE §5).
+
+- held-out quality (teacher forcing): per-token KL(p_teacher ‖ p_student) and perplexities of
+  student and teacher, per domain, with 95% intervals over documents;
+- switch rate on generated tokens (§2.2): of the policy's recorded masks when it sets them
+  (controller, random baseline), else of the router treated as an option policy with k-hat.
+
+The "teacher" is the model without the policy (and, for a trained controller, with the adapters
+disabled and the original routers: ``teacher`` is a context manager that switches to it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.generate import Prompt, generate
+from moectl.metrics.switch_rate import switch_rate
+from moectl.options.rollout import positions
+from moectl.routing import route
+from moectl.routing.state import Policy
+
+PolicyFactory = Callable[[], Sequence[Policy]]
+
+
+def ci95(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and the half-width of its normal 95% interval."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, 1.96 * math.sqrt(var / n)
+
+
+def _batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    from moectl.options.rollout import left_pad
+
+    ids = [tokenizer.encode(t)[:max_length] for t in texts]
+    ids = [x if len(x) >= 2 else x + [tokenizer.eos_token_id or 0] * (2 - len(x)) for x in ids]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return left_pad(ids, pad, device)
+
+
+@torch.no_grad()
+def heldout_quality(
+    model: nn.Module,
+    info: ModelInfo,
+    tokenizer,
+    texts_by_domain: dict[str, list[str]],
+    policies: PolicyFactory,
+    teacher: Callable[[], AbstractContextManager] = nullcontext,
+    max_length: int = 256,
+    batch_size: int = 8,
+) -> dict:
+    """Per-domain KL to the teacher and perplexities; documents are the unit of the intervals."""
+    device = next(model.parameters()).device
+    result: dict = {"domains": {}}
+    all_kl: list[float] = []
+    for domain, texts in texts_by_domain.items():
+        kl_docs, nll_s, nll_t, count = [], 0.0, 0.0, 0
+        for start in range(0, len(texts), batch_size):
+            ids, attn = _batch(tokenizer, texts[start : start + batch_size], max_length, device)
+            kwargs = {"input_ids": ids, "attention_mask": attn, "position_ids": positions(attn)}
+            with teacher():
+                lt = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
+            with route(model, list(policies()), info=info):
+                ls = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
+            pair = (attn[:, :-1] & attn[:, 1:]).float()
+            target = ids[:, 1:, None]
+            kl = (lt.exp() * (lt - ls)).sum(-1) * pair
+            kl_docs.extend((kl.sum(1) / pair.sum(1).clamp(min=1)).tolist())
+            nll_s -= float((ls.gather(-1, target).squeeze(-1) * pair).sum())
+            nll_t -= float((lt.gather(-1, target).squeeze(-1) * pair).sum())
+            count += int(pair.sum())
+        mean, half = ci95(kl_docs)
+        result["domains"][domain] = {
+            "kl": mean,
+            "kl_ci95": half,
+            "ppl": math.exp(nll_s / max(count, 1)),
+            "teacher_ppl": math.exp(nll_t / max(count, 1)),
+            "documents": len(kl_docs),
+            "tokens": count,
+        }
+        all_kl.extend(kl_docs)
+    mean, half = ci95(all_kl)
+    doms = result["domains"].values()
+    result["kl"], result["kl_ci95"] = mean, half
+    result["ppl_ratio"] = sum(d["ppl"] / d["teacher_ppl"] for d in doms) / max(len(doms), 1)
+    return result
+
+
+def generation_switch_rate(
+    model: nn.Module,
+    info: ModelInfo,
+    tokenizer,
+    prompts: list[Prompt],
+    policies: PolicyFactory,
+    k_hat: int,
+    max_new_tokens: int = 128,
+    temperature: float = 0.5,
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict:
+    """Switch rate on generated tokens with 95% interval over sequences (§2.2, Tables 2–3)."""
+    pols = list(policies())
+    with route(model, pols, record=True, info=info) as session:
+        texts = generate(
+            model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, progress=progress
+        )
+    trace = session.trace
+    assert trace is not None
+    source = "allowed" if trace.allowed else "router"
+    report = switch_rate(trace, k_hat=k_hat if source == "router" else None, source=source)
+    mean, half = ci95(report.per_sequence)
+    return {
+        "switch_rate": mean,
+        "switch_rate_ci95": half,
+        "per_layer": report.per_layer,
+        "source": source,
+        "sequences": len(report.per_sequence),
+        "samples": texts[:3],
+    }

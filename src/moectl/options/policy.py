@@ -1,0 +1,171 @@
+"""Call-and-return inference with persistent expert masks (TE-MoE §2.1, §4.1, Algorithm 2 lines 3–9).
+
+:class:`ControllerPolicy` is a routing policy: at every MoE layer it keeps the active option ω
+(k-hat experts) per sequence and restricts the router to it until the termination head fires.
+
+Prefill does not loop over tokens through the network: within a layer the hidden states of
+all positions of the call are known, so the (tiny) controller is scanned over positions — only
+the termination MLP's option-dependent half runs per step, everything else for all positions
+at once — and the experts then run for all tokens in one go under the per-token masks.
+Decoding carries the controller state (ω per layer and row) from call to call; a call at KV
+offset 0 starts new sequences. Batches with left padding are handled: a row's option starts at
+its first real token (t = 0: router top-k-hat, no switch sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.options.controller import OptionController
+from moectl.options.plackett_luce import mask_of
+from moectl.routing.gumbel import gumbel_noise
+from moectl.routing.state import RoutingState
+
+_MODES = ("sample", "greedy")
+
+
+@dataclass
+class OptionRecord:
+    """What one forward call decided at one MoE layer (for training and inspection)."""
+
+    hidden: Tensor  # [B, T, d] h_t, float32
+    prev: Tensor  # [B, T, N] bool ω_{t−1} (at a start position: the starting option)
+    option: Tensor  # [B, T, N] bool ω_t
+    order: Tensor  # [B, T, k̂] the ordered PL tuple sampled at t (the option where switch is set)
+    switch: Tensor  # [B, T] bool d_t
+    start: Tensor  # [B, T] bool the option started here (t = 0)
+    beta: Tensor  # [B, T] β_t (0 at start and padding)
+
+
+def cat_records(chunks: list[OptionRecord]) -> OptionRecord:
+    """Join the records of successive calls (prefill, then decoding steps) along T."""
+    return OptionRecord(
+        *(torch.cat([getattr(c, f) for c in chunks], 1) for f in OptionRecord.__dataclass_fields__)
+    )
+
+
+class ControllerPolicy:
+    """Route under a trained (or fresh) :class:`OptionController`.
+
+    ``mode='sample'``: d_t ~ Bernoulli(β_t), new options by Plackett–Luce (as trained);
+    ``'greedy'``: switch when β_t > 1/2, new option = top-k-hat of the selection logits.
+    ``record=True`` keeps an :class:`OptionRecord` per call and layer in ``records``.
+    """
+
+    def __init__(
+        self,
+        controller: OptionController,
+        mode: str = "sample",
+        seed: int = 0,
+        record: bool = False,
+        renorm: str = "pruned",
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        self.controller = controller
+        self.mode, self.record, self.renorm = mode, record, renorm
+        self.seed = int(seed)
+        self.generator: torch.Generator | None = None
+        self.records: dict[int, list[OptionRecord]] = {}
+        self._option: dict[int, Tensor] = {}
+        self._started: dict[int, Tensor] = {}
+        self._shared_switch: Tensor | None = None
+
+    # -- Policy protocol ----------------------------------------------------------------------
+    def bind(self, info: ModelInfo) -> None:
+        self.controller.check(info)
+        if info.top_k > self.controller.k_hat:
+            raise ValueError(f"k-hat = {self.controller.k_hat} is below the model's top-k = {info.top_k}")
+
+    def reset(self, seed: int | None = None) -> None:
+        """Forget the options (new sequences) and the records; reseed if ``seed`` is given."""
+        self._option.clear()
+        self._started.clear()
+        self.records.clear()
+        if seed is not None:
+            self.seed = int(seed)
+            self.generator = None
+
+    def _gen(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
+
+    @torch.no_grad()
+    def apply(self, state: RoutingState) -> None:
+        if state.hidden is None:
+            raise RuntimeError(
+                "the controller needs the router input (RoutingState.hidden), which was not captured"
+            )
+        layer, ctx = state.layer, state.ctx
+        ctrl = self.controller.layers[layer]
+        k_hat = self.controller.k_hat
+        b, t_len, n = state.logits.shape
+        dev = state.logits.device
+        if ctx.offset == 0 or layer not in self._option:
+            if ctx.offset != 0:
+                raise RuntimeError(
+                    f"MoE layer {layer}: decoding at offset {ctx.offset} without a prefill under this policy"
+                )
+            self._option[layer] = torch.zeros(b, n, dtype=torch.bool, device=dev)
+            self._started[layer] = torch.zeros(b, dtype=torch.bool, device=dev)
+        option, started = self._option[layer], self._started[layer]
+        if option.shape[0] != b:
+            raise RuntimeError(
+                f"batch size changed from {option.shape[0]} to {b} in the middle of a sequence"
+            )
+
+        h = state.hidden.float()
+        param = next(ctrl.parameters())
+        h = h.to(param.dtype)
+        valid = ctx.valid_mask(dev)
+        features = ctrl.expert_features()
+        a, w_z, tail = ctrl.termination_parts(h)
+        cand = ctrl.candidates(h)
+        gen = self._gen(dev)
+        if self.mode == "sample":
+            order = (cand.float() + gumbel_noise(cand.shape, gen, dev)).topk(k_hat, dim=-1).indices
+            u = torch.rand((b, t_len), generator=gen, device=gen.device).to(dev)
+        else:
+            order = cand.float().topk(k_hat, dim=-1).indices
+            u = torch.full((b, t_len), 0.5, device=dev)
+        start_order = state.logits.topk(k_hat, dim=-1).indices  # ω_0 = TopK(g_0, k̂)
+        shared = self._shared_switch if (self.controller.config.cross_layer and layer > 0) else None
+
+        masks = torch.ones(b, t_len, n, dtype=torch.bool, device=dev)
+        prev = torch.ones_like(masks)
+        switch = torch.zeros(b, t_len, dtype=torch.bool, device=dev)
+        starts = torch.zeros_like(switch)
+        betas = torch.zeros(b, t_len, device=dev)
+        z = ctrl.set_embedding(option, features)
+        for t in range(t_len):
+            v = valid[:, t]
+            start = v & ~started
+            cont = v & started
+            prev[:, t] = torch.where(started[:, None], option, prev[:, t])
+            beta = ctrl.beta_from_parts(a[:, t], w_z, tail, z)
+            d = shared[:, t] & cont if shared is not None else (u[:, t] < beta) & cont
+            betas[:, t] = torch.where(cont, beta, 0.0)
+            if bool((d | start).any()):
+                option = torch.where(d[:, None], mask_of(order[:, t], n), option)
+                option = torch.where(start[:, None], mask_of(start_order[:, t], n), option)
+                z = ctrl.set_embedding(option, features)
+                started = started | start
+            prev[:, t] = torch.where(start[:, None], option, prev[:, t])
+            masks[:, t] = torch.where(started[:, None], option, masks[:, t])
+            switch[:, t], starts[:, t] = d, start
+        self._option[layer], self._started[layer] = option, started
+        if layer == 0:
+            self._shared_switch = switch
+        state.restrict(masks, renorm=self.renorm)
+        if self.record:
+            rec = OptionRecord(h.float(), prev, masks, order, switch, starts, betas)
+            self.records.setdefault(layer, []).append(rec)
+
+    def layer_records(self) -> dict[int, OptionRecord]:
+        """Every recorded call joined along T, per MoE layer."""
+        return {layer: cat_records(chunks) for layer, chunks in self.records.items()}

@@ -1,0 +1,144 @@
+"""Saving and loading what options training produces: controller, LoRA adapters, routers.
+
+A folder (the final output or ``checkpoints/step-N``) holds ``controller.json`` +
+``controller.safetensors``, ``adapter.safetensors`` (LoRA weights, when the intra-option
+policy was trained), ``routers.safetensors`` (trained router weights) and ``options.json``
+(the training configuration). Checkpoints also hold ``trainer_state.pt`` (optimizers, the
+step, every generator's state). Folders are written beside their final name and renamed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.options.controller import OptionController
+from moectl.options.teacher import router_snapshot
+
+
+def save_folder(
+    path: Path,
+    controller: OptionController,
+    model: nn.Module,
+    info: ModelInfo,
+    config: dict,
+    trainer_state: dict | None = None,
+) -> Path:
+    """Write the folder atomically (temp folder, then rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    controller.save(tmp)
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        lora = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+        save_file(lora, str(tmp / "adapter.safetensors"))
+        (tmp / "adapter_config.json").write_text(
+            json.dumps(model.peft_config["default"].to_dict(), default=list) + "\n"
+        )
+    routers = {
+        f"layer{layer.index}": layer.router.weight.detach().contiguous().cpu() for layer in info.layers
+    }
+    save_file(routers, str(tmp / "routers.safetensors"))
+    (tmp / "options.json").write_text(json.dumps(config, indent=2) + "\n")
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    if path.exists():
+        old = path.with_name(f".old-{path.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def save_checkpoint(
+    out: Path, step: int, controller, model, info, config: dict, trainer_state: dict, keep: int = 2
+) -> Path:
+    root = Path(out) / "checkpoints"
+    final = save_folder(
+        root / f"step-{step:06d}", controller, model, info, config, {**trainer_state, "step": step}
+    )
+    pointer = root / ".latest.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / "latest")
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    pointer = Path(out) / "checkpoints" / "latest"
+    if pointer.exists():
+        path = pointer.parent / pointer.read_text().strip()
+        if (path / "trainer_state.pt").exists():
+            return path
+    return None
+
+
+def load_weights(path: Path, model: nn.Module, info: ModelInfo) -> None:
+    """Load adapter and router weights saved by :func:`save_folder` into ``model`` (in place)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "adapter.safetensors").exists() and hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(path / "adapter.safetensors")))
+    if (path / "routers.safetensors").exists():
+        routers = load_file(str(path / "routers.safetensors"))
+        with torch.no_grad():
+            for layer in info.layers:
+                layer.router.weight.copy_(routers[f"layer{layer.index}"])
+
+
+def load_controlled(
+    model: nn.Module, path: str | Path, merge: bool = True
+) -> tuple[nn.Module, OptionController, dict[str, Any], list | None]:
+    """Apply a trained folder to ``model``: LoRA adapters, trained routers, and the controller.
+
+    Returns (model, controller, options config, router snapshot). With ``merge`` the adapters
+    are merged into the weights (a plain transformers model at inference; snapshot None);
+    without, the PEFT model is returned with the original routers' snapshot, so that
+    ``teacher_mode`` gives the original model back (for measuring quality against it).
+    """
+    path = Path(path)
+    controller = OptionController.load(path, device=next(model.parameters()).device)
+    info = inspect(model)
+    controller.check(info)
+    config = json.loads((path / "options.json").read_text()) if (path / "options.json").exists() else {}
+    if (path / "adapter.safetensors").exists():
+        from peft import LoraConfig, get_peft_model
+
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        lora = LoraConfig(
+            r=cfg["r"],
+            lora_alpha=cfg["lora_alpha"],
+            target_modules=cfg.get("target_modules") or None,
+            target_parameters=cfg.get("target_parameters") or None,
+        )
+        snapshot = router_snapshot(info)
+        peft_model = get_peft_model(model, lora)
+        load_weights(path, peft_model, inspect(peft_model))
+        if not merge:
+            return peft_model, controller, config, snapshot
+        model = peft_model.merge_and_unload()
+        info = inspect(model)
+    snapshot = None if merge else router_snapshot(info)
+    load_weights(path, model, info)
+    return model, controller, config, snapshot
