@@ -183,8 +183,8 @@ def _mount() -> None:
     """Verbs that live in their own packages."""
     from moectl.data.cli import corpus_app, tokenizer_app
     from moectl.eval.cli import data_app, eval_command, report_command
-    from moectl.pretrain import pretrain_command
     from moectl.options.cli import options_app
+    from moectl.pretrain import pretrain_command
     from moectl.roe.cli import roe_app
     from moectl.serve.cli import serve_offload_command
     from moectl.subsets.cli import modularity_cmd, subset_app

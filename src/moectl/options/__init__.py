@@ -1,0 +1,18 @@
+"""Temporally extended MoE (TE-MoE): per-layer option controllers with a deliberation cost."""
+
+from moectl.options.controller import ControllerConfig, LayerController, OptionController, build_controller
+from moectl.options.policy import ControllerPolicy, OptionRecord
+from moectl.options.state import load_controlled
+from moectl.options.trainer import OptionsConfig, train_options
+
+__all__ = [
+    "ControllerConfig",
+    "ControllerPolicy",
+    "LayerController",
+    "OptionController",
+    "OptionRecord",
+    "OptionsConfig",
+    "build_controller",
+    "load_controlled",
+    "train_options",
+]
