@@ -174,3 +174,31 @@ def test_controller_init_and_sizes(tmp_path):
         build_controller(info, 1)
     with pytest.raises(ValueError, match="controller was built for"):
         again.check(moectl.inspect(moectl.tiny("mixtral", hidden_size=32)))
+
+
+def test_cross_layer_option_switches_every_layer_together():
+    model = moectl.tiny("qwen2_moe")
+    info = moectl.inspect(model)
+    ctrl = build_controller(info, 4, cross_layer=True)
+    with torch.no_grad():
+        for layer in ctrl.layers:
+            layer.termination[-1].bias.fill_(-0.5)  # frequent switches
+    policy = ControllerPolicy(ctrl, record=True)
+    with moectl.route(model, policy):
+        model(torch.randint(3, 200, (2, 40)))
+    records = policy.layer_records()
+    assert records[0].switch.any()
+    for rec in records.values():
+        assert torch.equal(rec.switch, records[0].switch)
+
+
+def test_eta_from_measured_latency():
+    from moectl.options.latency import expert_tensors, measure_switch_cost
+
+    model = moectl.tiny("olmoe")
+    info = moectl.inspect(model)
+    tensors = expert_tensors(info)
+    assert tensors and all(t.shape[0] != info.num_experts for t in tensors)
+    cost = measure_switch_cost(model, info, k_hat=4, nats_per_token_delay=0.5, repeats=2)
+    assert cost["load_s"] > 0 and cost["token_s"] > 0 and cost["expert_bytes"] > 0
+    assert cost["eta"] == pytest.approx(0.5 * 4 * cost["load_s"] / cost["token_s"])

@@ -73,8 +73,17 @@ def train_cmd(
     ] = False,
     lora_r: Annotated[int, typer.Option("--lora-r")] = 16,
     no_lora_experts: Annotated[
-        bool, typer.Option("--no-lora-experts", help="LoRA on attention only (expert LoRA costs a delta per forward).")
+        bool,
+        typer.Option(
+            "--no-lora-experts", help="LoRA on attention only (expert LoRA costs a delta per forward)."
+        ),
     ] = False,
+    lr_controller: Annotated[
+        float, typer.Option("--lr-controller", help="Controller learning rate (§5: 1e-4).")
+    ] = 1e-4,
+    value_init: Annotated[
+        str, typer.Option("--value-init", help="V head init: router (A2) or zero.")
+    ] = "router",
     save_every: Annotated[int, typer.Option("--save-every")] = 50,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore checkpoints in --out.")] = False,
@@ -116,6 +125,8 @@ def train_cmd(
             lora_experts=not no_lora_experts,
             save_every=save_every,
             seed=seed,
+            lr_controller=lr_controller,
+            value_init=value_init,
         )
         result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume)
     except (ValueError, FileNotFoundError) as err:

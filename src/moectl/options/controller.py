@@ -76,15 +76,27 @@ class LayerController(nn.Module):
         with torch.no_grad():
             self.termination[-1].bias.fill_(-3.0)
 
-    def init_from_router(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        """Selection head := router; V_Ω's weight := mean router row (A2)."""
+    def init_from_router(
+        self, weight: Tensor, bias: Tensor | None = None, value_init: str = "router"
+    ) -> None:
+        """Selection head := router; V_Ω's weight := mean router row (A2), or zero (``value_init='zero'``).
+
+        ``'zero'`` is for short budgets: a router-scaled V starts off by several nats, and at the
+        paper's lr the critic needs far more tokens than a CPU run has to correct it, so Q − V + η
+        is dominated by V's initial error rather than by η.
+        """
         with torch.no_grad():
             w = weight.detach().float().reshape(self.num_experts, self.hidden_size)
             self.selection.weight.copy_(w)
             self.selection.bias.copy_(
                 bias.detach().float() if bias is not None else torch.zeros(self.num_experts)
             )
-            self.state_value.weight.copy_(w.mean(0, keepdim=True))
+            v = (
+                w.mean(0, keepdim=True)
+                if value_init == "router"
+                else torch.zeros_like(self.state_value.weight)
+            )
+            self.state_value.weight.copy_(v)
             self.state_value.bias.zero_()
 
     # -- pieces -----------------------------------------------------------------------------
@@ -195,11 +207,14 @@ def build_controller(
     d_h: int | None = None,
     cross_layer: bool = False,
     seed: int = 0,
+    value_init: str = "router",
 ) -> OptionController:
     """A fresh controller for ``info``'s model; selection and value heads initialised from the routers."""
     sizes = [layer.num_experts for layer in info.layers]
     if not sizes:
         raise ValueError("the model has no MoE layers")
+    if value_init not in ("router", "zero"):
+        raise ValueError(f"value_init must be 'router' or 'zero', got {value_init!r}")
     if not info.top_k <= k_hat <= min(sizes):
         raise ValueError(
             f"k-hat must be between top-k ({info.top_k}) and the experts per layer ({min(sizes)}), got {k_hat}"
@@ -219,6 +234,6 @@ def build_controller(
         torch.manual_seed(seed)
         controller = OptionController(config)
     for layer, ctrl in zip(info.layers, controller.layers, strict=False):
-        ctrl.init_from_router(layer.router.weight, getattr(layer.router, "bias", None))
+        ctrl.init_from_router(layer.router.weight, getattr(layer.router, "bias", None), value_init)
     device = info.layers[0].router.weight.device
     return controller.to(device)

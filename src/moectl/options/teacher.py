@@ -31,7 +31,12 @@ def expert_parameter_names(model: nn.Module, info: ModelInfo) -> list[str]:
 
 
 def add_lora(
-    model: nn.Module, info: ModelInfo, r: int = 16, alpha: int = 16, train_router: bool = True, experts: bool = True
+    model: nn.Module,
+    info: ModelInfo,
+    r: int = 16,
+    alpha: int = 16,
+    train_router: bool = True,
+    experts: bool = True,
 ):
     """Wrap ``model`` with LoRA (r = α = 16, §5) on attention projections and expert weights.
 

@@ -56,6 +56,7 @@ class OptionsConfig:
     save_every: int = 50
     d_e: int | None = None
     d_h: int | None = None
+    value_init: str = "router"  # V_Ω init: "router" (A2) or "zero" (short budgets; see LayerController)
 
     def __post_init__(self) -> None:
         checks = {
@@ -111,7 +112,13 @@ class OptionsTrainer:
         self.prompts = tokenize_prompts(tokenizer, prompts, config.max_prompt_tokens)
         info = inspect(model)
         self.controller: OptionController = build_controller(
-            info, config.k_hat, config.d_e, config.d_h, config.cross_layer, seed=config.seed
+            info,
+            config.k_hat,
+            config.d_e,
+            config.d_h,
+            config.cross_layer,
+            seed=config.seed,
+            value_init=config.value_init,
         )
         self.snapshot = None
         if config.intra:
