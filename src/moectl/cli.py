@@ -183,6 +183,7 @@ def _mount() -> None:
     """Verbs that live in their own packages."""
     from moectl.data.cli import corpus_app, tokenizer_app
     from moectl.eval.cli import data_app, eval_command, report_command
+    from moectl.options.baselines_cli import baselines_command
     from moectl.options.cli import options_app
     from moectl.pretrain import pretrain_command
     from moectl.roe.cli import roe_app
@@ -200,6 +201,7 @@ def _mount() -> None:
     app.add_typer(roe_app, name="roe", help="Roster of Experts: Gumbel-routed ensembles with a clean KV cache.")
     app.add_typer(data_app, name="data", help="Fetch offline evaluation sets.")
     app.add_typer(options_app, name="options", help="Temporally extended MoE: option controllers (TE-MoE).")
+    app.command("baselines")(baselines_command)
 
 
 _mount()

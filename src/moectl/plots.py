@@ -77,3 +77,26 @@ def plot_switch_rate_per_layer(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_curves(
+    series: dict[str, tuple[list[float], list[float]]],
+    path: str | Path,
+    xlabel: str,
+    ylabel: str = "loss",
+    title: str | None = None,
+) -> Path:
+    """Line plot of named (x, y) series (a loss curve); one marker per point for short series."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -5,16 +5,22 @@ the full model routed under ``ExpertMask(..., renorm="pruned")`` with the same k
 (tested for every family). transformers configs hold one expert count for all layers, so every
 MoE layer must keep the same number; grouped routers (DeepSeek-V3 family) must keep the same
 number in every group, at least two, so that group scores are computed as before.
+
+``write_experts`` is the inverse: it writes a sliced model's experts (and their router rows) back
+into the full model at the kept indices (EMO §6, ``moectl subset merge``). Both directions find the
+per-expert tensors the same way (``per_expert_tensors``), so what one slices the other restores.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
 
 _CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -59,15 +65,53 @@ def check_keep(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> dict[int, 
     return clean
 
 
-def _slice_module(module: nn.Module, ids: torch.Tensor, n: int) -> None:
-    """Slice every parameter and buffer of ``module`` (not its children) along its size-``n`` expert dim."""
+def expert_tensors(module: nn.Module, n: int) -> list[tuple[str, Tensor, int]]:
+    """(name, tensor, expert dim) of every parameter and buffer of ``module`` (not its children) with a
+    size-``n`` expert dim: the leading dim when it is ``n`` (stacked experts, router rows), else the last."""
+    found = []
     for name, tensor in list(module.named_parameters(recurse=False)) + list(
         module.named_buffers(recurse=False)
     ):
         dims = [d for d, size in enumerate(tensor.shape) if size == n]
-        if not dims:
-            continue
-        dim = dims[0] if tensor.dim() > 1 and tensor.shape[0] == n else dims[-1]
+        if dims:
+            found.append((name, tensor, dims[0] if tensor.dim() > 1 and tensor.shape[0] == n else dims[-1]))
+    return found
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One per-expert tensor of a model: its dotted name, MoE layer, expert dim, and which part holds it."""
+
+    name: str
+    layer: int
+    dim: int
+    part: Literal["router", "experts"]
+
+
+def layer_modules(layer: MoELayer) -> list[tuple[str, nn.Module]]:
+    """The modules whose tensors carry the expert dim: the router (and its children), the experts module."""
+    modules: dict[int, tuple[str, nn.Module]] = {}
+    for part, module in [("router", m) for m in layer.router.modules()] + [("experts", layer.block.experts)]:
+        modules.setdefault(id(module), (part, module))
+    return list(modules.values())
+
+
+def per_expert_tensors(model: nn.Module, info: ModelInfo | None = None) -> dict[str, ExpertTensor]:
+    """Every tensor that ``slice_experts`` slices, by dotted name (``model.get_parameter``/``get_buffer``)."""
+    info = info or inspect(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    found: dict[str, ExpertTensor] = {}
+    for layer in info.layers:
+        for part, module in layer_modules(layer):
+            for name, _, dim in expert_tensors(module, layer.num_experts):
+                full = f"{names[id(module)]}.{name}" if names[id(module)] else name
+                found[full] = ExpertTensor(full, layer.index, dim, part)
+    return found
+
+
+def _slice_module(module: nn.Module, ids: torch.Tensor, n: int) -> None:
+    """Slice every parameter and buffer of ``module`` (not its children) along its size-``n`` expert dim."""
+    for name, tensor, dim in expert_tensors(module, n):
         new = tensor.detach().index_select(dim, ids.to(tensor.device)).clone()
         if isinstance(tensor, nn.Parameter):
             setattr(module, name, nn.Parameter(new, requires_grad=tensor.requires_grad))
@@ -88,7 +132,7 @@ def slice_experts(
     for layer in info.layers:
         n = layer.num_experts
         ids = torch.tensor(keep[layer.index], dtype=torch.long)
-        for module in [layer.router, *layer.router.modules(), layer.block.experts]:
+        for _, module in layer_modules(layer):
             _slice_module(module, ids, n)
         if getattr(layer.block, "num_experts", None) == n:
             layer.block.num_experts = len(ids)
@@ -99,3 +143,52 @@ def slice_experts(
             if sub is not None and isinstance(getattr(sub, key, None), int):
                 setattr(sub, key, kept)
     return model
+
+
+def get_tensor(model: nn.Module, name: str) -> Tensor:
+    """The parameter or buffer ``name`` (dotted path) of ``model``."""
+    module, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module) if module else model, attr)
+
+
+@torch.no_grad()
+def write_experts(
+    model: nn.Module,
+    subset_model: nn.Module,
+    keep: Mapping[int, Sequence[int]],
+    parts: Sequence[str] = ("router", "experts"),
+    info: ModelInfo | None = None,
+) -> dict[str, float]:
+    """The inverse of ``slice_experts``: copy the experts of ``subset_model`` (sliced to ``keep``) into
+    ``model`` at the kept indices, in place. ``parts``: ``"experts"`` (the experts module's weights)
+    and/or ``"router"`` (the kept experts' router rows, router bias, score-correction bias).
+
+    Returns ``{tensor name: max |change|}`` over the tensors written. Raises ValueError when the two
+    models do not fit (MoE layers, expert counts, tensor names or shapes).
+    """
+    info = info or inspect(model)
+    keep = check_keep(info, keep)
+    counts = {layer.index: layer.num_experts for layer in inspect(subset_model).layers}
+    wanted = {i: len(ids) for i, ids in keep.items()}
+    if counts != wanted:
+        raise ValueError(f"the subset model has experts per MoE layer {counts}; the keep list needs {wanted}")
+    changes: dict[str, float] = {}
+    for name, entry in per_expert_tensors(model, info).items():
+        if entry.part not in parts:
+            continue
+        try:
+            source = get_tensor(subset_model, name)
+        except AttributeError:
+            raise ValueError(f"the subset model has no tensor {name}") from None
+        target = get_tensor(model, name)
+        ids = torch.tensor(keep[entry.layer], dtype=torch.long, device=target.device)
+        shape = list(target.shape)
+        shape[entry.dim] = len(ids)
+        if list(source.shape) != shape:
+            raise ValueError(f"{name}: the subset model's tensor is {list(source.shape)}, expected {shape}")
+        source = source.detach().to(target.device, target.dtype)
+        changes[name] = (
+            float((source - target.index_select(entry.dim, ids)).abs().max()) if source.numel() else 0.0
+        )
+        target.index_copy_(entry.dim, ids, source)
+    return changes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -28,7 +28,7 @@ _ERRORS = (ValueError, OSError, KeyError)
 PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.data``)
 
 
-def _fail(err: Exception | str) -> None:
+def _fail(err: Exception | str) -> NoReturn:
     console.print(f"[bold red]error:[/bold red] {err}")
     raise typer.Exit(code=2)
 

@@ -81,9 +81,15 @@ def train_cmd(
     lr_controller: Annotated[
         float, typer.Option("--lr-controller", help="Controller learning rate (§5: 1e-4).")
     ] = 1e-4,
-    value_init: Annotated[
-        str, typer.Option("--value-init", help="V head init: router (A2) or zero.")
-    ] = "router",
+    value_head: Annotated[
+        str, typer.Option("--value-head", help="V_Ω head: mlp (moectl) or linear (A2, router-initialised).")
+    ] = "mlp",
+    critic_warmup: Annotated[
+        int,
+        typer.Option(
+            "--critic-warmup", help="Steps that train only the critics before β and selection move."
+        ),
+    ] = 0,
     save_every: Annotated[int, typer.Option("--save-every")] = 50,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore checkpoints in --out.")] = False,
@@ -126,7 +132,8 @@ def train_cmd(
             save_every=save_every,
             seed=seed,
             lr_controller=lr_controller,
-            value_init=value_init,
+            value_head=value_head,
+            critic_warmup=critic_warmup,
         )
         result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume)
     except (ValueError, FileNotFoundError) as err:

@@ -7,15 +7,15 @@ One :class:`LayerController` per MoE layer, separate parameters:
 - termination head (eq. 3): β = σ(MLP_β(concat(RMSNorm(h), RMSNorm(z)))), ReLU MLP, output bias
   initialised to −3 (σ(−3) ≈ 0.05);
 - option-value head Q_Ω(h, ω) (eq. 4): ReLU MLP on the same concat;
-- state-value head V_Ω(h) = w_V·h + b_V, linear on the raw hidden state;
+- state-value head V_Ω(h) (A2: linear on h; moectl's default an MLP, see :meth:`LayerController.v`);
 - selection head c = f_sel(h): linear, initialised from the router weights, sampled by
   Plackett–Luce (``plackett_luce.py``).
 
 Hidden sizes scale with the model: the paper uses d_e = 128 and 1024 hidden units for a
 2880-wide model (gpt-oss-20b); :func:`controller_sizes` keeps that ratio, within [32, 1024].
 
-Deviation (one line): V_Ω has one output, so "initialised from the router weights" is read as
-w_V = the mean router row (b_V = 0); the selection head copies the router exactly.
+Deviation (one line): a linear V_Ω has one output, so "initialised from the router weights" is
+read as w_V = the mean router row (b_V = 0); the selection head copies the router exactly.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class ControllerConfig:
     d_e: int = 128
     d_h: int = 1024
     cross_layer: bool = False  # one switch decision (MoE layer 0's head) for every layer (§A4)
+    value_head: str = "mlp"  # "linear" is A2's V (see LayerController.v)
     family: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -62,7 +63,9 @@ def _mlp(d_in: int, d_h: int, d_out: int, act: nn.Module) -> nn.Sequential:
 class LayerController(nn.Module):
     """The controller of one MoE layer (TE-MoE Fig. 4)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, k_hat: int, d_e: int, d_h: int) -> None:
+    def __init__(
+        self, hidden_size: int, num_experts: int, k_hat: int, d_e: int, d_h: int, value_head: str = "mlp"
+    ) -> None:
         super().__init__()
         self.k_hat, self.num_experts, self.hidden_size = k_hat, num_experts, hidden_size
         self.expert_embedding = nn.Parameter(torch.randn(num_experts, d_e))
@@ -71,33 +74,27 @@ class LayerController(nn.Module):
         self.norm_z = nn.RMSNorm(d_h)
         self.termination = _mlp(hidden_size + d_h, d_h, 1, nn.ReLU())
         self.option_value = _mlp(hidden_size + d_h, d_h, 1, nn.ReLU())
-        self.state_value = nn.Linear(hidden_size, 1)
+        if value_head not in ("mlp", "linear"):
+            raise ValueError(f"value_head must be 'mlp' or 'linear', got {value_head!r}")
+        self.state_value = (
+            nn.Linear(hidden_size, 1) if value_head == "linear" else _mlp(hidden_size, d_h, 1, nn.ReLU())
+        )
         self.selection = nn.Linear(hidden_size, num_experts)
         with torch.no_grad():
             self.termination[-1].bias.fill_(-3.0)
 
-    def init_from_router(
-        self, weight: Tensor, bias: Tensor | None = None, value_init: str = "router"
-    ) -> None:
-        """Selection head := router; V_Ω's weight := mean router row (A2), or zero (``value_init='zero'``).
-
-        ``'zero'`` is for short budgets: a router-scaled V starts off by several nats, and at the
-        paper's lr the critic needs far more tokens than a CPU run has to correct it, so Q − V + η
-        is dominated by V's initial error rather than by η.
-        """
+    def init_from_router(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        """Selection head := router (A2). A linear V_Ω gets the mean router row (its one output can take
+        only one direction); an MLP V_Ω keeps the default init, like Q_Ω."""
         with torch.no_grad():
             w = weight.detach().float().reshape(self.num_experts, self.hidden_size)
             self.selection.weight.copy_(w)
             self.selection.bias.copy_(
                 bias.detach().float() if bias is not None else torch.zeros(self.num_experts)
             )
-            v = (
-                w.mean(0, keepdim=True)
-                if value_init == "router"
-                else torch.zeros_like(self.state_value.weight)
-            )
-            self.state_value.weight.copy_(v)
-            self.state_value.bias.zero_()
+            if isinstance(self.state_value, nn.Linear):
+                self.state_value.weight.copy_(w.mean(0, keepdim=True))
+                self.state_value.bias.zero_()
 
     # -- pieces -----------------------------------------------------------------------------
     def expert_features(self) -> Tensor:
@@ -122,8 +119,16 @@ class LayerController(nn.Module):
         return self._head(self.option_value, h, z)
 
     def v(self, h: Tensor) -> Tensor:
-        """State value V_Ω(h)."""
-        return self.state_value(h).squeeze(-1)
+        """State value V_Ω(h): linear on h (A2, ``value_head='linear'``) or a ReLU MLP on RMSNorm(h).
+
+        Deviation (the MLP, moectl's default): with the paper's linear V the critic Q, an MLP, moves
+        several times faster, and Q − V then carries Q's head start as a systematic bias larger than
+        η that drives β up (measured on moectl-small: switch rate 5% → 50% in 20 steps). Matching
+        V's architecture to Q's removes that bias.
+        """
+        if isinstance(self.state_value, nn.Linear):
+            return self.state_value(h).squeeze(-1)
+        return self.state_value(self.norm_h(h)).squeeze(-1)
 
     def candidates(self, h: Tensor) -> Tensor:
         """Selection logits c = f_sel(h), [..., N]."""
@@ -152,7 +157,7 @@ class OptionController(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(
-            LayerController(config.hidden_size, n, config.k_hat, config.d_e, config.d_h)
+            LayerController(config.hidden_size, n, config.k_hat, config.d_e, config.d_h, config.value_head)
             for n in config.num_experts
         )
 
@@ -207,14 +212,14 @@ def build_controller(
     d_h: int | None = None,
     cross_layer: bool = False,
     seed: int = 0,
-    value_init: str = "router",
+    value_head: str = "mlp",
 ) -> OptionController:
     """A fresh controller for ``info``'s model; selection and value heads initialised from the routers."""
     sizes = [layer.num_experts for layer in info.layers]
     if not sizes:
         raise ValueError("the model has no MoE layers")
-    if value_init not in ("router", "zero"):
-        raise ValueError(f"value_init must be 'router' or 'zero', got {value_init!r}")
+    if value_head not in ("mlp", "linear"):
+        raise ValueError(f"value_head must be 'mlp' or 'linear', got {value_head!r}")
     if not info.top_k <= k_hat <= min(sizes):
         raise ValueError(
             f"k-hat must be between top-k ({info.top_k}) and the experts per layer ({min(sizes)}), got {k_hat}"
@@ -228,12 +233,13 @@ def build_controller(
         d_e=d_e or auto_e,
         d_h=d_h or auto_h,
         cross_layer=cross_layer,
+        value_head=value_head,
         family=info.family,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         controller = OptionController(config)
     for layer, ctrl in zip(info.layers, controller.layers, strict=False):
-        ctrl.init_from_router(layer.router.weight, getattr(layer.router, "bias", None), value_init)
+        ctrl.init_from_router(layer.router.weight, getattr(layer.router, "bias", None))
     device = info.layers[0].router.weight.device
     return controller.to(device)

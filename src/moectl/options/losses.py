@@ -41,8 +41,9 @@ def controller_loss(
     gamma: float = 0.95,
     lam: float = 0.95,
     value_coef: float = 0.01,
+    actor: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The controller's loss for one rollout, and its statistics."""
+    """The controller's loss for one rollout, and its statistics (``actor=False``: critics only)."""
     valid = roll.valid.float()
     n_valid = valid.sum().clamp(min=1)
     r, w = roll.rewards, roll.weights
@@ -73,9 +74,9 @@ def controller_loss(
             a_sel = rms_normalise(q_opt - v, switched.bool())
         critic = (((v - v_targ) ** 2 + (q_opt - q_targ) ** 2) * valid).sum() / n_valid
         loss = value_coef * critic
-        if not (controller.config.cross_layer and layer > 0):
+        if actor and not (controller.config.cross_layer and layer > 0):
             loss = loss + (w * beta * a_term * steps).sum() / n_valid
-        if bool(switched.any()):
+        if actor and bool(switched.any()):
             logp = pl_log_prob(ctrl.candidates(h), order)
             loss = loss - (w * logp * a_sel * switched).sum() / n_valid
         total = total + loss

@@ -24,14 +24,16 @@ from moectl.subsets.scores import check_k
 def check_k_hat(info: ModelInfo, k_hat: int) -> None:
     """Refuse a k-hat some MoE layer cannot keep (top-k <= k-hat <= E; balanced groups)."""
     for layer in info.layers:
+        if not layer.top_k <= k_hat <= layer.num_experts:
+            raise ValueError(
+                f"k-hat = {k_hat} is out of range: MoE layer {layer.index} has top-k = {layer.top_k} and "
+                f"{layer.num_experts} experts; allowed k-hat: {layer.top_k}..{layer.num_experts}"
+            )
         try:
-            check_k(layer, k_hat)
+            check_k(layer, k_hat)  # router groups: k-hat / n_group experts per group, at least 2
             layer.rule.check_allowed(balanced_mask(layer, k_hat), where=f"MoE layer {layer.index}")
         except ValueError as err:
-            raise ValueError(
-                f"k-hat = {k_hat} does not fit the model: {err} (allowed k-hat: "
-                f"{layer.top_k}..{layer.num_experts})"
-            ) from None
+            raise ValueError(f"k-hat = {k_hat} does not fit the model: {err}") from None
 
 
 def balanced_mask(layer: MoELayer, k_hat: int) -> Tensor:

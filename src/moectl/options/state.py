@@ -34,37 +34,26 @@ def save_folder(
     """Write the folder atomically (temp folder, then rename)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    controller.save(tmp)
-    if hasattr(model, "peft_config"):
-        from peft import get_peft_model_state_dict
+    from moectl.train.checkpoint import write_dir_atomic
 
-        lora = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
-        save_file(lora, str(tmp / "adapter.safetensors"))
-        (tmp / "adapter_config.json").write_text(
-            json.dumps(model.peft_config["default"].to_dict(), default=list) + "\n"
-        )
-    routers = {
-        f"layer{layer.index}": layer.router.weight.detach().contiguous().cpu() for layer in info.layers
-    }
-    save_file(routers, str(tmp / "routers.safetensors"))
-    (tmp / "options.json").write_text(json.dumps(config, indent=2) + "\n")
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-    if path.exists():
-        old = path.with_name(f".old-{path.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    return path
+    def write(tmp: Path) -> None:
+        controller.save(tmp)
+        if hasattr(model, "peft_config"):
+            from peft import get_peft_model_state_dict
+
+            lora = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+            save_file(lora, str(tmp / "adapter.safetensors"))
+            peft_config = model.peft_config["default"].to_dict()
+            (tmp / "adapter_config.json").write_text(json.dumps(peft_config, default=list) + "\n")
+        routers = {
+            f"layer{layer.index}": layer.router.weight.detach().contiguous().cpu() for layer in info.layers
+        }
+        save_file(routers, str(tmp / "routers.safetensors"))
+        (tmp / "options.json").write_text(json.dumps(config, indent=2) + "\n")
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / "trainer_state.pt")
+
+    return write_dir_atomic(Path(path), write)
 
 
 def save_checkpoint(

@@ -56,7 +56,8 @@ class OptionsConfig:
     save_every: int = 50
     d_e: int | None = None
     d_h: int | None = None
-    value_init: str = "router"  # V_Ω init: "router" (A2) or "zero" (short budgets; see LayerController)
+    critic_warmup: int = 0  # steps that train only V_Ω and Q_Ω before β and the selection head move
+    value_head: str = "mlp"  # V_Ω: "linear" (A2) or "mlp" (see LayerController.v)
 
     def __post_init__(self) -> None:
         checks = {
@@ -118,7 +119,7 @@ class OptionsTrainer:
             config.d_h,
             config.cross_layer,
             seed=config.seed,
-            value_init=config.value_init,
+            value_head=config.value_head,
         )
         self.snapshot = None
         if config.intra:
@@ -212,7 +213,15 @@ class OptionsTrainer:
             self.sample_gen,
             self.snapshot,
         )
-        loss_c, stats = controller_loss(self.controller, roll, cfg.eta, cfg.gamma, cfg.lam, cfg.value_coef)
+        loss_c, stats = controller_loss(
+            self.controller,
+            roll,
+            cfg.eta,
+            cfg.gamma,
+            cfg.lam,
+            cfg.value_coef,
+            actor=self.step >= cfg.critic_warmup,
+        )
         self.opt_ctrl.zero_grad(set_to_none=True)
         loss_c.backward()
         self.opt_ctrl.step()

@@ -39,7 +39,7 @@ def serve_offload_command(
     budget: Annotated[
         str, typer.Option(help="Resident experts per MoE layer: a fraction (0.25) or a count (4).")
     ] = "0.25",
-    policy: Annotated[str, typer.Option(help="lru | static:SUBSET.json | option:K_HAT")] = "lru",
+    policy: Annotated[str, typer.Option(help="lru | static:SUBSET.json | option:K_HAT | controller:DIR")] = "lru",
     store: Annotated[str, typer.Option(help="Where non-resident experts live: disk | host.")] = "disk",
     store_dir: Annotated[
         Path | None,
@@ -69,6 +69,15 @@ def serve_offload_command(
     torch.manual_seed(seed)
     try:
         net, tokenizer = load_model(f"tiny:{tiny}" if tiny else str(model), seed=seed)
+        if policy.startswith("controller:"):
+            from moectl.options.state import load_controlled
+            from moectl.serve.policies import ControllerResidency
+
+            folder = Path(policy.split(":", 1)[1])
+            folder = folder / "final" if (folder / "final" / "controller.json").exists() else folder
+            net, controller, _, _ = load_controlled(net, folder, merge=True)
+            net.eval()
+            policy = ControllerResidency(controller, seed=seed)
         result = serve_offload(
             net,
             tokenizer,

@@ -8,6 +8,10 @@
   the top-k-hat option (activated experts first, then the most probable) is loaded and pinned; it
   persists until an activated expert falls outside it. Routing is the model's own.
 
+- ``controller:DIR``: a trained TE-MoE controller (``moectl options train``): routing is restricted
+  to each layer's current option, and that option (k-hat experts) is what stays resident; a switch
+  loads the new option's missing experts.
+
 A step is one forward of the model. Generation is one sequence at a time: a step with one token
 is a decoding step; a step with several (the prompt) streams its experts through the cache, and
 the option policy then takes its first option at the last prompt token, as the metric's
@@ -107,6 +111,40 @@ class OptionPolicy(LRUPolicy):
     def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
         if chosen.shape[0] > 1:
             self._take(layer, res, probs[-1], chosen[-1])
+
+
+class ControllerResidency(LRUPolicy):
+    """Residency = the controller's current option per layer (TE-MoE §3.2: only ω lives in fast memory)."""
+
+    def __init__(self, controller, seed: int = 0) -> None:
+        from moectl.options.policy import ControllerPolicy
+
+        self.k_hat = controller.k_hat
+        self.name = f"controller:{controller.k_hat}"
+        self.route_policy = ControllerPolicy(controller, mode="sample", seed=seed)
+
+    def min_budget(self, layer: int, top_k: int) -> int:
+        return self.k_hat
+
+    def routing(self, info) -> list:
+        return [self.route_policy]
+
+    def _pin(self, layer: int, res) -> None:
+        option = set(self.route_policy._option[layer][0].nonzero().flatten().tolist())
+        if res.pinned != option:
+            res.pinned = option
+            for e in sorted(option):
+                res.ensure(e)
+
+    def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        if chosen.shape[0] > 1:  # the prompt: its experts stream through; the option is pinned after it
+            res.pinned.clear()
+            return
+        self._pin(layer, res)
+
+    def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        if chosen.shape[0] > 1:
+            self._pin(layer, res)
 
 
 def parse_policy(spec: str):

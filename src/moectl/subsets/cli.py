@@ -2,6 +2,10 @@
 
     moectl subset select MODEL --data math_val.jsonl --keep 8 --method router --out math.subset.json
     moectl subset export MODEL --subset math.subset.json --out math-8/
+    moectl subset finetune math-8/ --data math_train.jsonl --out math-8-ft/        # cli_train.py
+    moectl subset merge MODEL --subset math.subset.json --experts math-8-ft/ --out merged/
+    moectl subset gate MODEL --subset math.subset.json --data domains/ --json gate.json  # cli_analysis.py
+    moectl subset clusters MODEL --data domains/ --out clusters/
     moectl modularity MODEL --data domains/ --out report/     # ``modularity_cmd``, mounted top-level
 
 MODEL is ``tiny:FAMILY`` (an offline random model), a checkpoint directory or a hub id. ``--data``
@@ -21,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 subset_app = typer.Typer(
-    help="Per-domain expert subsets: select, export (EMO §4.2, §5.2).", no_args_is_help=True
+    help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",
+    no_args_is_help=True,
 )
 console = Console(width=None if Console().is_terminal else 160)
 
@@ -207,15 +212,7 @@ def modularity_cmd(
     from moectl.subsets.similarity import domain_similarity, domain_vectors, plot_similarity
 
     try:
-        texts = corpus_texts_by_domain(data, max_docs) if _is_corpus(data) else {}
-        if not texts:
-            files = sorted(data.glob("*.jsonl")) if data.is_dir() else []
-            if len(files) < 2:
-                raise ValueError(
-                    f"{data}: needs a directory with at least two DOMAIN.jsonl files, or a corpus folder "
-                    "(validation.jsonl with a 'domain' field)"
-                )
-            texts = {f.stem: read_texts(f, max_docs) for f in files}
+        texts = texts_by_domain(data, max_docs)
         lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
         info = inspect(lm)
         similarity = domain_similarity(domain_vectors(lm, tokenizer, texts, info, max_length))
@@ -250,6 +247,25 @@ def modularity_cmd(
     _write_json(json_path, result)
 
 
+def texts_by_domain(data: Path, max_docs: int | None, min_domains: int = 2) -> dict[str, list[str]]:
+    """``{domain: texts}`` from a directory of DOMAIN.jsonl files or a moectl corpus folder (its
+    validation split, grouped by ``domain``); ``min_domains`` is 1 or 2, and with 1 a single JSONL
+    file is also accepted (its stem is the domain)."""
+    if min_domains <= 1 and data.is_file():
+        return {data.stem: read_texts(data, max_docs)}
+    texts = corpus_texts_by_domain(data, max_docs) if _is_corpus(data) else {}
+    if not texts:
+        files = sorted(data.glob("*.jsonl")) if data.is_dir() else []
+        if len(files) < min_domains:
+            files_needed = "two DOMAIN.jsonl files" if min_domains > 1 else "one DOMAIN.jsonl file"
+            raise ValueError(
+                f"{data}: needs a directory with at least {files_needed}, or a corpus folder (validation.jsonl "
+                "with a 'domain' field)" + (", or one JSONL file" if min_domains <= 1 else "")
+            )
+        texts = {f.stem: read_texts(f, max_docs) for f in files}
+    return texts
+
+
 def _is_corpus(path: Path) -> bool:
     return path.is_dir() and any((path / f"validation.{ext}").exists() for ext in ("jsonl", "jsonl.gz"))
 
@@ -264,3 +280,7 @@ def corpus_texts_by_domain(path: Path, max_docs: int | None) -> dict[str, list[s
         if max_docs is None or len(bucket) < max_docs:
             bucket.append(doc["text"])
     return dict(sorted(texts.items()))
+
+
+# The other verbs register themselves on ``subset_app`` (kept in their own files to keep this one short).
+from moectl.subsets import cli_analysis, cli_train  # noqa: E402, F401

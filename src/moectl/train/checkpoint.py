@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +24,48 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_dir_atomic(final: Path, write: Callable[[Path], None], overwrite: bool = True) -> Path:
+    """Call ``write(tmp)`` on a fresh ``.tmp-NAME`` folder beside ``final``, then rename it to ``final``.
+
+    A crash inside ``write`` leaves only the temporary folder (removed by the next write of the same
+    name); an existing ``final`` is replaced only once the new one is complete, and only with
+    ``overwrite`` (else FileExistsError before anything is written).
+    """
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists (pass overwrite / --overwrite to replace it)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write(tmp)
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
 def save_checkpoint(out: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` atomically; keep the newest ``keep`` checkpoints."""
     root = out / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}"
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
+
+    final = write_dir_atomic(root / f"step-{step:06d}", write)
     _write_atomic(root / "latest", final.name)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

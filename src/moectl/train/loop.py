@@ -324,27 +324,17 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
     """Training loss (and validation loss where logged) against tokens."""
     if not log_path.exists():
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from moectl.plots import plot_curves
 
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if "ce" in r and not r.get("final")]
     if not train:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["tokens"] for r in train], [r["ce"] for r in train], label="train CE")
+    series = {"train CE": ([r["tokens"] for r in train], [r["ce"] for r in train])}
     val = [r for r in train if "val_loss" in r]
     if val:
-        ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], marker="o", label="validation")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+        series["validation"] = ([r["tokens"] for r in val], [r["val_loss"] for r in val])
+    return plot_curves(series, png, xlabel="tokens")
 
 
 def pretrain(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:

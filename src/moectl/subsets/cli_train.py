@@ -1,0 +1,226 @@
+"""``moectl subset finetune`` and ``moectl subset merge`` (EMO appendix C, §6), on ``subset_app``.
+
+    moectl subset finetune math-8/ --data math_train.jsonl --out math-8-ft/ [--lora 8]
+    moectl subset merge MODEL --subset math.subset.json --experts math-8-ft/ --out merged/
+
+``finetune`` trains an exported subset checkpoint (``moectl subset export``) on JSONL lines
+``{"prompt", "response"}`` / ``{"prompt", "completion"}`` (loss on the response only) or
+``{"text"}`` (loss on every token), with EMO's defaults: one epoch, effective batch 32, lr 5e-5,
+AdamW, linear decay without warmup. ``merge`` writes the fine-tuned experts (and their router
+rows) back into the full model at the kept indices.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from moectl.subsets.cli import (
+    _ERRORS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    _fail,
+    _write_json,
+    console,
+    subset_app,
+)
+
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")]
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+
+
+def _subset_metadata(path: Path) -> dict:
+    """The ``moectl_subset.json`` that ``moectl subset export`` writes beside a subset's weights, or {}."""
+    from moectl.subsets.export import METADATA
+
+    file = path / METADATA
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether a checkpoint directory holds tokenizer files (transformers 5 otherwise builds an empty one)."""
+    return any((path / name).exists() for name in _TOKENIZER_FILES)
+
+
+def _load_tokenizer(spec: str, tokenizer: str | None, metadata: dict):
+    """``--tokenizer``, else the checkpoint's own, else the byte tokenizer of an exported tiny model."""
+    from moectl.models.load import ByteTokenizer
+
+    if tokenizer == "bytes" or (tokenizer is None and spec.startswith("tiny:")):
+        return ByteTokenizer()
+    if tokenizer is None and Path(spec).is_dir() and not has_tokenizer(Path(spec)):
+        if str(metadata.get("model", "")).startswith("tiny:"):
+            console.print(f"[dim]{spec} is an export of {metadata['model']}: using its byte tokenizer[/dim]")
+            return ByteTokenizer()
+        raise OSError(f"{spec} has no tokenizer files; pass --tokenizer PATH (or 'bytes' for tiny models)")
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(tokenizer or spec)
+    except (OSError, ValueError) as err:
+        raise OSError(f"no tokenizer loads from {tokenizer or spec} ({err}); pass --tokenizer PATH") from None
+    if getattr(loaded, "pad_token_id", None) is None:
+        loaded.pad_token = loaded.eos_token
+    return loaded
+
+
+@subset_app.command("finetune")
+def finetune_cmd(
+    checkpoint: Annotated[str, typer.Argument(help="Exported subset checkpoint (or any model spec).")],
+    data: Annotated[Path, typer.Option("--data", help="JSONL: prompt+response/completion, or text.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the fine-tuned checkpoint.")],
+    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the data (EMO: 1).")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (EMO: 5e-5).")] = 5e-5,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Examples per optimiser step (EMO: 32).")
+    ] = 32,
+    micro_batch_size: Annotated[
+        int, typer.Option("--micro-batch-size", help="Examples per forward pass (gradient accumulation).")
+    ] = 8,
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example.")] = 512,
+    schedule: Annotated[
+        str, typer.Option("--schedule", help="linear (decay to 0; HF default, EMO) | constant | cosine")
+    ] = "linear",
+    warmup_ratio: Annotated[float, typer.Option("--warmup-ratio", help="Warmup fraction (EMO: 0).")] = 0.0,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay.")] = 0.0,
+    lora: Annotated[
+        int | None, typer.Option("--lora", help="Train LoRA adapters of this rank, merged before saving.")
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after N steps.")] = None,
+    max_examples: Annotated[
+        int | None, typer.Option("--max-examples", help="Use the first N examples.")
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", help="Tokenizer path or hub id; 'bytes' for tiny models.")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Data order (and a tiny model's weights).")] = 0,
+    overwrite: OverwriteOpt = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 (default), bfloat16, auto.")] = "float32",
+) -> None:
+    """Fine-tune a subset checkpoint, prompt tokens masked (EMO appendix C); saves it atomically."""
+    from moectl.models.load import load_model
+    from moectl.subsets.finetune import FinetuneConfig, finetune_subset, save_finetuned
+    from moectl.subsets.finetune_data import read_examples
+
+    try:
+        _check_out(out, overwrite)
+        config = FinetuneConfig(
+            epochs=epochs, lr=lr, batch_size=batch_size, micro_batch_size=micro_batch_size,
+            max_length=max_length, schedule=schedule, warmup_ratio=warmup_ratio,
+            weight_decay=weight_decay, lora=lora, max_steps=max_steps, seed=seed,
+        )  # fmt: skip
+        examples = read_examples(data, max_examples)
+        source = Path(checkpoint) if Path(checkpoint).is_dir() else None
+        metadata = _subset_metadata(source) if source else {}
+        model, _ = load_model(checkpoint, dtype=dtype, device=device, seed=seed, with_tokenizer=False)
+        tok = _load_tokenizer(checkpoint, tokenizer, metadata)
+        log = finetune_subset(model, tok, examples, config, progress=progress)
+        log.update(checkpoint=checkpoint, data=str(data))
+        path = save_finetuned(model, tok, out, log, source, overwrite=overwrite)
+    except _ERRORS as err:
+        _fail(err)
+    steps = log["steps"]
+    table = Table(title=f"fine-tuned {checkpoint} → {path}")
+    for column in ("examples", "output tokens", "steps", "first loss", "final loss", "seconds"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{log['examples']}" + (f" ({log['skipped']} skipped)" if log["skipped"] else ""),
+        f"{log['output_tokens']:,}", str(len(steps)), f"{steps[0]['loss']:.4f}",
+        f"{steps[-1]['loss']:.4f}", f"{log['seconds']:.1f}",
+    )  # fmt: skip
+    console.print(table)
+    console.print(f"[dim]wrote {path} (finetune.json, loss_curve.png)[/dim]")
+    _write_json(json_path, {**log, "out": str(path)})
+
+
+@subset_app.command("merge")
+def merge_cmd(
+    model: ModelArg,
+    experts: Annotated[Path, typer.Option("--experts", help="Fine-tuned subset checkpoint directory.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the merged full model.")],
+    subset: Annotated[
+        Path | None,
+        typer.Option("--subset", help="Subset file (default: the kept experts recorded in --experts)."),
+    ] = None,
+    router: Annotated[
+        bool, typer.Option("--router/--no-router", help="Also write the kept experts' router rows.")
+    ] = True,
+    all_weights: Annotated[
+        bool, typer.Option("--all-weights", help="Also take the subset's shared weights (beyond EMO §6).")
+    ] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights.")] = 0,
+    overwrite: OverwriteOpt = False,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Write fine-tuned subset experts back into the full model at the kept indices (EMO §6)."""
+    from moectl.adapters import inspect
+    from moectl.models.load import load_model
+    from moectl.subsets.files import load_subset
+    from moectl.subsets.merge import merge_subset, save_merged
+
+    try:
+        _check_out(out, overwrite)
+        if not experts.is_dir():
+            raise FileNotFoundError(f"--experts {experts} is not a checkpoint directory")
+        local = Path(model).is_dir()
+        with_tokenizer = has_tokenizer(Path(model)) if local else not model.startswith("tiny:")
+        full, tokenizer = load_model(
+            model, dtype=dtype, device=device, seed=seed, with_tokenizer=with_tokenizer
+        )
+        info = inspect(full)
+        metadata = _subset_metadata(experts)
+        recorded = metadata.get("keep")
+        if metadata.get("model") not in (None, model):
+            console.print(
+                f"[yellow]warning:[/yellow] {experts} was exported from {metadata['model']}, merging into {model}"
+            )
+        if subset is not None:
+            keep = load_subset(subset, info).keep
+            if recorded is not None and {int(k): v for k, v in recorded.items()} != keep:
+                raise ValueError(f"{subset} keeps other experts than {experts} was exported with")
+        elif recorded is not None:
+            keep = {int(k): list(v) for k, v in recorded.items()}
+        else:
+            raise ValueError(f"{experts} records no kept experts (moectl_subset.json); pass --subset")
+        sub, _ = load_model(str(experts), dtype="auto", device=device, with_tokenizer=False)
+        report = merge_subset(full, sub, keep, router=router, all_weights=all_weights, info=info)
+        meta = {"model": model, "experts": str(experts), "subset": str(subset) if subset else None, **report}
+        path = save_merged(full, out, tokenizer, meta, overwrite=overwrite)
+    except _ERRORS as err:
+        _fail(err)
+    parts = "experts + router rows" if router else "experts"
+    table = Table(title=f"merged {experts} into {model} → {path} ({parts})")
+    for column in ("MoE layer", "experts written", "max |Δ|"):
+        table.add_column(column, justify="right")
+    for index, row in sorted(report["layers"].items()):
+        table.add_row(str(index), " ".join(map(str, row["experts"])), f"{row['max_change']:.3g}")
+    console.print(table)
+    if all_weights:
+        console.print(
+            f"shared weights: {report['shared_tensors_written']} tensors, max |Δ| "
+            f"{report['shared_max_change']:.3g}"
+        )
+    _write_json(json_path, {**meta, "out": str(path)})
