@@ -38,10 +38,8 @@ def run_dir(runs: Path, tag: str, k_hat: int, eta: float) -> Path:
 
 
 def controller_folder(path: Path) -> Path | None:
-    if (path / "final" / "controller.json").exists():
-        return path / "final"
-    pointer = path / "checkpoints" / "latest"
-    return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
+    """The finished run's ``final/`` (an unfinished run is skipped, not evaluated half-trained)."""
+    return path / "final" if (path / "final" / "controller.json").exists() else None
 
 
 def evaluate(name, model, info, tokenizer, policies, teacher, k_hat, heldout, prompts, args) -> dict:
@@ -83,8 +81,9 @@ def main() -> None:
     ap.add_argument("--eta", type=float, nargs="+", default=[0.02, 0.03, 0.04])
     ap.add_argument("--baselines", nargs="*", default=["frequency", "reconstruction", "random", "wanda"])
     ap.add_argument(
-        "--calib-docs", type=int, default=128, help="calibration texts for the baselines (§5: 128)"
+        "--calib-docs", type=int, default=32, help="calibration texts for the baselines (§5: 128)"
     )
+    ap.add_argument("--calib-length", type=int, default=512, help="tokens per calibration text")
     ap.add_argument("--max-docs", type=int, default=8, help="held-out documents per domain")
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=18, help="prompts for the switch rate")
@@ -123,7 +122,16 @@ def main() -> None:
         )
         rows.append(plain)
         for method in args.baselines:
-            policy = baseline_policy(model, tokenizer, method, k_hat, calib, seed=args.seed, info=info)
+            policy = baseline_policy(
+                model,
+                tokenizer,
+                method,
+                k_hat,
+                calib,
+                seed=args.seed,
+                info=info,
+                max_length=args.calib_length,
+            )
             rows.append(
                 evaluate(
                     method,
