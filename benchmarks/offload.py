@@ -4,8 +4,15 @@ For each model (a tiny random OLMoE and, when given, moectl's own pretrained MoE
 in host memory (and on disk with --disk), one run prints per policy and budget: decode loads and
 bytes moved per generated token, hit rate, and tokens/s relative to the fully resident model
 (measured in the same run, one prompt at a time, greedy). Policies: ``lru``, ``option:B`` (the
-router-as-option rule with k-hat = the budget B) and ``static`` (the B experts used most often per
-layer on the same prompts by the in-memory model: an oracle subset, routing restricted to it).
+router-as-option rule with k-hat = the budget B), ``option:K`` (k-hat = top-k K, when B > K: the
+budget's spare slots take prefetches) and ``static`` (the B experts used most often per layer on
+the same prompts by the in-memory model: an oracle subset, routing restricted to it).
+
+Each policy runs twice: synchronous loads, and asynchronous loads with prefetch (a worker thread
+on CPU, a side stream on CUDA; ``moectl.serve.loader``, ``moectl.serve.prefetch``). Also printed:
+stall seconds per token (the load time compute waited for; with synchronous loads all of it) and
+the prefetch hit rate (prefetched experts demanded before eviction / prefetch loads; "-" when
+nothing was prefetched: with k-hat = B every slot holds the pinned option, so there is no room).
 
 Goal (issue 8): at 25%, option moves >= 5x fewer bytes per token than lru and keeps >= 0.8x the
 resident tokens/s with experts in host memory. Also printed: what each policy's measured loads
@@ -19,6 +26,7 @@ measured host-memory bandwidth (a CPU RAM copy here; on a GPU host the PCIe band
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -56,7 +64,26 @@ def _frequent_subsets(model, tok, prompts, n: int, b: int) -> dict[int, list[int
     }
 
 
-def bench_model(spec: str, max_new_tokens: int, stores: list[str]) -> dict:
+def _policies(b: int, top_k: int, subset_file: Path) -> list[str]:
+    spare = [f"option:{top_k}"] if b > top_k else []  # room for prefetches next to the option
+    return ["lru", f"option:{b}", *spare, f"static:{subset_file}"]
+
+
+def _run_name(folder: Path) -> str:
+    return folder.parent.name if folder.name == "final" else folder.name
+
+
+def _controlled(model, folder: Path) -> tuple[object, object, int]:
+    """(model with the controller's adapters merged, its controller, k-hat): a copy, the base stays."""
+    from moectl.options.state import load_controlled
+
+    folder = folder / "final" if (folder / "final" / "controller.json").exists() else folder
+    net, controller, _, _ = load_controlled(copy.deepcopy(model), folder, merge=True)
+    net.eval()
+    return net, controller, controller.k_hat
+
+
+def bench_model(spec: str, max_new_tokens: int, stores: list[str], controllers: list[Path] = ()) -> dict:
     model, tok = load_model(spec)
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # what offloading runs: compare like with like
@@ -65,16 +92,35 @@ def bench_model(spec: str, max_new_tokens: int, stores: list[str]) -> dict:
     e, k = info.num_experts, info.top_k
     base = [_resident_tokens_per_s(model, tok, prompts, max_new_tokens)]
     rows = []
+    trained = [_controlled(model, folder) for folder in controllers]
     for frac in (0.5, 0.25):
         b = int(frac * e)
         subsets = _frequent_subsets(model, tok, prompts, max_new_tokens, b)
         with tempfile.TemporaryDirectory() as tmp:
             subset_file = Path(tmp) / "subset.json"
             subset_file.write_text(json.dumps(subsets))
+            runs = [(model, p, p) for p in _policies(b, k, subset_file)]
+            runs += [(net, ctrl, f"controller:{_run_name(folder)}") for (net, ctrl, k_hat), folder in
+                     zip(trained, controllers, strict=True) if k_hat <= b]  # fmt: skip
             for store in stores:
-                for policy in ("lru", f"option:{b}", f"static:{subset_file}"):
+                for (net, policy, label), async_loads in (
+                    (run, a) for run in runs for a in (False, True)
+                ):
+                    if not isinstance(policy, str):  # a controller: fresh per-sequence state each run
+                        from moectl.serve.policies import ControllerResidency
+
+                        policy = ControllerResidency(policy, seed=0)
                     r = serve_offload(
-                        model, tok, prompts, frac, policy, store, max_new_tokens, progress=False
+                        net,
+                        tok,
+                        prompts,
+                        frac,
+                        policy,
+                        store,
+                        max_new_tokens,
+                        progress=False,
+                        async_loads=async_loads,
+                        prefetch=async_loads,
                     )
                     base.append(_resident_tokens_per_s(model, tok, prompts, max_new_tokens))
                     rows.append(
@@ -82,7 +128,10 @@ def bench_model(spec: str, max_new_tokens: int, stores: list[str]) -> dict:
                             "budget": frac,
                             "experts": b,
                             "store": store,
-                            "policy": r["policy"],
+                            "policy": label if label.startswith("controller:") else r["policy"],
+                            "async_loads": r["async_loads"],
+                            "loader": r["loader"],
+                            "prefetch": r["prefetch"],
                             "loads_per_token": r["loads_per_token"],
                             "loads_per_token_per_layer": r["loads_per_token"] / info.num_moe_layers,
                             "bytes_moved_per_token": r["bytes_moved_per_token"],
@@ -90,6 +139,13 @@ def bench_model(spec: str, max_new_tokens: int, stores: list[str]) -> dict:
                             "tokens_per_s": r["tokens_per_s"],
                             "tokens_per_cpu_s": r["tokens_per_cpu_s"],
                             "load_s": r["load_s"],
+                            "stall_s": r["stall_s"],
+                            "stall_s_per_token": r["stall_s_per_token"],
+                            "load_overlap": r["load_overlap"],
+                            "prefetch_loads": r["prefetch_loads"],
+                            "prefetch_hits": r["prefetch_hits"],
+                            "prefetch_wasted": r["prefetch_wasted"],
+                            "prefetch_hit_rate": r["prefetch_hit_rate"],
                             "expert_compute_s": r["expert_compute_s"],
                             "resident_expert_bytes": r["resident_expert_bytes"],
                             "total_expert_bytes": r["total_expert_bytes"],
@@ -143,13 +199,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--disk", action="store_true", help="also serve from the disk store")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--controller", type=Path, action="append", default=[],
+        help="a `moectl options train` folder for the (last) --model; run where its k-hat fits the budget",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     stores = ["host", "disk"] if args.disk else ["host"]
     results = []
-    for spec in args.model or ["tiny:olmoe"]:
-        res = bench_model(spec, args.max_new_tokens, stores)
-        host = [r for r in res["rows"] if r["store"] == "host"]
+    specs = args.model or ["tiny:olmoe"]
+    for spec in specs:
+        res = bench_model(spec, args.max_new_tokens, stores, args.controller if spec == specs[-1] else [])
+        host = [r for r in res["rows"] if r["store"] == "host" and not r["async_loads"]]
         bandwidth = sorted(r["bandwidth_bytes_per_s"] for r in host)[len(host) // 2]
         res["host_bandwidth_bytes_per_s"] = bandwidth
         res["real_models"] = real_model_costs(host, res["top_k"], bandwidth)
@@ -159,17 +220,26 @@ def main() -> None:
             f"{res['resident_tokens_per_s']:.1f} tok/s, {res['resident_tokens_per_cpu_s']:.1f} tok/cpu-s"
         )
         print(
-            f"{'budget':>6} {'store':>5} {'policy':>10} {'loads/tok':>9} {'KiB/tok':>9} {'hit':>6} "
-            f"{'rel tok/s':>9} {'rel tok/cpu-s':>13}"
+            f"{'budget':>6} {'store':>5} {'policy':>28} {'loads':>11} {'loads/tok':>9} {'KiB/tok':>9} "
+            f"{'hit':>6} {'stall ms/tok':>12} {'prefetch hit':>12} {'rel tok/s':>9} {'rel tok/cpu-s':>13}"
         )
         for r in res["rows"]:
+            loads = (
+                "async+pf" if r["async_loads"] and r["prefetch"] else "async" if r["async_loads"] else "sync"
+            )
+            pf = "-" if r["prefetch_hit_rate"] is None else f"{r['prefetch_hit_rate']:.3f}"
             print(
-                f"{r['budget']:>6} {r['store']:>5} {r['policy']:>10} {r['loads_per_token']:>9.2f} "
-                f"{r['bytes_moved_per_token'] / 1024:>9.1f} {r['hit_rate']:>6.3f} {r['relative_tokens_per_s']:>9.2f} "
+                f"{r['budget']:>6} {r['store']:>5} {r['policy']:>28} {loads:>11} {r['loads_per_token']:>9.2f} "
+                f"{r['bytes_moved_per_token'] / 1024:>9.1f} {r['hit_rate']:>6.3f} "
+                f"{r['stall_s_per_token'] * 1e3:>12.3f} {pf:>12} {r['relative_tokens_per_s']:>9.2f} "
                 f"{r['relative_tokens_per_cpu_s']:>13.2f}"
             )
         for frac in (0.5, 0.25):
-            by = {r["policy"].split(":")[0]: r for r in host if r["budget"] == frac}
+            at = [r for r in host if r["budget"] == frac]
+            by = {
+                "lru": next(r for r in at if r["policy"] == "lru"),
+                "option": next(r for r in at if r["policy"] == f"option:{r['experts']}"),
+            }
             if by["option"]["bytes_moved_per_token"] > 0:
                 ratio = by["lru"]["bytes_moved_per_token"] / by["option"]["bytes_moved_per_token"]
                 print(
@@ -180,7 +250,7 @@ def main() -> None:
         )
         for c in res["real_models"]:
             print(
-                f"  {c['model']:>13} {c['policy']:>10} @{c['budget']}: {c['load_s_per_token'] * 1e3:8.2f} ms/token"
+                f"  {c['model']:>13} {c['policy']:>28} @{c['budget']}: {c['load_s_per_token'] * 1e3:8.2f} ms/token"
             )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

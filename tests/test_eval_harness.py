@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moectl
-from _eval_data import small_cache
+from _eval_data import tiny_eval_env
 from moectl import ExpertMask
 from moectl.eval.forward import BatchRouting, RequestBatch, static_plan
 from moectl.eval.harness import RoutedLM
@@ -25,14 +25,7 @@ ALLOWED = [0, 1, 2, 3]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    # one thread: tiny forwards are all overhead, and OpenMP spin-waits badly on a shared 2-core box
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cache = small_cache(tmp_path_factory.mktemp("evals"))
-    model = moectl.tiny("olmoe", vocab_size=259)
-    model.set_experts_implementation("eager")  # transformers' grouped_mm experts are ~10x slower on CPU
-    yield cache, model, moectl.inspect(model)
-    torch.set_num_threads(threads)
+    yield from tiny_eval_env(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

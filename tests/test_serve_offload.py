@@ -8,28 +8,12 @@ import pytest
 import torch
 
 import moectl
+from _serve_helpers import greedy, prompt
 from moectl.metrics.switch_rate import router_option_masks
 from moectl.serve import offload
 from moectl.serve.offload import BudgetError
 
 torch.set_num_threads(1)
-NEW = 10
-
-
-def _greedy(model, ids: torch.Tensor, n: int = NEW) -> torch.Tensor:
-    return model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-
-
-def _prompt(seed: int = 0, length: int = 6) -> torch.Tensor:
-    return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _expert_params(model) -> dict[str, torch.Tensor]:
@@ -69,13 +53,13 @@ def _max_resident(rt) -> list[int]:
 )
 def test_offloaded_generation_equals_in_memory(family, policy, store, tmp_path):
     model = moectl.tiny(family)
-    ids = _prompt()
-    reference = _greedy(model, ids)
+    ids = prompt()
+    reference = greedy(model, ids)
     before = _expert_params(model)
     budget = 3 if policy == "option:3" else 2  # of 8 experts, top-k 2: misses are certain
     with offload(model, budget, policy, store=store, store_dir=tmp_path / "store") as rt:
         seen = _max_resident(rt)
-        out = _greedy(model, ids)
+        out = greedy(model, ids)
         totals = rt.totals()
         decode_loads = [s for s, _, _ in rt.events() if rt.step_tokens[s - 1] == 1]
     assert torch.equal(out, reference)
@@ -84,15 +68,15 @@ def test_offloaded_generation_equals_in_memory(family, policy, store, tmp_path):
     after = _expert_params(model)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)  # restored bit for bit
-    assert torch.equal(_greedy(model, ids), reference)
+    assert torch.equal(greedy(model, ids), reference)
 
 
 def test_option_residency_follows_router_option_masks():
     """With budget = k-hat the resident set after each step is the switch-rate metric's option."""
     model, k_hat = moectl.tiny("olmoe"), 3
-    ids = _prompt(1, length=5)
+    ids = prompt(1, length=5)
     with moectl.route(model, record=True) as session:
-        _greedy(model, ids)
+        greedy(model, ids)
     trace = session.trace
     p = ids.shape[1]
     with offload(model, k_hat, f"option:{k_hat}", store="host") as rt:
@@ -106,7 +90,7 @@ def test_option_residency_follows_router_option_masks():
 
         for i, m in enumerate(rt.modules):
             m.register_forward_hook(hook(i))
-        _greedy(model, ids)
+        greedy(model, ids)
         loads = rt.totals()["loads"]
     total_switches = 0
     for layer in range(len(resident)):
@@ -180,15 +164,15 @@ def test_static_policy_equals_masked_in_memory_model():
     model = moectl.tiny("qwen2_moe")
     info = moectl.inspect(model)
     subsets = {0: [1, 4, 6], 1: [0, 2, 5], 2: [3, 4, 7]}
-    ids = _prompt(2)
+    ids = prompt(2)
     with moectl.route(model, [moectl.ExpertMask.from_lists(info, subsets, renorm="pruned")]):
-        reference = _greedy(model, ids)
+        reference = greedy(model, ids)
     from moectl.serve.policies import StaticPolicy
 
     with offload(model, 3, StaticPolicy(subsets), store="disk") as rt:
         with moectl.route(model, rt.policy.routing(rt.info)):
-            out = _greedy(model, ids)
+            out = greedy(model, ids)
         assert [r.resident for r in rt.resident_sets] == [subsets[i] for i in range(3)]
         assert rt.totals()["loads"] == 9  # each subset expert loaded once, never again
     assert torch.equal(out, reference)
-    assert not torch.equal(out, _greedy(model, ids))  # the subset really changes routing
+    assert not torch.equal(out, greedy(model, ids))  # the subset really changes routing

@@ -44,7 +44,7 @@ def test_cli_serve_offload_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["policy"] == "static" and data["loads"] == 6 and data["decode_loads"] == 0
     bad = CliRunner().invoke(serve_app, ["--tiny", "olmoe", "--budget", "1", "--max-new-tokens", "2"])
-    assert bad.exit_code == 1 and "too small" in bad.output
+    assert bad.exit_code == 2 and "too small" in bad.output
 
 
 def test_policy_and_budget_specs_are_parsed_or_refused_clearly(tmp_path):

@@ -10,7 +10,13 @@ from moectl.models.load import ByteTokenizer
 from moectl.routing import route
 from moectl.subsets.clusters import cluster_tokens, document_purity, pca, spherical_kmeans
 from moectl.subsets.gating import block_mask, domain_losses, mean_loss
-from moectl.subsets.similarity import domain_similarity, domain_vectors, plot_similarity
+from moectl.subsets.similarity import (
+    document_statistics,
+    document_vectors,
+    domain_similarity,
+    domain_vectors,
+    plot_similarity,
+)
 
 TEXTS = {
     "math": ["1 + 1 = 2 and 2 * 3 = 6", "x^2 - 4 = 0"],
@@ -80,6 +86,28 @@ def test_domain_similarity_averages_tokens_then_documents(model, tmp_path):
     paths = plot_similarity(similarity, list(TEXTS), tmp_path)
     assert [p.name for p in paths] == [f"similarity_layer{i}.png" for i in range(info.num_moe_layers)]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_document_statistics_by_hand(model):
+    # domain A: two documents on expert 0; domain B: one on expert 1, one split over experts 1 and 2
+    docs = {0: [torch.tensor([[1.0, 0, 0], [1.0, 0, 0]]), torch.tensor([[0, 1.0, 0], [0, 0.5, 0.5]])]}
+    stats = document_statistics(docs)[0]
+    assert stats["effective_experts"] == pytest.approx((1 + 1 + 1 + 2) / 4)
+    within = (1 + 0.5**0.5) / 2  # A-A pair: 1; B-B pair: cos([0,1,0],[0,.5,.5]) = 1/sqrt(2)
+    assert stats["within_domain"] == pytest.approx(within)
+    assert stats["across_domains"] == pytest.approx(0.0)
+    per_doc = document_vectors(model, ByteTokenizer(), TEXTS)
+    assert [len(d) for d in per_doc[0]] == [2, 3, 1]
+    used = document_vectors(model, ByteTokenizer(), TEXTS, source="chosen")
+    k = moectl.inspect(model).top_k
+    for layer in used.values():
+        for d in layer:  # each token puts 1/k on each of its k experts: rows sum to 1, no entry above 1/k
+            torch.testing.assert_close(d.sum(-1), torch.ones(len(d)))
+            assert float(d.max()) <= 1 / k + 1e-6
+    with pytest.raises(ValueError, match="'probs' or 'chosen'"):
+        document_vectors(model, ByteTokenizer(), TEXTS, source="gates")
+    again = domain_vectors(model, ByteTokenizer(), TEXTS, documents=per_doc)
+    torch.testing.assert_close(again[0], domain_vectors(model, ByteTokenizer(), TEXTS)[0])
 
 
 def test_pca_keeps_the_components_explaining_95_percent():

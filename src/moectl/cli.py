@@ -2,56 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from moectl.cli_common import JsonOpt, OptionalModelArg, TinyOpt, console, fail, model_spec, write_json
 from moectl.models.tiny import FAMILIES
 
 app = typer.Typer(help="Control expert routing in Mixture-of-Experts language models.", no_args_is_help=True)
-console = Console(width=None if Console().is_terminal else 160)
-
-ModelArg = Annotated[str | None, typer.Argument(help="Checkpoint directory or hub id (or use --tiny).")]
-TinyOpt = Annotated[
-    str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
-]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
-
-
-def _model_spec(model: str | None, tiny: str | None) -> str:
-    if (model is None) == (tiny is None):
-        raise typer.BadParameter("give exactly one of MODEL (a checkpoint path or hub id) or --tiny FAMILY")
-    return f"tiny:{tiny}" if tiny else str(model)
-
-
-def _write_json(path: Path | None, data: Any) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
-    console.print(f"[dim]wrote {path}[/dim]")
-
-
-def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/bold red] {err}")
-    raise typer.Exit(code=2)
 
 
 @app.command("inspect")
-def inspect_cmd(model: ModelArg = None, tiny: TinyOpt = None, json_path: JsonOpt = None) -> None:
+def inspect_cmd(model: OptionalModelArg = None, tiny: TinyOpt = None, json_path: JsonOpt = None) -> None:
     """Family, MoE layers, experts per layer, top-k, shared experts, router rule, adapter self-test."""
     from moectl.commands.inspect import run_inspect
 
     try:
-        info = run_inspect(_model_spec(model, tiny))
+        info = run_inspect(model_spec(model, tiny))
     except (ValueError, OSError) as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"moectl inspect {info['model']}", show_header=False)
     for key in (
         "family",
@@ -75,14 +46,14 @@ def inspect_cmd(model: ModelArg = None, tiny: TinyOpt = None, json_path: JsonOpt
         f"max weight error {st['max_weight_error']:.1e})",
     )
     console.print(table)
-    _write_json(json_path, info)
+    write_json(json_path, info)
     if not st["passed"]:
         raise typer.Exit(code=1)
 
 
 @app.command("switch-rate")
 def switch_rate_cmd(
-    model: ModelArg = None,
+    model: OptionalModelArg = None,
     tiny: TinyOpt = None,
     prompts: Annotated[
         Path | None, typer.Option(help="JSONL with 'prompt' (and 'category'); default: built-in.")
@@ -107,7 +78,7 @@ def switch_rate_cmd(
 
     try:
         result = run_switch_rate(
-            _model_spec(model, tiny),
+            model_spec(model, tiny),
             str(prompts) if prompts else None,
             k_hat,
             max_new_tokens,
@@ -118,7 +89,7 @@ def switch_rate_cmd(
             str(trace) if trace else None,
         )
     except (ValueError, OSError) as err:
-        _fail(err)
+        fail(err)
     cats = result["categories"]
     table = Table(
         title=f"Switch rate (mean ± std over prompts), k-hat = {result['k_hat']}, top-k = {result['top_k']}"
@@ -149,7 +120,7 @@ def switch_rate_cmd(
     console.print(layers)
     for figure in result.get("plots", []):
         console.print(f"[dim]wrote {figure}[/dim]")
-    _write_json(json_path, result)
+    write_json(json_path, result)
 
 
 @app.command("demo")
@@ -165,7 +136,7 @@ def demo_cmd(
     try:
         result = run_demo(family, max_new_tokens, str(out))
     except (ValueError, OSError) as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"moectl demo on {result['model']}", show_header=False)
     table.add_row("self-test", "PASS" if result["self_test_passed"] else "FAIL")
     for name, value in result["switch_rate"].items():
@@ -176,7 +147,7 @@ def demo_cmd(
     for figure in result.get("plots", []):
         table.add_row("figure", figure)
     console.print(table)
-    _write_json(json_path, result)
+    write_json(json_path, result)
 
 
 def _mount() -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import LogitsProcessor, LogitsProcessorList
+
+from moectl.data.jsonl import read_jsonl_rows
 
 DEFAULT_PROMPTS = [
     {"prompt": "The quick brown fox jumps over the lazy dog because", "category": "chat"},
@@ -33,18 +34,10 @@ def load_prompts(path: str | Path | None) -> list[Prompt]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompts file {path} does not exist")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
-        text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
-        if not isinstance(text, str):
-            raise ValueError(f"{path}:{n}: each line needs a string field 'prompt' or 'text'")
-        prompts.append(Prompt(text, str(row.get("category", "all"))))
+    prompts = [
+        Prompt(row.get("prompt", row.get("text")), str(row.get("category", "all")))
+        for row in read_jsonl_rows(path, ("prompt", "text"))
+    ]
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts

@@ -7,15 +7,13 @@ accelerate launch --num_processes 2 -m moectl.pretrain --objective emo --preset 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console(width=None if Console().is_terminal else 160)
+from moectl.cli_common import console, fail, write_json
 
 
 def pretrain_command(
@@ -88,8 +86,7 @@ def pretrain_command(
             )
         result = pretrain(config, resume=resume is not None)
     except (ValueError, OSError) as err:
-        console.print(f"[bold red]error:[/bold red] {err}")
-        raise typer.Exit(code=2) from err
+        fail(err)
     table = Table(title=f"{config.objective} {config.preset}: validation loss (full model)")
     table.add_column("domain")
     table.add_column("loss", justify="right")
@@ -99,9 +96,7 @@ def pretrain_command(
     console.print(table)
     if result.get("tokens_per_s"):
         console.print(f"training throughput {result['tokens_per_s']:.0f} tokens/s; run in {config.out}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"config": config.out, **result}, indent=2))
+    write_json(json_path, {"config": config.out, **result})
 
 
 def main() -> None:

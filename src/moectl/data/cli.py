@@ -7,7 +7,6 @@ Mounted into the main CLI with ``app.add_typer(corpus_app, name="corpus")`` and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moectl.cli_common import write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app", "tokenizer_app"]
@@ -32,13 +32,6 @@ def _corpus() -> None:
 @tokenizer_app.callback()
 def _tokenizer() -> None:
     """Byte-level BPE tokenizer trained on a corpus's training split."""
-
-
-def _write_json(path: Path | None, result: dict[str, Any]) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-        _console.print(f"wrote {path}")
 
 
 def _parse_domains(domains: str | None) -> list[str] | None:
@@ -99,7 +92,7 @@ def build_command(
         raise typer.Exit(1) from exc
     _console.print(corpus_table(stats))
     _console.print(f"corpus written to {out} (stats in {out / 'stats.json'})")
-    _write_json(json_path, stats)
+    write_json(json_path, stats, ensure_ascii=False)
 
 
 @corpus_app.command("sources")
@@ -119,7 +112,7 @@ def sources_command(
                      "decoder": s.decoder, "markup": s.markup, "max_chars": s.max_chars, "licence": s.licence,
                      "note": s.note})
     _console.print(table)
-    _write_json(json_path, {"sources": rows})
+    write_json(json_path, {"sources": rows}, ensure_ascii=False)
 
 
 @tokenizer_app.command("train")
@@ -160,4 +153,4 @@ def train_command(
             row += [_m(toks[0]), f"{toks[1]:,}", f"{toks[2]:,}", f"{total_chars / max(1, sum(toks)):.2f}"]
         table.add_row(*row)
     _console.print(table)
-    _write_json(json_path, summary)
+    write_json(json_path, summary, ensure_ascii=False)

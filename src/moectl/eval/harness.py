@@ -18,8 +18,10 @@ model which positions are padding. How lm-eval batches, and what this class does
 - **generation**: ``HFLM.generate_until`` left-pads contexts and calls ``_model_generate`` with
   the attention mask. ``RoutedLM`` builds the same request batch from it, enters ``route()`` with
   the plan's policies for the whole ``generate`` (KV-cache offsets are tracked by the session) and,
-  for ensembles (``repeats > 1``), decodes itself: K routed copies per row share one token stream
-  chosen from the averaged distribution, with lm-eval's stop sequences.
+  for ensembles, decodes itself with lm-eval's stop sequences: under RoE (``roe``) with
+  ``moectl.roe.Ensemble`` (K routing samples per token over one shared clean cache, RoE §2.3),
+  for ``repeats > 1`` with K routed copies per row that share one token stream chosen from the
+  averaged distribution.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -140,6 +142,8 @@ class RoutedLM(HFLM):
             mask = torch.ones_like(context)
         batch = RequestBatch(context, mask, request_keys(context, mask), "generate")
         routing = self.plan(batch)
+        if routing.roe is not None:
+            return self._roe_generate(batch, routing, max_length, stop, generation_kwargs)
         if routing.repeats > 1:
             return self._ensemble_generate(batch, routing, max_length, stop, generation_kwargs)
         record = self.switch is not None
@@ -148,6 +152,65 @@ class RoutedLM(HFLM):
         if self.switch is not None:
             self.switch.add(session.trace, "generated")
         return out
+
+    def _decode(
+        self,
+        context: Tensor,
+        first: Tensor,
+        step: Callable[[Tensor], Tensor],
+        max_length: int,
+        stop: list[str],
+        gen: dict[str, Any],
+    ) -> Tensor:
+        """Decode from next-token log-probs: ``first`` [B, V] after the context, ``step(token)`` after each token.
+
+        Greedy unless lm-eval asks for sampling (``do_sample`` with a temperature); rows stop at EOS
+        or at one of lm-eval's stop sequences; finished rows are filled with the pad token.
+        """
+        b = context.shape[0]
+        temperature = float(gen.get("temperature", 0.0) or 0.0)
+        sample = bool(gen.get("do_sample", False)) and temperature > 0
+        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        criteria = stop_sequences_criteria(self.tokenizer, stop, context.shape[1], b)
+        out = context.clone()
+        done = torch.zeros(b, dtype=torch.bool, device=context.device)
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        logp = first
+        for n in range(max(0, max_length - context.shape[1])):
+            if sample:
+                probs = torch.softmax(logp.float().cpu() / temperature, dim=-1)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(context.device)
+            else:
+                token = logp.argmax(-1)
+            token = torch.where(done, torch.full_like(token, pad), token)
+            out = torch.cat([out, token[:, None]], dim=1)
+            done |= token == eos
+            for crit in criteria:
+                crit(out, None)
+                done |= torch.tensor(crit.done_tracker, device=done.device)
+            if bool(done.all()) or n == max_length - context.shape[1] - 1:
+                break
+            logp = step(token)
+        return out
+
+    @torch.no_grad()
+    def _roe_generate(
+        self,
+        batch: RequestBatch,
+        routing: BatchRouting,
+        max_length: int,
+        stop: list[str],
+        gen: dict[str, Any],
+    ) -> Tensor:
+        """Decode with Roster of Experts (RoE §2.3): K routing samples per token, one shared clean cache."""
+        from moectl.roe.ensemble import Ensemble
+
+        assert routing.roe is not None
+        with Ensemble(self.model, routing.roe, info=self.info, policies=list(routing.policies)) as ens:
+            first = ens.start(batch.input_ids, batch.attention_mask).logprobs
+            return self._decode(
+                batch.input_ids, first, lambda token: ens.step(token).logprobs, max_length, stop, gen
+            )
 
     @torch.no_grad()
     def _ensemble_generate(
@@ -158,50 +221,35 @@ class RoutedLM(HFLM):
         stop: list[str],
         gen: dict[str, Any],
     ) -> Tensor:
-        """Decode with K routed copies per row sharing one token stream (RoE-style ensembles)."""
+        """Decode with K routed copies per row, each with its own history, sharing one token stream."""
         k, b = int(routing.repeats), batch.size
-        context = batch.input_ids
-        temperature = float(gen.get("temperature", 0.0) or 0.0)
-        sample = bool(gen.get("do_sample", False)) and temperature > 0
-        generator = torch.Generator(device=context.device).manual_seed(self.seed)
-        ids = context.repeat_interleave(k, 0)
-        mask = batch.attention_mask.repeat_interleave(k, 0).long()
-        criteria = stop_sequences_criteria(self.tokenizer, stop, context.shape[1], b)
-        out = context.clone()
-        done = torch.zeros(b, dtype=torch.bool, device=context.device)
-        eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id
-        past, step_ids = None, ids
-        with route(
-            self.model, list(routing.policies), record=self.switch is not None, info=self.info
-        ) as session:
-            for _ in range(max(0, max_length - context.shape[1])):
-                positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-                result = self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=past,
-                    use_cache=True,
-                )
-                past = result.past_key_values
-                logp = F.log_softmax(result.logits[:, -1].float(), dim=-1).view(b, k, -1)
-                logp = torch.logsumexp(logp, dim=1) - math.log(k)
-                if sample:
-                    probs = torch.softmax(logp / temperature, dim=-1)
-                    token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                else:
-                    token = logp.argmax(-1)
-                token = torch.where(done, torch.full_like(token, pad), token)
-                out = torch.cat([out, token[:, None]], dim=1)
-                done |= token == eos
-                for crit in criteria:
-                    crit(out, None)
-                    done |= torch.tensor(crit.done_tracker, device=done.device)
-                if bool(done.all()):
-                    break
-                step_ids = token.repeat_interleave(k)[:, None]
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        state = {
+            "ids": batch.input_ids.repeat_interleave(k, 0),
+            "mask": batch.attention_mask.repeat_interleave(k, 0).long(),
+            "past": None,
+        }
+
+        def forward(step_ids: Tensor) -> Tensor:
+            mask = state["mask"]
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            result = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=state["past"],
+                use_cache=True,
+            )
+            state["past"] = result.past_key_values
+            logp = F.log_softmax(result.logits[:, -1].float(), dim=-1).view(b, k, -1)
+            return torch.logsumexp(logp, dim=1) - math.log(k)
+
+        def step(token: Tensor) -> Tensor:
+            state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
+            return forward(token.repeat_interleave(k)[:, None])
+
+        record = self.switch is not None
+        with route(self.model, list(routing.policies), record=record, info=self.info) as session:
+            out = self._decode(batch.input_ids, forward(state["ids"]), step, max_length, stop, gen)
         if self.switch is not None:
             self.switch.add(session.trace, "generated")
         return out

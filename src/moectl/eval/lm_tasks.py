@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from moectl.eval.cache import EvalSetMissingError, evals_dir, split_path
+from moectl.eval.cache import EvalSetMissingError, evals_dir, refetch_hint, split_path
 from moectl.eval.intervals import wilson_interval
 from moectl.eval.results import metric
 
@@ -27,8 +27,8 @@ TASK_DIR = Path(__file__).parent / "tasks"
 _PLACEHOLDER = "@EVALS@"
 _DATA_REF = re.compile(r"@EVALS@/([A-Za-z0-9_]+)/(?:by_category/[A-Za-z0-9_]+/)?([A-Za-z0-9_]+)\.jsonl")
 # metrics that are a mean of 0/1 per item: Wilson intervals apply
-BINARY_METRICS = ("acc", "acc_norm", "exact_match", "exact_match_flexible")
-_PRIMARY = ("acc", "exact_match", "perplexity")
+BINARY_METRICS = ("acc", "acc_norm", "exact_match", "exact_match_flexible", "pass_at_1")
+_PRIMARY = ("acc", "exact_match", "perplexity", "pass_at_1")
 
 
 class _Loader(yaml.SafeLoader):
@@ -83,7 +83,7 @@ def check_data(names: Sequence[str], cache: str | os.PathLike | None = None) -> 
                     if not Path(ref).exists():
                         raise EvalSetMissingError(
                             f"task {leaf!r} reads {ref}, which is missing next to {path}: "
-                            f"run `moectl data fetch-evals --sets {set_name} --force`"
+                            f"{refetch_hint(set_name)}"
                         )
 
 

@@ -13,23 +13,41 @@ from moectl.adapters.inspect import inspect
 from moectl.eval.forward import SwitchStats, static_plan
 from moectl.eval.policy_file import experts_allowed, load_policies
 from moectl.eval.results import new_results
+from moectl.roe.config import RoEConfig, config_dict
 
 ENGINES = ("lm-eval", "moectl")
 
 
-class FeatureNotAvailableError(ValueError):
-    """An option whose feature has not landed in moectl yet."""
+def roe_config(spec: str, seed: int) -> RoEConfig:
+    """An RoE config from ``--roe``: a tau profile (``moectl roe tune --out``) or ``K=16,tau=0.5[,...]``.
 
-
-def not_available(roe: str | None, controller: str | None = None) -> None:
-    """Refuse ``--roe`` until RoE ensembles are wired into the harness, saying what works today."""
-    for flag, value, what in (("--roe", roe, "Roster-of-Experts ensembles (RoE)"),):
-        if value is not None:
-            raise FeatureNotAvailableError(
-                f"{flag} is not available yet: {what} have not landed in moectl. Today you can evaluate a "
-                "fixed routing with --policy FILE, or, from Python, pass a per-request plan to "
-                "moectl.eval.harness.RoutedLM(model, tokenizer, plan=...)"
+    Inline keys are RoEConfig's (``K``, ``tau``, ``aggregation``, ``cache``, ``seed``); ``tau`` is one
+    value for every MoE layer or ``/``-separated values, one per MoE layer. A profile's K may be
+    overridden inline after the path: ``profile.json,K=8``.
+    """
+    head, *rest = [part.strip() for part in spec.split(",") if part.strip()] or [""]
+    items = rest if "=" not in head else [head, *rest]
+    fields: dict[str, Any] = {"seed": seed}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("K", "tau", "aggregation", "cache", "seed"):
+            raise ValueError(
+                f"--roe: cannot read {item!r}; give a tau profile path or K=…,tau=…[,aggregation=…,cache=…,seed=…]"
             )
+        if key in ("K", "seed"):
+            fields[key] = int(value)
+        elif key == "tau":
+            taus = [float(v) for v in value.split("/")]
+            fields[key] = taus[0] if len(taus) == 1 else taus
+        else:
+            fields[key] = value
+    if "=" not in head:
+        if not Path(head).exists():
+            raise FileNotFoundError(
+                f"--roe: {head!r} is neither a tau profile file nor K=…,tau=… (write a profile with `moectl roe tune`)"
+            )
+        return RoEConfig.from_profile(head, **fields)
+    return RoEConfig(**fields)
 
 
 def _lm_tokenizer(tokenizer: Any) -> Any:
@@ -47,6 +65,13 @@ def _lm_eval_version() -> str:
     from importlib.metadata import version
 
     return version("lm_eval")
+
+
+def _routing_label(policy: Any, controller: Any, roe: RoEConfig | None) -> str:
+    parts = [Path(policy).stem] if policy is not None else []
+    parts += ["controller"] if controller else []
+    parts += [f"roe-K{roe.K}"] if roe is not None else []
+    return "+".join(parts) or "full"
 
 
 def evaluate(
@@ -71,13 +96,15 @@ def evaluate(
     label: str | None = None,
     progress: bool = True,
     model_and_tokenizer: tuple[Any, Any] | None = None,
+    allow_code_exec: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``model_spec`` (``tiny:FAMILY``, a checkpoint folder or hub id); returns a results document.
 
     ``switch`` (default: on when a policy is given) records the switch rate per task.
     ``model_and_tokenizer`` skips loading (for callers that hold a model already).
+    ``allow_code_exec`` lets code tasks (humaneval, mbpp) execute generated code; without it they
+    run only if ``$MOECTL_ALLOW_CODE_EXEC=1`` (checked before the model is loaded).
     """
-    not_available(roe, controller)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not tasks and perplexity is None:
@@ -89,6 +116,10 @@ def evaluate(
 
         tasks = resolve_tasks(list(tasks))
         check_data(tasks, cache)  # before loading a model: a missing set fails fast
+        from moectl.eval.code_exec import check_code_tasks
+
+        check_code_tasks(tasks, True if allow_code_exec else None)  # refuses unless opted into
+    roe_cfg = roe_config(roe, seed) if roe is not None else None
     torch.manual_seed(seed)
     if model_and_tokenizer is None:
         from moectl.models.load import load_model
@@ -110,7 +141,9 @@ def evaluate(
     policies, specs = load_policies(policy, info) if policy is not None else ([], [])
     if controller is not None:
         policies = [*policies, ControllerPolicy(ctrl, seed=seed)]
-    switch = bool(policies) if switch is None else switch
+    switch = bool(policies) and roe_cfg is None if switch is None else switch
+    if roe_cfg is not None:
+        switch = False  # K samples route differently: a switch rate of the ensemble is not defined
     max_length = max_length or int(getattr(model.config, "max_position_embeddings", 2048))
     summary = info.summary()
     doc = new_results(
@@ -123,11 +156,11 @@ def evaluate(
             "moe_layers": len(summary["moe_layers"]),
         },
         routing={
-            "label": Path(policy).stem if policy is not None else ("controller" if controller else "full"),
+            "label": _routing_label(policy, controller, roe_cfg),
             "policy_file": str(policy) if policy is not None else None,
             "policies": specs,
             "experts_allowed": experts_allowed(policies, info),
-            "roe": None,
+            "roe": config_dict(roe_cfg, info.num_moe_layers) if roe_cfg is not None else None,
             "controller": controller_info,
         },
         engine={"name": engine, "version": _lm_eval_version() if engine == "lm-eval" else None},
@@ -141,27 +174,30 @@ def evaluate(
             "device": device,
         },
     )
-    plan = static_plan(policies)
+    plan = static_plan(policies, roe_cfg)
     if tasks:
-        doc["tasks"].update(
-            _run_tasks(
-                model,
-                tokenizer,
-                info,
-                plan,
-                tasks,
-                engine,
-                cache,
-                limit,
-                num_fewshot,
-                max_gen_toks,
-                batch_size,
-                max_length,
-                seed,
-                switch,
-                progress,
+        from moectl.eval.code_exec import code_exec_allowed
+
+        with code_exec_allowed(allow_code_exec):
+            doc["tasks"].update(
+                _run_tasks(
+                    model,
+                    tokenizer,
+                    info,
+                    plan,
+                    tasks,
+                    engine,
+                    cache,
+                    limit,
+                    num_fewshot,
+                    max_gen_toks,
+                    batch_size,
+                    max_length,
+                    seed,
+                    switch,
+                    progress,
+                )
             )
-        )
     if perplexity is not None:
         from moectl.eval.multiple_choice import switch_summary
         from moectl.eval.perplexity import document_nll, perplexity_results, read_corpus

@@ -14,35 +14,21 @@ every token and has no fixed mask to write.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console(width=None if Console().is_terminal else 160)
+from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
+
 _ERRORS = (ValueError, OSError, KeyError)
 PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.data``)
 
 
-def _fail(err: Exception | str) -> NoReturn:
-    console.print(f"[bold red]error:[/bold red] {err}")
-    raise typer.Exit(code=2)
-
-
-def _write_json(path: Path | None, data: Any) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    console.print(f"[dim]wrote {path}[/dim]")
-
-
 def baselines_command(
-    model: Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")],
+    model: ModelArg,
     k_hat: Annotated[int, typer.Option("--k-hat", help="Experts kept per MoE layer k̂ (top-k ≤ k̂ ≤ N).")],
     method: Annotated[str, typer.Option("--method", help="frequency | reconstruction | random | wanda")],
     calib: Annotated[
@@ -54,7 +40,7 @@ def baselines_command(
     out: Annotated[
         Path | None, typer.Option("--out", help="Write the masks as a subset file (fixed baselines).")
     ] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
+    json_path: JsonOpt = None,
     num_prompts: Annotated[
         int, typer.Option("--num-prompts", help="Calibration texts used (TE-MoE: 128).")
     ] = 128,
@@ -71,8 +57,8 @@ def baselines_command(
         bool, typer.Option("--layerwise", help="Prune layer l before measuring layer l+1.")
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed (random draws, sampling, tiny weights).")] = 0,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16, float16.")] = "auto",
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Per-layer expert masks of TE-MoE's pruning baselines (frequency, reconstruction, random, wanda)."""
     from moectl.adapters import inspect
@@ -116,7 +102,7 @@ def baselines_command(
                 "seed": seed,
             }
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     _print_table(info, method, k_hat, keep)
     if out is not None and keep is not None:
         save_subset(out, keep, model=model, method=method, calibration=calibration)
@@ -133,7 +119,7 @@ def baselines_command(
         "calibration": calibration,
         "out": None if out is None else str(out),
     }
-    _write_json(json_path, report)
+    write_json(json_path, report)
 
 
 def _print_table(info, method: str, k_hat: int, keep: dict[int, list[int]] | None) -> None:

@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, fail, write_json
+
 options_app = typer.Typer(no_args_is_help=True, help="Learn and use per-layer option controllers (TE-MoE).")
 console = Console()
 
-ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON here.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16, float16.")]
 ControllerOpt = Annotated[
     Path, typer.Option("--controller", help="Folder written by `moectl options train` (its final/).")
 ]
-
-
-def _write_json(path: Path | None, data: Any) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-        console.print(f"[dim]wrote {path}[/dim]")
-
-
-def _fail(err: Exception) -> None:
-    console.print(f"[red]error:[/red] {err}")
-    raise typer.Exit(2) from err
 
 
 def _controller_dir(path: Path) -> Path:
@@ -137,7 +122,7 @@ def train_cmd(
         )
         result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume)
     except (ValueError, FileNotFoundError) as err:
-        _fail(err)
+        fail(err)
     log = result["log"]
     first, last = log[0], log[-1]
     table = Table(title=f"options training, k̂={k_hat}, η={eta:.4f}")
@@ -154,7 +139,7 @@ def train_cmd(
         )
     console.print(table)
     console.print(f"[dim]controller: {result['final']}; curves: {out / 'curves.png'}[/dim]")
-    _write_json(
+    write_json(
         json_path, {"config": asdict(config), "latency": latency, "final": result["final"], "log": log}
     )
 
@@ -208,7 +193,7 @@ def generate_cmd(
         with route(lm, policy, record=True) as session:
             texts = generate(lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        _fail(err)
+        fail(err)
     trace = session.trace
     report = switch_rate(trace, source="allowed")
     records = policy.layer_records()
@@ -234,7 +219,7 @@ def generate_cmd(
         for layer in sorted(records)[:3]:
             plot_options(trace, plot / f"options_layer{layer}.png", layer=layer)
         console.print(f"[dim]wrote option plots to {plot}[/dim]")
-    _write_json(json_path, {"switch_rate": report.mean, "per_layer": report.per_layer, "samples": rows})
+    write_json(json_path, {"switch_rate": report.mean, "per_layer": report.per_layer, "samples": rows})
 
 
 @options_app.command("eval")
@@ -292,7 +277,7 @@ def eval_cmd(
             lm, info, tokenizer, load_prompts(prompts), policies, k, max_new_tokens, temperature, seed=seed
         )
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"{'controller ' + str(controller) if controller else 'plain model'}, k̂={k}")
     for col in ("domain", "KL(teacher‖student)", "ppl", "teacher ppl", "docs"):
         table.add_column(col)
@@ -309,7 +294,7 @@ def eval_cmd(
         f"switch rate on generated tokens: {switching['switch_rate']:.4f} ± {switching['switch_rate_ci95']:.4f} "
         f"({switching['source']})"
     )
-    _write_json(
+    write_json(
         json_path,
         {
             "model": model,

@@ -7,9 +7,9 @@ corpus shipped with moectl. From corpus documents a prompt is the start of the d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from moectl.data.jsonl import iter_jsonl_rows
 from moectl.data.sample import iter_documents, sample_corpus_dir
 
 
@@ -39,17 +39,9 @@ def texts_by_domain(
 
 
 def _jsonl(path: Path):
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
-        text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{path}:{n}: each line needs a non-empty string field 'prompt' or 'text'")
-        yield {**row, "text": text}
+    """Rows with a non-empty ``prompt`` (else ``text``), that text as ``text``."""
+    for _, row in iter_jsonl_rows(path, ("prompt", "text"), allow_empty=False):
+        yield {**row, "text": row.get("prompt", row.get("text"))}
 
 
 def read_prompts(

@@ -10,8 +10,6 @@ step, every generator's state). Folders are written beside their final name and 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.options.controller import OptionController
 from moectl.options.teacher import router_snapshot
+from moectl.train.checkpoint import commit_checkpoint, latest_in, write_dir_atomic
 
 
 def save_folder(
@@ -33,8 +32,6 @@ def save_folder(
 ) -> Path:
     """Write the folder atomically (temp folder, then rename)."""
     from safetensors.torch import save_file
-
-    from moectl.train.checkpoint import write_dir_atomic
 
     def write(tmp: Path) -> None:
         controller.save(tmp)
@@ -59,25 +56,16 @@ def save_folder(
 def save_checkpoint(
     out: Path, step: int, controller, model, info, config: dict, trainer_state: dict, keep: int = 2
 ) -> Path:
-    root = Path(out) / "checkpoints"
-    final = save_folder(
-        root / f"step-{step:06d}", controller, model, info, config, {**trainer_state, "step": step}
+    """Write ``out/checkpoints/step-N`` (with trainer_state.pt) as ``latest``; keep the newest ``keep``."""
+    path = Path(out) / "checkpoints" / f"step-{step:06d}"
+    return commit_checkpoint(
+        save_folder(path, controller, model, info, config, {**trainer_state, "step": step}), keep
     )
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, root / "latest")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def latest_checkpoint(out: Path) -> Path | None:
-    pointer = Path(out) / "checkpoints" / "latest"
-    if pointer.exists():
-        path = pointer.parent / pointer.read_text().strip()
-        if (path / "trainer_state.pt").exists():
-            return path
-    return None
+    """The checkpoint that ``out/checkpoints/latest`` names, if complete, else None."""
+    return latest_in(Path(out) / "checkpoints")
 
 
 def load_weights(path: Path, model: nn.Module, info: ModelInfo) -> None:

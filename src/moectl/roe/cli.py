@@ -13,24 +13,27 @@ writes the same results with ``--json``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from moectl.models.tiny import FAMILIES
+from moectl.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    OptionalModelArg,
+    TinyOpt,
+    console,
+    fail,
+    model_spec,
+    write_json,
+)
 
 roe_app = typer.Typer(help="Roster of Experts: K-sample routing ensembles with a clean KV cache (RoE §2).",
                       no_args_is_help=True)  # fmt: skip
-console = Console(width=None if Console().is_terminal else 160)
 
-ModelArg = Annotated[str | None, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
-TinyOpt = Annotated[
-    str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
-]
 KOpt = Annotated[
     int | None,
     typer.Option(
@@ -48,22 +51,9 @@ TempsOpt = Annotated[
 CacheOpt = Annotated[str, typer.Option("--cache", help="clean (RoE §2.3) | separate | none.")]
 AggOpt = Annotated[str, typer.Option("--aggregation", help="prob_mean (the paper's) | logprob_mean.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing noise.")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
-]
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _spec(model: str | None, tiny: str | None) -> str:
-    if (model is None) == (tiny is None):
-        raise typer.BadParameter(
-            "give exactly one of MODEL (tiny:FAMILY, a checkpoint path or hub id) or --tiny FAMILY"
-        )
-    return f"tiny:{tiny}" if tiny else str(model)
-
-
 def _load(spec: str, device: str, dtype: str):
     from moectl.models.load import load_model
 
@@ -92,21 +82,6 @@ def _config(k: int | None, temperatures: str | None, cache: str, aggregation: st
     return RoEConfig(K=16 if k is None else k, tau=tau, cache=cache, aggregation=aggregation, seed=seed)
 
 
-def _write_json(path: Path | None, data: Any) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
-    console.print(f"[dim]wrote {path}[/dim]")
-
-
-def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/bold red] {err}")
-    raise typer.Exit(code=2)
-
-
 _ERRORS = (ValueError, OSError, NotImplementedError)
 
 
@@ -117,7 +92,7 @@ def _taus_text(taus: list[float]) -> str:
 # -- generate -------------------------------------------------------------------------------
 @roe_app.command("generate")
 def generate_cmd(
-    model: ModelArg = None,
+    model: OptionalModelArg = None,
     tiny: TinyOpt = None,
     k: KOpt = None,
     temperatures: TempsOpt = None,
@@ -158,7 +133,7 @@ def generate_cmd(
     from moectl.roe.generate import GenerationStats, generate
 
     try:
-        spec = _spec(model, tiny)
+        spec = model_spec(model, tiny)
         config = _config(k, temperatures, cache, aggregation, seed)
         texts = list(prompt or [])
         if prompts is not None:
@@ -185,7 +160,7 @@ def generate_cmd(
         if streaming:
             console.print()
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"RoE generate {spec}: K={config.K}, tau=[{_taus_text(taus)}], cache={config.cache}")
     table.add_column("#", justify="right")
     table.add_column("prompt")
@@ -200,7 +175,7 @@ def generate_cmd(
         f"{stats.steps} steps, {stats.forwards} forwards, {ms:.1f} ms per step, "
         f"{stats.sample_tokens / max(stats.tokens, 1):.2f} routing samples per generated token"
     )
-    _write_json(json_path, {
+    write_json(json_path, {
         "model": spec,
         "config": config_dict(config, info.num_moe_layers),
         "decoding": {"max_new_tokens": max_new_tokens, "temperature": sampling_temperature, "top_p": top_p,
@@ -213,7 +188,7 @@ def generate_cmd(
 # -- score ----------------------------------------------------------------------------------
 @roe_app.command("score")
 def score_cmd(
-    model: ModelArg = None,
+    model: OptionalModelArg = None,
     tiny: TinyOpt = None,
     k: KOpt = None,
     temperatures: TempsOpt = None,
@@ -249,7 +224,7 @@ def score_cmd(
     from moectl.roe.score import score
 
     try:
-        spec = _spec(model, tiny)
+        spec = model_spec(model, tiny)
         if data is None:
             raise ValueError("give --data FILE.jsonl (see `moectl.roe.data` for the accepted lines)")
         config = _config(k, temperatures, cache, aggregation, seed)
@@ -274,7 +249,7 @@ def score_cmd(
             trade = trade_off(lm, tokenizer, items, config, thresholds, batch_size=batch_size,
                               max_length=max_length, info=info)  # fmt: skip
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"RoE score {spec} on {data}: K={config.K}, tau=[{_taus_text(taus)}]")
     for col in ("run", "items", "tokens", "perplexity", "accuracy", "seconds"):
         table.add_column(col, justify="left" if col == "run" else "right")
@@ -291,7 +266,7 @@ def score_cmd(
             t2.add_row(row["mode"], f"{row['samples_per_token']:.2f}", f"{row['noisy_fraction']:.0%}",
                        f"{row['ppl']:.4f}", f"{row['seconds']:.1f}")  # fmt: skip
         console.print(t2)
-    _write_json(json_path, {
+    write_json(json_path, {
         "model": spec,
         "data": str(data),
         "config": config_dict(config, info.num_moe_layers),
@@ -303,7 +278,7 @@ def score_cmd(
 # -- tune -----------------------------------------------------------------------------------
 @roe_app.command("tune")
 def tune_cmd(
-    model: ModelArg = None,
+    model: OptionalModelArg = None,
     tiny: TinyOpt = None,
     k: KOpt = None,
     data: Annotated[Path | None, typer.Option("--data", help="Validation JSONL(.gz).")] = None,
@@ -346,7 +321,7 @@ def tune_cmd(
     from moectl.roe.tune import tune
 
     try:
-        spec = _spec(model, tiny)
+        spec = model_spec(model, tiny)
         if data is None:
             raise ValueError("give --data FILE.jsonl (validation items)")
         lm, tokenizer = _load(spec, device, dtype)
@@ -360,9 +335,9 @@ def tune_cmd(
             info=info, model_name=spec,
         )  # fmt: skip
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     except ImportError as err:
-        _fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
+        fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
     label = "validation perplexity" if objective == "ppl" else "validation accuracy"
     table = Table(title=f"RoE tune {spec}: K={k}, {label}, {result.trials} trials ({result.info['mode']})")
     table.add_column("MoE layer", justify="right")
@@ -376,7 +351,7 @@ def tune_cmd(
     console.print(f"best {label}: {result.value:.6g}{base}; {result.seconds:.1f} s this run")
     for path in [result.profile, *result.figures]:
         console.print(f"[dim]wrote {path}[/dim]")
-    _write_json(json_path, {
+    write_json(json_path, {
         "model": spec, "K": k, "objective": objective, "tau": result.tau, "value": result.value,
         "baseline_tau0": result.baseline, "trials": result.trials, "seconds": result.seconds,
         "profile": str(result.profile), "figures": [str(f) for f in result.figures], "history": result.history,
@@ -387,7 +362,7 @@ def tune_cmd(
 # -- bench ----------------------------------------------------------------------------------
 @roe_app.command("bench")
 def bench_cmd(
-    model: ModelArg = None,
+    model: OptionalModelArg = None,
     tiny: TinyOpt = None,
     k: Annotated[str, typer.Option("--k", help="Comma list of K.")] = "1,2,4,8,16,32,64",
     variants: Annotated[
@@ -412,7 +387,7 @@ def bench_cmd(
     from moectl.roe.bench import measure_overhead
 
     try:
-        spec = _spec(model, tiny)
+        spec = model_spec(model, tiny)
         ks = [int(x) for x in k.split(",")]
         if threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -429,7 +404,7 @@ def bench_cmd(
             new_tokens=new_tokens, repeats=repeats, tau=tau, memory=memory,
         )  # fmt: skip
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     table = Table(
         title=f"RoE overhead {spec}: B={batch}, prompt {prompt_tokens}, {new_tokens} new tokens, tau={tau}"
     )
@@ -457,4 +432,4 @@ def bench_cmd(
         )  # fmt: skip
     console.print(table)
     console.print(f"[dim]latency: {result['latency_method']}; memory: {result['memory_method']}[/dim]")
-    _write_json(json_path, {"model": spec, **result})
+    write_json(json_path, {"model": spec, **result})

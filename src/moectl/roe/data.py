@@ -12,10 +12,11 @@ Three kinds of line, told apart by their fields:
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+
+from moectl.data.jsonl import iter_jsonl_rows
 
 
 @dataclass
@@ -44,10 +45,6 @@ class GenItem:
 
 
 Item = LMItem | ChoiceItem | GenItem
-
-
-def _open(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
 def parse_item(row: dict, where: str) -> Item:
@@ -84,18 +81,7 @@ def load_items(path: str | Path, limit: int | None = None) -> list[Item]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
-    items: list[Item] = []
-    with _open(path) as handle:
-        for n, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
-            items.append(parse_item(row, f"{path}:{n}"))
-            if limit is not None and len(items) >= limit:
-                break
+    items = [parse_item(row, f"{path}:{n}") for n, row in islice(iter_jsonl_rows(path), limit)]
     if not items:
         raise ValueError(f"{path} holds no items")
     return items

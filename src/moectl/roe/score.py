@@ -30,18 +30,14 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.cache import left_padded
 from moectl.roe.config import RoEConfig
 from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
-from moectl.roe.ensemble import Ensemble, experts_implementation
-from moectl.roe.masks import attention_kinds, teacher_forced_masks
-from moectl.roe.noise import NoiseLayout, SampleGumbel
-from moectl.routing.session import route
-
-_CHUNK_BYTES = 1 << 28  # logits + masks budget per noisy chunk in the parallel path
+from moectl.roe.ensemble import Ensemble
+from moectl.roe.masks import attention_kinds
+from moectl.roe.parallel import sample_logits
+from moectl.routing.state import Policy
 
 
 # -- tokens ---------------------------------------------------------------------------------
@@ -94,15 +90,6 @@ def pad_left(
 
 
 # -- RoE token log-probabilities ------------------------------------------------------------
-def _full_cache(model: nn.Module):
-    """A cache whose attention layers keep every token (sliding layers too)."""
-    if getattr(model.config, "model_type", "") == "minimax":
-        from transformers.models.minimax.modeling_minimax import MiniMaxCache
-
-        return MiniMaxCache()
-    return DynamicCache()
-
-
 def _gather_next(logits: Tensor, ids: Tensor) -> Tensor:
     """log p(ids[t] | logits at t−1) → [..., L] (position 0 gets 0)."""
     logp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
@@ -114,72 +101,28 @@ def _gather_next(logits: Tensor, ids: Tensor) -> Tensor:
 
 @torch.no_grad()
 def token_logprobs_parallel(
-    model: nn.Module, ids: Tensor, mask: Tensor, config: RoEConfig, info: ModelInfo | None = None
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None = None,
+    policies: Sequence[Policy] = (),
 ) -> Tensor:
     """RoE log p(x_t | x_<t) [B, L] for every position, clean cache semantics, two forwards."""
-    info = info or inspect(model)
-    kinds, as_dict = attention_kinds(model.config)
-    if any(k.kind == "recurrent" for k in kinds):
-        raise ValueError("the parallel scoring path needs an attention-only model; use method='stepwise'")
-    valid, left_pad, position = left_padded(mask)
-    b, length = ids.shape
-    noise = SampleGumbel(config.taus(info.num_moe_layers), seed=config.seed)
-    with experts_implementation(model, "grouped_mm"), route(model, [noise], info=info):
-        cache = _full_cache(model)
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
-        )
-        cache = out.past_key_values
-        clean = out.logits
-        vocab = clean.shape[-1]
+    per_sample: list[Tensor] = []
+    logp_sum: Tensor | None = None
+    for logits in sample_logits(model, ids, mask, config, info, policies):  # [B, c, L, V]
         if config.aggregation == "prob_mean":
-            per_sample = [_gather_next(clean, ids)[:, None]]  # [B, 1, L]
+            per_sample.append(_gather_next(logits, ids))
         else:
-            logp_sum = torch.log_softmax(clean.float(), -1)
-        del out
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        base_mask = teacher_forced_masks(kinds, as_dict, valid, left_pad, dtype)
-        per_chunk = max(1, _CHUNK_BYTES // max(1, b * length * (vocab + 2 * length) * 4))
-        for first in range(1, config.K, per_chunk):
-            c = min(per_chunk, config.K - first)
-            rows = b * c
-            rep = _full_cache(model)
-            for i, layer in enumerate(cache.layers):
-                if getattr(layer, "is_initialized", False) and layer.keys is not None:
-                    rep.update(layer.keys.repeat_interleave(c, 0), layer.values.repeat_interleave(c, 0), i)
-            masks = _repeat_masks(base_mask, c)
-            sample = (first + torch.arange(rows, device=ids.device) % c)[:, None]
-            noise.layout = NoiseLayout(
-                sample=sample, position=position.repeat_interleave(c, 0), scale=sample > 0
-            )
-            try:
-                noisy = model(
-                    input_ids=ids.repeat_interleave(c, 0),
-                    attention_mask=masks,
-                    position_ids=position.repeat_interleave(c, 0),
-                    past_key_values=rep,
-                    use_cache=True,
-                ).logits.reshape(b, c, length, vocab)
-            finally:
-                noise.layout = None
-            del rep
-            if config.aggregation == "prob_mean":
-                per_sample.append(_gather_next(noisy, ids))
-            else:
-                logp_sum = logp_sum + torch.log_softmax(noisy.float(), -1).sum(1)
-            del noisy
+            part = torch.log_softmax(logits.float(), -1).sum(1)
+            logp_sum = part if logp_sum is None else logp_sum + part
     if config.aggregation == "prob_mean":
         lp = torch.logsumexp(torch.cat(per_sample, 1), dim=1) - math.log(config.K)
     else:
+        assert logp_sum is not None
         lp = _gather_next(torch.log_softmax(logp_sum / config.K, -1), ids)
-    return lp * valid
-
-
-def _repeat_masks(masks, c: int):
-    def rep(m: Tensor | None) -> Tensor | None:
-        return None if m is None else m.repeat_interleave(c, 0)
-
-    return {k: rep(v) for k, v in masks.items()} if isinstance(masks, dict) else rep(masks)
+    return lp * mask.bool()
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from moectl.serve.offload import OffloadedExperts, OffloadRuntime, offload
 from moectl.serve.policies import parse_policy
+from moectl.serve.prefetch import PrefetchConfig
 from moectl.serve.store import DiskStore, ExpertStoreError, HostStore
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "HostStore",
     "OffloadRuntime",
     "OffloadedExperts",
+    "PrefetchConfig",
     "offload",
     "parse_policy",
 ]

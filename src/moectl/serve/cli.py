@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from moectl.cli_common import JsonOpt, OptionalModelArg, TinyOpt, console, fail, model_spec, write_json
+
 serve_app = typer.Typer(help="Serve an MoE with offloaded experts.", no_args_is_help=True)
-console = Console(width=None if Console().is_terminal else 160)
 
 
 def parse_budget(text: str) -> float | int:
@@ -32,14 +32,14 @@ def _mib(n: float) -> str:
 
 @serve_app.command("serve-offload")
 def serve_offload_command(
-    model: Annotated[
-        str | None, typer.Argument(help="Checkpoint directory or hub id (or use --tiny).")
-    ] = None,
-    tiny: Annotated[str | None, typer.Option("--tiny", help="Tiny random model of a family.")] = None,
+    model: OptionalModelArg = None,
+    tiny: TinyOpt = None,
     budget: Annotated[
         str, typer.Option(help="Resident experts per MoE layer: a fraction (0.25) or a count (4).")
     ] = "0.25",
-    policy: Annotated[str, typer.Option(help="lru | static:SUBSET.json | option:K_HAT | controller:DIR")] = "lru",
+    policy: Annotated[
+        str, typer.Option(help="lru | static:SUBSET.json | option:K_HAT | controller:DIR")
+    ] = "lru",
     store: Annotated[str, typer.Option(help="Where non-resident experts live: disk | host.")] = "disk",
     store_dir: Annotated[
         Path | None,
@@ -50,9 +50,33 @@ def serve_offload_command(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     plot: Annotated[Path | None, typer.Option(help="PNG (or directory) for the load timeline.")] = None,
-    json_path: Annotated[
-        Path | None, typer.Option("--json", help="Also write the results to this JSON file.")
+    json_path: JsonOpt = None,
+    async_loads: Annotated[
+        bool | None,
+        typer.Option(
+            "--async-loads/--no-async-loads",
+            help="Overlap expert loads with compute (CUDA: a side stream; CPU: a worker thread). "
+            "Default: on with CUDA, off without.",
+        ),
     ] = None,
+    prefetch: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefetch/--no-prefetch",
+            help="Start loading a predicted switch's experts one token early (option and controller "
+            "policies; only into free or unpinned slots). Default: as --async-loads.",
+        ),
+    ] = None,
+    prefetch_lookahead: Annotated[
+        int,
+        typer.Option(
+            help="option policy: a runner-up within top-k + this many ranks, outside the option, "
+            "predicts a switch."
+        ),
+    ] = 1,
+    prefetch_beta: Annotated[
+        float, typer.Option(help="controller policy: β above this predicts a switch.")
+    ] = 0.5,
     seed: int = 0,
 ) -> None:
     """Generate greedily with experts offloaded; report memory, loads, bytes moved, time and hit rate."""
@@ -60,15 +84,16 @@ def serve_offload_command(
 
     from moectl.generate import load_prompts
     from moectl.models.load import load_model
-    from moectl.serve.runner import serve_offload, write_json
+    from moectl.serve.prefetch import PrefetchConfig
+    from moectl.serve.runner import serve_offload
 
-    if (model is None) == (tiny is None):
-        raise typer.BadParameter("give exactly one of MODEL (a checkpoint path or hub id) or --tiny FAMILY")
+    spec = model_spec(model, tiny)
     if store not in ("disk", "host"):
         raise typer.BadParameter(f"--store must be disk or host, got {store!r}")
     torch.manual_seed(seed)
     try:
-        net, tokenizer = load_model(f"tiny:{tiny}" if tiny else str(model), seed=seed)
+        prefetch_config = PrefetchConfig(prefetch_lookahead, prefetch_beta)
+        net, tokenizer = load_model(spec, seed=seed)
         if policy.startswith("controller:"):
             from moectl.options.state import load_controlled
             from moectl.serve.policies import ControllerResidency
@@ -88,10 +113,12 @@ def serve_offload_command(
             max_new_tokens,
             store_dir=store_dir,
             plot=plot,
+            async_loads=async_loads,
+            prefetch=prefetch,
+            prefetch_config=prefetch_config,
         )
     except (ValueError, OSError, RuntimeError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(1) from err
+        fail(err)
     table = Table(title=f"serve-offload: policy {result['policy']}, store {store}")
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -107,7 +134,12 @@ def serve_offload_command(
         ("loads / generated token", f"{result['loads_per_token']:.3f}"),
         ("bytes moved / generated token", _mib(result["bytes_moved_per_token"])),
         ("hit rate", "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"),
-        ("load time", f"{result['load_s']:.3f} s"),
+        ("loader", f"{result['loader']}" + (", prefetch" if result["prefetch"] else "")),
+        ("load time (of which compute waited)", f"{result['load_s']:.3f} s ({result['stall_s']:.3f} s)"),
+        (
+            "prefetch hits / loads",
+            f"{result['prefetch_hits']} / {result['prefetch_loads']}" if result["prefetch"] else "-",
+        ),
         ("expert compute time", f"{result['expert_compute_s']:.3f} s"),
         ("tokens/s", f"{result['tokens_per_s']:.1f}"),
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
@@ -116,5 +148,4 @@ def serve_offload_command(
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    if json_path is not None:
-        console.print(f"[dim]wrote {write_json(result, json_path)}[/dim]")
+    write_json(json_path, result)

@@ -6,6 +6,11 @@ expert id to its resident slot, loading misses on access. The module's own forwa
 unchanged, so offloaded outputs are exactly the original's for the same routing (same kernels,
 same experts visited in the same order). ``with offload(model, ...) as rt:`` restores the
 original parameters (reloaded from the store) on exit.
+
+``async_loads`` (default: on with CUDA, off without) lets loads overlap compute (``loader.py``):
+a policy's loads start before the experts forward and each expert's load is waited on only when
+the forward first indexes it. ``prefetch`` (default: as ``async_loads``) asks the policy, at each
+decoding step, for the experts of a predicted switch and starts loading them (``prefetch.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters import inspect
+from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
+from moectl.serve.prefetch import PrefetchConfig
 from moectl.serve.resident import ResidentSet
 from moectl.serve.store import DiskStore, HostStore
 
@@ -55,7 +62,12 @@ class OffloadedExperts(nn.Module):
         self.res = res
         self._runtime = [runtime]  # a list: not registered as a submodule
         self.last_probs: Tensor | None = None
-        self.compute_s = 0.0
+        self.forward_s = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds in the experts forward not spent waiting for loads (settled loads only)."""
+        return self.forward_s - self.res.timing.forward_wait_s
 
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         idx = args[0] if args else kwargs.get("top_k_index", kwargs.get("router_indices"))
@@ -63,13 +75,22 @@ class OffloadedExperts(nn.Module):
             raise TypeError("offloaded experts: cannot find the selected expert indices in the call")
         chosen = idx.reshape(-1, idx.shape[-1])
         probs = None if self.last_probs is None else self.last_probs.reshape(chosen.shape[0], -1)
-        self.res.begin_step(self._runtime[0].step)
+        runtime = self._runtime[0]
+        self.res.begin_step(runtime.step)
         self.policy.before(self.layer, self.res, chosen, probs)
-        load0, t0 = self.res.load_s, time.perf_counter()
-        out = self.inner(hidden_states, *args, **kwargs)
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-        self.compute_s += time.perf_counter() - t0 - (self.res.load_s - load0)
+        if runtime.prefetch and chosen.shape[0] == 1:  # a decoding step: start the predicted switch's loads
+            predicted = self.policy.predict(self.layer, self.res, chosen, probs, runtime.prefetch_config)
+            if predicted:
+                self.res.prefetch(predicted, protect=set(chosen[0].tolist()))
+        self.res.in_forward = True
+        t0 = time.perf_counter()
+        try:
+            out = self.inner(hidden_states, *args, **kwargs)
+            if out.device.type == "cuda":  # the compute stream only: side-stream loads keep running
+                torch.cuda.current_stream(out.device).synchronize()
+        finally:
+            self.res.in_forward = False
+        self.forward_s += time.perf_counter() - t0
         self.policy.after(self.layer, self.res, chosen, probs)
         return out
 
@@ -96,8 +117,15 @@ class OffloadRuntime:
         store: str = "disk",
         store_dir: str | Path | None = None,
         verify: bool = True,
+        async_loads: bool | None = None,
+        prefetch: bool | None = None,
+        prefetch_config: PrefetchConfig | None = None,
     ) -> None:
         self.model = model
+        self.async_spec, self.prefetch_spec = async_loads, prefetch
+        self.prefetch_config = prefetch_config or PrefetchConfig()
+        self.async_loads = self.prefetch = False
+        self.loaders: dict[torch.device, Loader] = {}
         self.policy = parse_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
         self.budget_spec, self.store_kind, self.verify = budget, store, verify
         self.store_dir = Path(store_dir) if store_dir is not None else None
@@ -148,9 +176,17 @@ class OffloadRuntime:
             self.store = DiskStore.write(self.store_dir or self._tmp, layers, verify=self.verify)
         else:
             raise ValueError(f"store must be 'disk' or 'host', got {self.store_kind!r}")
-        for layer, experts, params, b in zip(info.layers, experts_modules, layers, self.budget, strict=True):
-            device = next(iter(params.values())).device
-            res = ResidentSet(layer.index, self.store, b, params, device)
+        devices = [next(iter(params.values())).device for params in layers]
+        cuda = any(d.type == "cuda" for d in devices)
+        self.async_loads = cuda if self.async_spec is None else bool(self.async_spec)
+        self.prefetch = self.async_loads if self.prefetch_spec is None else bool(self.prefetch_spec)
+        for d in devices:
+            if d not in self.loaders:
+                self.loaders[d] = make_loader(d, self.async_loads)
+        for layer, experts, params, b, device in zip(
+            info.layers, experts_modules, layers, self.budget, devices, strict=True
+        ):
+            res = ResidentSet(layer.index, self.store, b, params, device, self.loaders[device])
             meta = {n: experts._parameters[n].requires_grad for n in params}
             for name in params:
                 del experts._parameters[name]
@@ -173,6 +209,15 @@ class OffloadRuntime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        error: BaseException | None = None
+        for loader in self.loaders.values():  # no copy may still write into a slot about to be freed
+            try:
+                loader.drain()
+            except BaseException as err:
+                error = error or err
+            finally:
+                loader.close()
+        self.loaders.clear()
         for (layer, experts, meta, device), wrapper in zip(self._restore, self.modules, strict=True):
             for name, requires_grad in meta.items():
                 full = torch.stack([self.store.load(layer.index, e)[name] for e in range(layer.num_experts)])
@@ -186,6 +231,8 @@ class OffloadRuntime:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if error is not None:
+            raise error
 
     def _probs_hook(self, layer, wrapper: OffloadedExperts):
         def hook(module: nn.Module, args: tuple, output) -> None:
@@ -205,14 +252,27 @@ class OffloadRuntime:
     def resident_sets(self) -> list[ResidentSet]:
         return [m.res for m in self.modules]
 
+    @property
+    def loader_name(self) -> str:
+        return "+".join(sorted({loader.name for loader in self.loaders.values()})) or "none"
+
     def totals(self) -> dict:
+        """Counters summed over the MoE layers (completes the loads in flight first)."""
         sets = self.resident_sets
+        for r in sets:
+            r.drain()
         return {
             "loads": sum(r.loads for r in sets),
             "bytes_moved": sum(r.bytes_moved for r in sets),
             "hits": sum(r.hits for r in sets),
             "misses": sum(r.misses for r in sets),
-            "load_s": sum(r.load_s for r in sets),
+            "load_s": sum(r.timing.load_s for r in sets),
+            "stall_s": sum(r.timing.stall_s for r in sets),
+            "wait_s": sum(r.timing.wait_s for r in sets),
+            "prefetch_loads": sum(r.prefetch_loads for r in sets),
+            "prefetch_hits": sum(r.prefetch_hits for r in sets),
+            "prefetch_wasted": sum(r.prefetch_wasted for r in sets),
+            "prefetch_unused": sum(len(r.prefetched) for r in sets),
             "compute_s": sum(m.compute_s for m in self.modules),
             "resident_expert_bytes": sum(r.slot_bytes for r in sets),
             "expert_bytes": [r.expert_bytes for r in sets],
@@ -230,6 +290,11 @@ def offload(
     store: str = "disk",
     store_dir: str | Path | None = None,
     verify: bool = True,
+    async_loads: bool | None = None,
+    prefetch: bool | None = None,
+    prefetch_config: PrefetchConfig | None = None,
 ) -> OffloadRuntime:
     """``with offload(model, 0.25, "option:4", store="disk") as rt:`` — generate, read ``rt.totals()``."""
-    return OffloadRuntime(model, budget, policy, store, store_dir, verify)
+    return OffloadRuntime(
+        model, budget, policy, store, store_dir, verify, async_loads, prefetch, prefetch_config
+    )

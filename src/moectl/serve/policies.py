@@ -16,6 +16,10 @@ A step is one forward of the model. Generation is one sequence at a time: a step
 is a decoding step; a step with several (the prompt) streams its experts through the cache, and
 the option policy then takes its first option at the last prompt token, as the metric's
 ``region="generated"`` does.
+
+``predict`` (decoding steps, when prefetching is on) returns the experts to prefetch because a
+switch is predicted (``prefetch.py``): the option and controller policies predict; lru and static
+never switch options and return nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 
 from moectl.metrics.switch_rate import option_of
+from moectl.serve.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
 
 
 class LRUPolicy:
@@ -44,6 +49,12 @@ class LRUPolicy:
 
     def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
         pass
+
+    def predict(
+        self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
+    ) -> list[int]:
+        """Experts to prefetch for the next token at a decoding step (after ``before``); [] for none."""
+        return []
 
 
 class StaticPolicy(LRUPolicy):
@@ -112,6 +123,14 @@ class OptionPolicy(LRUPolicy):
         if chosen.shape[0] > 1:
             self._take(layer, res, probs[-1], chosen[-1])
 
+    def predict(
+        self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
+    ) -> list[int]:
+        current = self.option.get(layer)
+        if current is None or probs is None:
+            return []
+        return option_prediction(probs[-1], current, chosen.shape[-1], self.k_hat, config.lookahead)
+
 
 class ControllerResidency(LRUPolicy):
     """Residency = the controller's current option per layer (TE-MoE §3.2: only ω lives in fast memory)."""
@@ -122,12 +141,13 @@ class ControllerResidency(LRUPolicy):
         self.k_hat = controller.k_hat
         self.name = f"controller:{controller.k_hat}"
         self.route_policy = ControllerPolicy(controller, mode="sample", seed=seed)
+        self.tap = HiddenTap()  # h_t per layer, for the switch prediction
 
     def min_budget(self, layer: int, top_k: int) -> int:
         return self.k_hat
 
     def routing(self, info) -> list:
-        return [self.route_policy]
+        return [self.route_policy, self.tap]
 
     def _pin(self, layer: int, res) -> None:
         option = set(self.route_policy._option[layer][0].nonzero().flatten().tolist())
@@ -145,6 +165,24 @@ class ControllerResidency(LRUPolicy):
     def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
         if chosen.shape[0] > 1:
             self._pin(layer, res)
+
+    def predict(
+        self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
+    ) -> list[int]:
+        hidden, option = self.tap.hidden.get(layer), self.route_policy._option.get(layer)
+        if hidden is None or option is None:
+            return []
+        controller = self.route_policy.controller
+        if controller.config.cross_layer and layer > 0:  # one switch decision, MoE layer 0's head
+            h0, o0 = self.tap.hidden.get(0), self.route_policy._option.get(0)
+            if (
+                h0 is None
+                or o0 is None
+                or not controller_prediction(controller.layers[0], h0[0], o0[0], self.k_hat, config.beta)
+            ):
+                return []
+            return controller_prediction(controller.layers[layer], hidden[0], option[0], self.k_hat, None)
+        return controller_prediction(controller.layers[layer], hidden[0], option[0], self.k_hat, config.beta)
 
 
 def parse_policy(spec: str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
@@ -14,6 +13,7 @@ from moectl.generate import Prompt, generate
 from moectl.routing import route
 from moectl.serve.cost import deliberation_cost, measure_load_latency
 from moectl.serve.offload import offload
+from moectl.serve.prefetch import PrefetchConfig
 
 
 def _peak_rss_bytes() -> dict:
@@ -48,17 +48,32 @@ def serve_offload(
     store_dir: str | Path | None = None,
     plot: str | Path | None = None,
     progress: bool = True,
+    async_loads: bool | None = None,
+    prefetch: bool | None = None,
+    prefetch_config: PrefetchConfig | None = None,
 ) -> dict:
     """Generate ``max_new_tokens`` per prompt (greedy, one prompt at a time) with offloaded experts.
 
     Returns the generated texts and the measured figures; ``plot`` writes the load timeline PNG.
+    ``async_loads`` / ``prefetch``: see ``moectl.serve.offload`` (None: on with CUDA, off without).
+    ``load_s`` is the loads' own time, ``stall_s`` the part of it compute waited for (equal when
+    loads are synchronous; ``loader.py``); ``load_overlap`` = 1 - stall_s / load_s.
     """
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
     impl = getattr(model.config, "_experts_implementation", None)
     if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # offloading runs the experts' own eager forward
     total_params = _tensor_bytes(model)
-    with offload(model, budget, policy, store=store, store_dir=store_dir) as rt:
+    with offload(
+        model,
+        budget,
+        policy,
+        store=store,
+        store_dir=store_dir,
+        async_loads=async_loads,
+        prefetch=prefetch,
+        prefetch_config=prefetch_config,
+    ) as rt:
         non_expert_bytes = _tensor_bytes(model)
         with route(model, rt.policy.routing(rt.info)):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -70,6 +85,7 @@ def serve_offload(
         latency = measure_load_latency(rt.store, 0, list(range(min(4, rt.info.layers[0].num_experts))))
         info = rt.info
         budget_experts = rt.budget
+        loader, async_on, prefetch_on = rt.loader_name, rt.async_loads, rt.prefetch
     if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(impl)
     generated = len(prompts) * max_new_tokens
@@ -80,8 +96,9 @@ def serve_offload(
         b * layer.num_experts for b, layer in zip(expert_bytes, info.layers, strict=True)
     )
     accesses = totals["hits"] + totals["misses"]
-    token_s = max(wall - totals["load_s"], 1e-9) / max(generated, 1)  # per-token time without loads
+    token_s = max(wall - totals["stall_s"], 1e-9) / max(generated, 1)  # per-token time not held by loads
     load_s = totals["load_s"] / max(totals["loads"], 1)
+    stall_per_load = totals["stall_s"] / max(totals["loads"], 1)
     k_hat = getattr(rt.policy, "k_hat", info.top_k)
     result = {
         "policy": rt.policy.name,
@@ -108,7 +125,21 @@ def serve_offload(
         "hits": totals["hits"],
         "misses": totals["misses"],
         "hit_rate": totals["hits"] / accesses if accesses else None,
+        "loader": loader,
+        "async_loads": async_on,
         "load_s": totals["load_s"],
+        "stall_s": totals["stall_s"],
+        "wait_s": totals["wait_s"],
+        "stall_s_per_token": totals["stall_s"] / max(generated, 1),
+        "load_overlap": 1 - totals["stall_s"] / totals["load_s"] if totals["load_s"] > 0 else None,
+        "prefetch": prefetch_on,
+        "prefetch_loads": totals["prefetch_loads"],
+        "prefetch_hits": totals["prefetch_hits"],
+        "prefetch_wasted": totals["prefetch_wasted"],
+        "prefetch_unused": totals["prefetch_unused"],
+        "prefetch_hit_rate": (
+            totals["prefetch_hits"] / totals["prefetch_loads"] if totals["prefetch_loads"] else None
+        ),
         "expert_compute_s": totals["compute_s"],
         "wall_s": wall,
         "tokens_per_s": generated / wall if wall > 0 else None,
@@ -117,10 +148,13 @@ def serve_offload(
         "load_latency": latency,
         "eta": {
             "value": deliberation_cost(load_s, token_s, k_hat),
-            "formula": "nats_per_token_delay(=1) x k_hat x load_s / token_s (moectl.serve.cost)",
+            "formula": "nats_per_token_delay(=1) x k_hat x load_s / token_s (moectl.serve.cost); "
+            "stall_value: the same with stall_s per load (the part of a load compute waits for)",
             "load_s": load_s,
             "token_s": token_s,
             "experts_loaded_per_switch": k_hat,
+            "stall_value": deliberation_cost(stall_per_load, token_s, k_hat),
+            "stall_s_per_load": stall_per_load,
         },
         "timeline": {"steps": len(step_tokens), "loads": [list(e) for e in events]},
     }
@@ -161,11 +195,4 @@ def plot_timeline(events, step_tokens: list[int], info, path: str | Path, title:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return path
-
-
-def write_json(result: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
     return path

@@ -16,63 +16,31 @@ with ``--json``.
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
+from moectl.data.jsonl import iter_jsonl_rows
 
 subset_app = typer.Typer(
     help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",
     no_args_is_help=True,
 )
-console = Console(width=None if Console().is_terminal else 160)
-
-ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
-]
 _ERRORS = (ValueError, OSError, KeyError)
 
 
 def read_texts(path: Path, limit: int | None = None) -> list[str]:
     """The ``text`` field of every JSONL line, at most ``limit``; blank lines and empty texts skipped."""
-    texts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f'{path}:{number}: each line needs a string "text" field')
-            if not row["text"].strip():
-                continue
-            texts.append(row["text"])
-            if limit is not None and len(texts) >= limit:
-                break
+    rows = iter_jsonl_rows(path, "text")
+    texts = list(islice((row["text"] for _, row in rows if row["text"].strip()), limit))
     if not texts:
         raise ValueError(f"{path}: no documents")
     return texts
-
-
-def _write_json(path: Path | None, data: Any) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    console.print(f"[dim]wrote {path}[/dim]")
-
-
-def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/bold red] {err}")
-    raise typer.Exit(code=2)
 
 
 @subset_app.command("select")
@@ -113,7 +81,7 @@ def select_cmd(
             lm, batch["input_ids"], keep, method, batch["attention_mask"], layerwise, seed, info
         )
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     calibration = {
         "data": str(data),
         "documents": len(texts),
@@ -131,7 +99,7 @@ def select_cmd(
     console.print(table)
     console.print(f"[dim]wrote {out}[/dim]")
     result = {"model": model, "method": method, "keep": {str(k): v for k, v in kept.items()}}
-    _write_json(json_path, {**result, "calibration": calibration, "out": str(out)})
+    write_json(json_path, {**result, "calibration": calibration, "out": str(out)})
 
 
 @subset_app.command("export")
@@ -167,7 +135,7 @@ def export_cmd(
                     "calibration": chosen.calibration}  # fmt: skip
         report = export_subset(lm, chosen.keep, out, tokenizer, info, metadata, source, in_place=True)
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     table = Table(title=f"exported {out}: {report['experts_after']} experts per MoE layer")
     for column in ("", "before", "after", "after / before"):
         table.add_column(column, justify="right")
@@ -182,7 +150,7 @@ def export_cmd(
         else:
             table.add_row(label, "-", f"{after[key]:,}", "-")
     console.print(table)
-    _write_json(json_path, report)
+    write_json(json_path, report)
 
 
 def modularity_cmd(
@@ -217,7 +185,7 @@ def modularity_cmd(
         info = inspect(lm)
         similarity = domain_similarity(domain_vectors(lm, tokenizer, texts, info, max_length))
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     domains = list(texts)
     paths = plot_similarity(similarity, domains, out)
     off_diagonal = ~torch.eye(len(domains), dtype=torch.bool)
@@ -244,7 +212,7 @@ def modularity_cmd(
     }
     (out / "similarity.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/similarity.json and {len(paths)} heatmaps[/dim]")
-    _write_json(json_path, result)
+    write_json(json_path, result)
 
 
 def texts_by_domain(data: Path, max_docs: int | None, min_domains: int = 2) -> dict[str, list[str]]:

@@ -17,18 +17,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.subsets.cli import (
-    _ERRORS,
-    DeviceOpt,
-    DtypeOpt,
-    JsonOpt,
-    ModelArg,
-    _fail,
-    _write_json,
-    console,
-    subset_app,
-    texts_by_domain,
-)
+from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
+from moectl.subsets.cli import _ERRORS, subset_app, texts_by_domain
 
 DataOpt = Annotated[
     Path,
@@ -73,7 +63,7 @@ def gate_cmd(
         full = domain_losses(lm, tokenizer, texts, max_length=max_length)
         blocked = domain_losses(lm, tokenizer, texts, [mask], max_length=max_length)
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     own = domain or Path(str(chosen.calibration.get("data", ""))).stem
     own = own if own in texts else None
     rows = {
@@ -98,7 +88,7 @@ def gate_cmd(
             f"{own} (*) loses {rows[own]['increase']:+.4f}; the other domains {sum(others) / len(others):+.4f} "
             f"on average; selectivity {result['selectivity']:+.4f}"
         )
-    _write_json(json_path, result)
+    write_json(json_path, result)
 
 
 @subset_app.command("clusters")
@@ -133,7 +123,7 @@ def clusters_cmd(
         lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
         result = cluster_tokens(lm, tokenizer, [t for _, t in docs], clusters, first, variance, seed, top)
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     doc_domain = [name for name, _ in docs]
     report = []
     for c, frequent in sorted(result.top_tokens.items()):
@@ -166,7 +156,7 @@ def clusters_cmd(
     out.mkdir(parents=True, exist_ok=True)
     (out / "clusters.json").write_text(json.dumps(data_out, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/clusters.json[/dim]")
-    _write_json(json_path, data_out)
+    write_json(json_path, data_out)
 
 
 def _decode(tokenizer, token: int) -> str:

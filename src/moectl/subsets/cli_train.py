@@ -19,17 +19,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.subsets.cli import (
-    _ERRORS,
-    DeviceOpt,
-    DtypeOpt,
-    JsonOpt,
-    ModelArg,
-    _fail,
-    _write_json,
-    console,
-    subset_app,
-)
+from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
+from moectl.subsets.cli import _ERRORS, subset_app
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")]
 
@@ -139,7 +130,7 @@ def finetune_cmd(
         log.update(checkpoint=checkpoint, data=str(data))
         path = save_finetuned(model, tok, out, log, source, overwrite=overwrite)
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     steps = log["steps"]
     table = Table(title=f"fine-tuned {checkpoint} → {path}")
     for column in ("examples", "output tokens", "steps", "first loss", "final loss", "seconds"):
@@ -151,7 +142,7 @@ def finetune_cmd(
     )  # fmt: skip
     console.print(table)
     console.print(f"[dim]wrote {path} (finetune.json, loss_curve.png)[/dim]")
-    _write_json(json_path, {**log, "out": str(path)})
+    write_json(json_path, {**log, "out": str(path)})
 
 
 @subset_app.command("merge")
@@ -210,7 +201,7 @@ def merge_cmd(
         meta = {"model": model, "experts": str(experts), "subset": str(subset) if subset else None, **report}
         path = save_merged(full, out, tokenizer, meta, overwrite=overwrite)
     except _ERRORS as err:
-        _fail(err)
+        fail(err)
     parts = "experts + router rows" if router else "experts"
     table = Table(title=f"merged {experts} into {model} → {path} ({parts})")
     for column in ("MoE layer", "experts written", "max |Δ|"):
@@ -223,4 +214,4 @@ def merge_cmd(
             f"shared weights: {report['shared_tensors_written']} tensors, max |Δ| "
             f"{report['shared_max_change']:.3g}"
         )
-    _write_json(json_path, {**meta, "out": str(path)})
+    write_json(json_path, {**meta, "out": str(path)})

@@ -10,13 +10,15 @@ examples lose prompt tokens from the left first, then response tokens from the r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from moectl.data.jsonl import iter_jsonl_rows
 
 IGNORE = -100  # label of a position without loss (prompt, padding): PyTorch's cross-entropy default
 
@@ -59,18 +61,8 @@ def as_example(row: Example | Mapping | str, where: str = "example") -> Example:
 def read_examples(path: str | Path, limit: int | None = None) -> list[Example]:
     """Every example of a JSONL file (blank lines skipped), at most ``limit``; ValueError naming the line."""
     path = Path(path)
-    examples: list[Example] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
-            examples.append(as_example(row, f"{path}:{number}"))
-            if limit is not None and len(examples) >= limit:
-                break
+    rows = islice(iter_jsonl_rows(path), limit)
+    examples = [as_example(row, f"{path}:{number}") for number, row in rows]
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples

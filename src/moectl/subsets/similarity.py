@@ -19,11 +19,17 @@ from moectl.subsets.calibrate import tokenize
 
 
 @torch.no_grad()
-def domain_vectors(
+def document_vectors(
     model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
-    max_length: int = 512,
-) -> dict[int, Tensor]:  # fmt: skip
-    """``{moe_layer: [D, E]}``: mean over documents of the mean routing distribution over tokens."""
+    max_length: int = 512, source: str = "probs",
+) -> dict[int, list[Tensor]]:  # fmt: skip
+    """``{moe_layer: [[docs, E] per domain]}``: each document's mean routing distribution over its tokens.
+
+    ``source="probs"``: the router's probabilities (EMO §5.3); ``"chosen"``: the experts actually
+    used, 1/k each per token (what an extracted subset must hold).
+    """
+    if source not in ("probs", "chosen"):
+        raise ValueError(f"source must be 'probs' or 'chosen', got {source!r}")
     info = info or inspect(model)
     device = next(model.parameters()).device
     per_layer: dict[int, list[Tensor]] = {layer.index: [] for layer in info.layers}
@@ -33,10 +39,51 @@ def domain_vectors(
             model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
         valid = batch["attention_mask"].bool()
         for index in per_layer:
-            p = session.trace.probs[index].float().cpu() * valid[..., None]
-            doc_means = p.sum(1) / valid.sum(1, keepdim=True).clamp(min=1)  # [docs, E]
-            per_layer[index].append(doc_means.mean(0))
-    return {index: torch.stack(vectors) for index, vectors in per_layer.items()}
+            if source == "probs":
+                p = session.trace.probs[index].float().cpu()
+            else:
+                used = session.trace.chosen_mask(index).float()
+                p = used / used.sum(-1, keepdim=True).clamp(min=1)
+            p = p * valid[..., None]
+            per_layer[index].append(p.sum(1) / valid.sum(1, keepdim=True).clamp(min=1))
+    return per_layer
+
+
+def domain_vectors(
+    model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
+    max_length: int = 512, documents: Mapping[int, Sequence[Tensor]] | None = None,
+) -> dict[int, Tensor]:  # fmt: skip
+    """``{moe_layer: [D, E]}``: mean over documents of the mean routing distribution over tokens.
+
+    ``documents`` (from :func:`document_vectors`) skips the forward passes.
+    """
+    documents = documents or document_vectors(model, tokenizer, texts, info, max_length)
+    return {index: torch.stack([d.mean(0) for d in per_domain]) for index, per_domain in documents.items()}
+
+
+def document_statistics(documents: Mapping[int, Sequence[Tensor]]) -> dict[int, dict[str, float]]:
+    """Per MoE layer, how concentrated and how domain-specific documents' expert use is.
+
+    ``effective_experts``: mean over documents of exp(entropy) of the document's routing
+    distribution (EMO's document pool makes this small); ``within_domain`` / ``across_domains``:
+    mean cosine similarity between two different documents of the same / of different domains.
+    """
+    out = {}
+    for index, per_domain in documents.items():
+        v = torch.cat(list(per_domain)).double()
+        label = torch.cat([torch.full((len(d),), i) for i, d in enumerate(per_domain)])
+        p = v / v.sum(-1, keepdim=True).clamp(min=1e-12)
+        entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)
+        unit = F.normalize(v, dim=-1)
+        cos = unit @ unit.T
+        same = label[:, None] == label[None, :]
+        other = ~torch.eye(len(v), dtype=torch.bool)
+        out[index] = {
+            "effective_experts": float(entropy.exp().mean()),
+            "within_domain": float(cos[same & other].mean()),
+            "across_domains": float(cos[~same].mean()),
+        }
+    return out
 
 
 def domain_similarity(vectors: Mapping[int, Tensor]) -> dict[int, Tensor]:

@@ -65,23 +65,34 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, state: dict[str, Any
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
 
-    final = write_dir_atomic(root / f"step-{step:06d}", write)
+    return commit_checkpoint(write_dir_atomic(root / f"step-{step:06d}", write), keep)
+
+
+def commit_checkpoint(final: Path, keep: int = 2) -> Path:
+    """Point ``latest`` (beside ``final``) at the complete checkpoint ``final``, then delete all but
+    the newest ``keep`` ``step-*`` folders there (none with ``keep`` <= 0). Returns ``final``."""
+    root = final.parent
     _write_atomic(root / "latest", final.name)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def latest_in(root: Path) -> Path | None:
+    """The checkpoint that ``root/latest`` names, if it is complete (has ``trainer_state.pt``), else None."""
+    pointer = Path(root) / "latest"
+    if pointer.exists():
+        path = pointer.parent / pointer.read_text().strip()
+        if (path / "trainer_state.pt").exists():
+            return path
+    return None
+
+
 def latest_checkpoint(out: Path) -> Path | None:
     """The newest complete checkpoint under ``out`` (or ``out`` itself if it is one), else None."""
     if (out / "trainer_state.pt").exists():
         return out
-    pointer = out / "checkpoints" / "latest"
-    if pointer.exists():
-        path = out / "checkpoints" / pointer.read_text().strip()
-        if (path / "trainer_state.pt").exists():
-            return path
-    return None
+    return latest_in(out / "checkpoints")
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

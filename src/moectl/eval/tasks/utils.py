@@ -1,7 +1,8 @@
 """Functions named by the task YAMLs (``!function utils.NAME``); written for moectl.
 
 HellaSwag and WinoGrande prompts follow the standard lm-eval definitions; GSM8K and MATH scoring
-call moectl's own extraction and equivalence code so that the harness and moectl agree.
+call moectl's own extraction and equivalence code so that the harness and moectl agree. HumanEval
+and MBPP are scored by executing the completion against the problem's tests (moectl.eval.code_exec).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from moectl.eval.code_exec import require_allowed, run_program
 from moectl.eval.gsm8k import exact_match
 from moectl.eval.math_equiv import extract_math_answer, is_equiv
 
@@ -59,3 +61,31 @@ def gsm8k_process_results(doc: dict, results: list[str]) -> dict[str, float]:
 def math_process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """MATH equivalence of the generation's final answer with the reference ``answer``."""
     return {"exact_match": float(is_equiv(extract_math_answer(results[0]), doc["answer"]))}
+
+
+def code_exec_process_docs(dataset: Any) -> Any:
+    """Refuse when the task is loaded (before any generation) unless code execution is opted into."""
+    require_allowed()
+    return dataset
+
+
+def humaneval_program(doc: dict, completion: str) -> str:
+    """Prompt + completion + the problem's ``test`` + ``check(entry_point)`` (Chen et al. 2021)."""
+    return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+
+
+def humaneval_process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """pass@1 of the greedy completion: 1.0 when the program exits cleanly."""
+    return {"pass_at_1": float(run_program(humaneval_program(doc, results[0])).passed)}
+
+
+def mbpp_program(doc: dict, completion: str) -> str:
+    """Completion (cut at ``[DONE]``), then ``test_setup_code`` and the three asserts (Austin et al. 2021)."""
+    code = completion.split("[DONE]")[0]
+    tests = "\n".join(doc["test_list"])
+    return f"{code}\n\n{doc.get('test_setup_code') or ''}\n{tests}\n"
+
+
+def mbpp_process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """pass@1 of the greedy completion: 1.0 when the program runs and every assert holds."""
+    return {"pass_at_1": float(run_program(mbpp_program(doc, results[0])).passed)}

@@ -1,0 +1,61 @@
+"""What the ``moectl`` verbs share: the console, ``--json`` writing, error exit, common options.
+
+Every verb reports bad input as ``error: MESSAGE`` and exit code 2 (:func:`fail`), and writes its
+results with ``--json PATH`` atomically (:func:`write_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from moectl.models.tiny import FAMILIES
+
+console = Console(width=None if Console().is_terminal else 160)
+
+ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
+OptionalModelArg = Annotated[
+    str | None, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id (or use --tiny).")
+]
+TinyOpt = Annotated[
+    str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
+DtypeOpt = Annotated[
+    str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
+]
+
+
+def model_spec(model: str | None, tiny: str | None) -> str:
+    """The model spec from MODEL or ``--tiny FAMILY`` (exactly one of them)."""
+    if (model is None) == (tiny is None):
+        raise typer.BadParameter(
+            "give exactly one of MODEL (tiny:FAMILY, a checkpoint path or hub id) or --tiny FAMILY"
+        )
+    return f"tiny:{tiny}" if tiny else str(model)
+
+
+def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
+    """Write ``data`` as indented JSON to ``path`` (nothing if None) atomically: a temporary file
+    beside it, renamed into place. Values JSON does not know are written as their ``str``."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(
+        json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n", encoding="utf-8"
+    )
+    os.replace(tmp, path)
+    console.print(f"[dim]wrote {path}[/dim]")
+
+
+def fail(err: Exception | str) -> NoReturn:
+    """Print ``error: ERR`` and leave with exit code 2."""
+    console.print(f"[bold red]error:[/bold red] {err}")
+    raise typer.Exit(code=2) from (err if isinstance(err, BaseException) else None)
