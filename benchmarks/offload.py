@@ -77,7 +77,6 @@ def _controlled(model, folder: Path) -> tuple[object, object, int]:
     """(model with the controller's adapters merged, its controller, k-hat): a copy, the base stays."""
     from moectl.options.state import load_controlled
 
-    folder = folder / "final" if (folder / "final" / "controller.json").exists() else folder
     net, controller, _, _ = load_controlled(copy.deepcopy(model), folder, merge=True)
     net.eval()
     return net, controller, controller.k_hat

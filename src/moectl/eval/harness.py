@@ -223,33 +223,28 @@ class RoutedLM(HFLM):
     ) -> Tensor:
         """Decode with K routed copies per row, each with its own history, sharing one token stream."""
         k, b = int(routing.repeats), batch.size
-        state = {
-            "ids": batch.input_ids.repeat_interleave(k, 0),
-            "mask": batch.attention_mask.repeat_interleave(k, 0).long(),
-            "past": None,
-        }
+        mask = batch.attention_mask.repeat_interleave(k, 0).long()
+        past = None
 
         def forward(step_ids: Tensor) -> Tensor:
-            mask = state["mask"]
+            nonlocal past
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             result = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=state["past"],
-                use_cache=True,
+                input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
             )
-            state["past"] = result.past_key_values
+            past = result.past_key_values
             logp = F.log_softmax(result.logits[:, -1].float(), dim=-1).view(b, k, -1)
             return torch.logsumexp(logp, dim=1) - math.log(k)
 
         def step(token: Tensor) -> Tensor:
-            state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
+            nonlocal mask
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             return forward(token.repeat_interleave(k)[:, None])
 
         record = self.switch is not None
         with route(self.model, list(routing.policies), record=record, info=self.info) as session:
-            out = self._decode(batch.input_ids, forward(state["ids"]), step, max_length, stop, gen)
+            first = forward(batch.input_ids.repeat_interleave(k, 0))
+            out = self._decode(batch.input_ids, first, step, max_length, stop, gen)
         if self.switch is not None:
             self.switch.add(session.trace, "generated")
         return out

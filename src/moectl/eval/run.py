@@ -130,10 +130,9 @@ def evaluate(
     controller_info = None
     if controller is not None:  # TE-MoE: adapters merged, trained routers, per-sequence option state
         from moectl.options.policy import ControllerPolicy
-        from moectl.options.state import load_controlled
+        from moectl.options.state import controller_dir, load_controlled
 
-        folder = Path(controller)
-        folder = folder / "final" if (folder / "final" / "controller.json").exists() else folder
+        folder = controller_dir(controller)
         model, ctrl, options, _ = load_controlled(model, folder, merge=True)
         model.eval()
         controller_info = {"path": str(folder), "k_hat": ctrl.k_hat, "eta": options.get("eta")}

@@ -20,10 +20,6 @@ ControllerOpt = Annotated[
 ]
 
 
-def _controller_dir(path: Path) -> Path:
-    return path / "final" if (path / "final" / "controller.json").exists() else path
-
-
 @options_app.command("train")
 def train_cmd(
     model: ModelArg,
@@ -153,7 +149,7 @@ def _load(model: str, controller: Path | None, device: str, dtype: str, seed: in
         return lm, tokenizer, None, {}, None
     from moectl.options.state import load_controlled
 
-    lm, ctrl, config, snapshot = load_controlled(lm, _controller_dir(controller), merge=merge)
+    lm, ctrl, config, snapshot = load_controlled(lm, controller, merge=merge)
     lm.eval()
     inspect(lm)
     return lm, tokenizer, ctrl, config, snapshot

@@ -84,6 +84,12 @@ def load_weights(path: Path, model: nn.Module, info: ModelInfo) -> None:
                 layer.router.weight.copy_(routers[f"layer{layer.index}"])
 
 
+def controller_dir(path: str | Path) -> Path:
+    """The folder holding a trained controller: a run folder's ``final/`` if it has one, else ``path``."""
+    path = Path(path)
+    return path / "final" if (path / "final" / "controller.json").exists() else path
+
+
 def load_controlled(
     model: nn.Module, path: str | Path, merge: bool = True
 ) -> tuple[nn.Module, OptionController, dict[str, Any], list | None]:
@@ -93,8 +99,9 @@ def load_controlled(
     are merged into the weights (a plain transformers model at inference; snapshot None);
     without, the PEFT model is returned with the original routers' snapshot, so that
     ``teacher_mode`` gives the original model back (for measuring quality against it).
+    ``path`` is the trained folder or the run folder around it (see :func:`controller_dir`).
     """
-    path = Path(path)
+    path = controller_dir(path)
     controller = OptionController.load(path, device=next(model.parameters()).device)
     info = inspect(model)
     controller.check(info)

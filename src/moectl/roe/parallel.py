@@ -113,6 +113,31 @@ def sample_logits(
 
 
 @torch.no_grad()
+def parallel_log_probs(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None = None,
+    policies: Sequence[Policy] = (),
+) -> Tensor:
+    """The clean-cache path of :func:`ensemble_log_probs`: the K samples of :func:`sample_logits`
+    aggregated chunk by chunk (attention-only models)."""
+    acc: Tensor | None = None
+    for logits in sample_logits(model, ids, mask, config, info, policies):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if config.aggregation == "prob_mean":
+            part = torch.logsumexp(logp, dim=1)
+            acc = part if acc is None else torch.logaddexp(acc, part)
+        else:
+            part = logp.sum(1)
+            acc = part if acc is None else acc + part
+    assert acc is not None
+    if config.aggregation == "prob_mean":
+        return acc - math.log(config.K)
+    return torch.log_softmax(acc / config.K, dim=-1)
+
+
 def ensemble_log_probs(
     model: nn.Module,
     ids: Tensor,
@@ -129,19 +154,7 @@ def ensemble_log_probs(
     ``Ensemble``, one step per position.
     """
     if config.cache == "clean" and is_attention_only(model):
-        acc: Tensor | None = None
-        for logits in sample_logits(model, ids, mask, config, info, policies):
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            if config.aggregation == "prob_mean":
-                part = torch.logsumexp(logp, dim=1)
-                acc = part if acc is None else torch.logaddexp(acc, part)
-            else:
-                part = logp.sum(1)
-                acc = part if acc is None else acc + part
-        assert acc is not None
-        if config.aggregation == "prob_mean":
-            return acc - math.log(config.K)
-        return torch.log_softmax(acc / config.K, dim=-1)
+        return parallel_log_probs(model, ids, mask, config, info, policies)
     return _stepwise_log_probs(model, ids, mask, config, info, policies)
 
 

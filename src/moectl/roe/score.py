@@ -36,7 +36,7 @@ from moectl.roe.config import RoEConfig
 from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.roe.ensemble import Ensemble
 from moectl.roe.masks import attention_kinds
-from moectl.roe.parallel import sample_logits
+from moectl.roe.parallel import parallel_log_probs
 from moectl.routing.state import Policy
 
 
@@ -90,15 +90,6 @@ def pad_left(
 
 
 # -- RoE token log-probabilities ------------------------------------------------------------
-def _gather_next(logits: Tensor, ids: Tensor) -> Tensor:
-    """log p(ids[t] | logits at t−1) → [..., L] (position 0 gets 0)."""
-    logp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
-    target = ids[:, 1:].reshape(ids.shape[0], *([1] * (logits.dim() - 3)), -1, 1)
-    target = target.expand(*logp.shape[:-1], 1)
-    out = logp.gather(-1, target).squeeze(-1)
-    return torch.nn.functional.pad(out, (1, 0))
-
-
 @torch.no_grad()
 def token_logprobs_parallel(
     model: nn.Module,
@@ -108,21 +99,10 @@ def token_logprobs_parallel(
     info: ModelInfo | None = None,
     policies: Sequence[Policy] = (),
 ) -> Tensor:
-    """RoE log p(x_t | x_<t) [B, L] for every position, clean cache semantics, two forwards."""
-    per_sample: list[Tensor] = []
-    logp_sum: Tensor | None = None
-    for logits in sample_logits(model, ids, mask, config, info, policies):  # [B, c, L, V]
-        if config.aggregation == "prob_mean":
-            per_sample.append(_gather_next(logits, ids))
-        else:
-            part = torch.log_softmax(logits.float(), -1).sum(1)
-            logp_sum = part if logp_sum is None else logp_sum + part
-    if config.aggregation == "prob_mean":
-        lp = torch.logsumexp(torch.cat(per_sample, 1), dim=1) - math.log(config.K)
-    else:
-        assert logp_sum is not None
-        lp = _gather_next(torch.log_softmax(logp_sum / config.K, -1), ids)
-    return lp * mask.bool()
+    """RoE log p(x_t | x_<t) [B, L] for every position (0 at position 0), clean cache, two forwards."""
+    logp = parallel_log_probs(model, ids, mask, config, info, policies)
+    lp = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0)) * mask.bool()
 
 
 @torch.no_grad()

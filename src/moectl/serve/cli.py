@@ -98,9 +98,7 @@ def serve_offload_command(
             from moectl.options.state import load_controlled
             from moectl.serve.policies import ControllerResidency
 
-            folder = Path(policy.split(":", 1)[1])
-            folder = folder / "final" if (folder / "final" / "controller.json").exists() else folder
-            net, controller, _, _ = load_controlled(net, folder, merge=True)
+            net, controller, _, _ = load_controlled(net, policy.split(":", 1)[1], merge=True)
             net.eval()
             policy = ControllerResidency(controller, seed=seed)
         result = serve_offload(
