@@ -8,14 +8,26 @@ standard). Writes the table to ``--json`` and copies each run's config and log (
 
     python benchmarks/pretrain.py --preset small --corpus data/corpus --max-steps 400 --micro-batch 8
     python benchmarks/pretrain.py --report-only --runs runs/standard-small runs/emo-small
+
+``--speed`` measures one training step of ``--preset`` under each optimisation in turn (fp32 and
+transformers' eager experts as before; bf16 autocast; moectl's grouped expert GEMMs; the fused
+chunked LM-head cross-entropy; a page-keeping allocator), each in a fresh process, and prints
+tokens/s, speed-up over the first row, and MFU against the bf16 matmul peak measured in the same
+process (``moectl.train.speed``):
+
+    python benchmarks/pretrain.py --speed --preset small --json benchmarks/results/pretrain_speed.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from moectl.train.config import TrainConfig
@@ -39,6 +51,62 @@ def summarise(run: Path) -> dict:
     }
 
 
+SPEED_VARIANTS = [
+    # before: fp32, transformers' default experts (its grouped_mm: fp32 weights), transformers' loss
+    ("fp32, default experts, HF loss (before)", {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False}, "system"),
+    ("bf16 autocast", {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False}, "system"),
+    ("+ grouped expert GEMMs in bf16", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False}, "system"),
+    ("+ fused chunked cross-entropy", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "system"),
+    ("+ page-keeping allocator (moectl pretrain)", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "fast"),
+    ("fp32, all but bf16 (loss reference)", {"bf16": False, "experts_implementation": "moectl_grouped", "fused_ce": True}, "fast"),
+]
+
+
+def _speed_variant(spec: str) -> None:
+    """Child process: measure one variant, print its JSON on the last line."""
+    from moectl.train.allocator import current_allocator
+    from moectl.train.speed import measure_training
+
+    args = json.loads(spec)
+    config = TrainConfig.from_preset(args.pop("preset"), **args)
+    result = measure_training(config)
+    print(json.dumps({**result, "allocator": current_allocator()}))
+
+
+def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None) -> None:
+    from moectl.train.allocator import fast_allocator_env
+
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for label, knobs, allocator in SPEED_VARIANTS:
+            env, _ = fast_allocator_env() if allocator == "fast" else (dict(os.environ, MOECTL_ALLOCATOR="system"), "")
+            env["OMP_NUM_THREADS"] = str(threads)
+            spec = json.dumps({"preset": preset, "out": out, "corpus": corpus, "max_steps": 400, **knobs})
+            proc = subprocess.run(
+                [sys.executable, __file__, "--speed-variant", spec], env=env, capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                raise SystemExit(f"{label}: failed\n{proc.stderr[-2000:]}")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({"variant": label, **knobs, **result})
+            print(f"{label:<46}{result['tokens_per_s']:>9.0f} tok/s  MFU {100 * result['mfu_bf16']:5.1f}%", flush=True)
+    base = rows[0]["tokens_per_s"]
+    print(f"\n{'variant':<46}{'tok/s':>9}{'x before':>10}{'MFU':>8}{'step s':>9}  allocator")
+    for r in rows:
+        print(
+            f"{r['variant']:<46}{r['tokens_per_s']:>9.0f}{r['tokens_per_s'] / base:>10.2f}"
+            f"{100 * r['mfu_bf16']:>7.1f}%{r['step_s']:>9.3f}  {r['allocator']}"
+        )
+    r = rows[-2]
+    print(
+        f"\nmodel {r['flops_per_token'] / 1e6:.1f} MFLOP/token; measured peaks: bf16 {r['peak_bf16_flops'] / 1e9:.0f} "
+        f"GFLOP/s, fp32 {r['peak_fp32_flops'] / 1e9:.0f} GFLOP/s ({threads} threads, 2048² matmul); goal MFU >= 40%"
+    )
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"preset": preset, "threads": threads, "rows": rows}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
@@ -49,8 +117,16 @@ def main() -> None:
     parser.add_argument("--out", default="runs")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--runs", nargs=2, type=Path, help="standard and EMO run directories (with --report-only)")
-    parser.add_argument("--json", type=Path, default=RESULTS / "summary.json")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--speed", action="store_true", help="measure the training step's speed-ups and MFU")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speed-variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.speed_variant:
+        return _speed_variant(args.speed_variant)
+    if args.speed:
+        return speed(args.preset, args.corpus, args.threads, args.json)
+    args.json = args.json or RESULTS / "summary.json"
     runs = args.runs or [Path(args.out) / f"{objective}-{args.preset}" for objective in ("standard", "emo")]
     if not args.report_only:
         for objective, run in zip(("standard", "emo"), runs, strict=True):

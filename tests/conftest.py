@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from hypothesis import settings
 
 import moectl
+from moectl.data.sample import load_sample_corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -41,3 +43,18 @@ def olmoe():
 def random_ids(batch: int = 2, length: int = 12, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=generator)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few documents of every domain of the shipped sample, as a corpus folder."""
+    root = tmp_path_factory.mktemp("corpus")
+    sample = load_sample_corpus()
+    for split, docs in sample.items():
+        keep, seen = [], {}
+        for doc in docs:
+            if seen.get(doc["domain"], 0) < (6 if split == "train" else 2):
+                seen[doc["domain"]] = seen.get(doc["domain"], 0) + 1
+                keep.append({**doc, "text": doc["text"][:3000]})
+        (root / f"{split}.jsonl").write_text("\n".join(json.dumps(d) for d in keep))
+    return root

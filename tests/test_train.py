@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import moectl
-from moectl.data.sample import load_sample_corpus
 from moectl.routing.pool import sample_pool_sizes, segment_starts
 from moectl.train.config import TrainConfig
 from moectl.train.loop import Trainer
@@ -28,21 +27,6 @@ MICRO_MODEL = {
     "shared_expert_intermediate_size": 32,
     "intermediate_size": 64,
 }
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A few documents of every domain of the shipped sample, as a corpus folder."""
-    root = tmp_path_factory.mktemp("corpus")
-    sample = load_sample_corpus()
-    for split, docs in sample.items():
-        keep, seen = [], {}
-        for doc in docs:
-            if seen.get(doc["domain"], 0) < (6 if split == "train" else 2):
-                seen[doc["domain"]] = seen.get(doc["domain"], 0) + 1
-                keep.append({**doc, "text": doc["text"][:3000]})
-        (root / f"{split}.jsonl").write_text("\n".join(json.dumps(d) for d in keep))
-    return root
 
 
 def _config(tmp_path, corpus, **kw):

@@ -39,13 +39,20 @@ def pretrain_command(
     checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every")] = None,
     seed: int | None = None,
+    bf16: Annotated[
+        bool | None,
+        typer.Option("--bf16/--no-bf16", help="bf16 autocast (CPU and GPU); --no-bf16 trains in fp32."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Start a new run in an --out that already holds one (its checkpoints go).")
+    ] = False,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the final evaluation here.")
     ] = None,
 ) -> None:
     """Pretrain one of moectl's MoEs with the standard or the EMO objective."""
     from moectl.train.config import TrainConfig
-    from moectl.train.loop import pretrain
+    from moectl.train.loop import TrainingInterrupted, pretrain
 
     overrides = dict(
         max_steps=max_steps,
@@ -59,6 +66,7 @@ def pretrain_command(
         checkpoint_every=checkpoint_every,
         eval_every=eval_every,
         seed=seed,
+        bf16=bf16,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -84,7 +92,10 @@ def pretrain_command(
                 anneal_from=str(anneal_from) if anneal_from else None,
                 **overrides,
             )
-        result = pretrain(config, resume=resume is not None)
+        result = pretrain(config, resume=resume is not None, overwrite=overwrite)
+    except TrainingInterrupted as stopped:
+        console.print(f"[yellow]{stopped}[/yellow]")
+        raise typer.Exit(code=130) from None
     except (ValueError, OSError) as err:
         fail(err)
     table = Table(title=f"{config.objective} {config.preset}: validation loss (full model)")
@@ -100,6 +111,9 @@ def pretrain_command(
 
 
 def main() -> None:
+    from moectl.train.allocator import reexec_with_fast_allocator
+
+    reexec_with_fast_allocator()
     typer.run(pretrain_command)
 
 

@@ -84,7 +84,9 @@ class TrainConfig:
     eval_batches: int = 8
     final_eval_batches: int = 0  # 0: the whole validation split
     seed: int = 0
-    bf16: bool = True  # used only where CUDA is available
+    bf16: bool = True  # bf16 autocast (CPU and GPU); False trains in float32
+    experts_implementation: str = "moectl_grouped"  # grouped GEMMs under autocast; "eager": transformers'
+    fused_ce: bool = True  # LM head + cross-entropy in row chunks, no [B, T, V] logits (train/fused_ce.py)
     anneal_from: str | None = None  # start from this checkpoint's weights (EMO §B.4)
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the model preset
 

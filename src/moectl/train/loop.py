@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import signal
+import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +33,10 @@ from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
 from moectl.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from moectl.train.config import TrainConfig
+from moectl.train.experts import register as register_grouped_experts
 from moectl.train.losses import all_reduce_sum, expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.model import build_model
+from moectl.train.objective import NextTokenLoss
 from moectl.train.packing import PackedSplit, batch_indices, load_or_pack
 
 
@@ -67,14 +73,16 @@ def _emo_policy(
 class Trainer:
     """Holds the run's state: model, optimizer, data, accelerator; ``fit()`` trains to max_steps."""
 
-    def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
+    def __init__(
+        self, config: TrainConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
+    ) -> None:
         from accelerate import Accelerator
 
         self.config = config
         self.out = Path(config.out)
         self.progress = progress
-        use_bf16 = config.bf16 and torch.cuda.is_available()
-        self.accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no")
+        # bf16 autocast on CPU too: this CPU multiplies bf16 ~4x as fast as fp32 (benchmarks/pretrain.py)
+        self.accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
         self.tokenizer = load_tokenizer(config.tokenizer)
         corpus = config.corpus or str(_sample_dir())
         cache = self.out / "data"
@@ -90,9 +98,15 @@ class Trainer:
                 config.seq_len,
                 self.train_data.domains,
             )
+        if not resume and not overwrite and (self.out / "config.json").exists():
+            raise FileExistsError(
+                f"{self.out} already holds a run; continue it with --resume {self.out}, "
+                "or pass --overwrite to start it again from step 0"
+            )
+        if overwrite and not resume:
+            shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+        # a run stopped before its first checkpoint resumes from step 0
         checkpoint = latest_checkpoint(self.out) if resume else None
-        if resume and checkpoint is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.out}")
         self.start_step = 0
         model_source = checkpoint or (Path(config.anneal_from) if config.anneal_from else None)
         if model_source is not None:
@@ -107,6 +121,9 @@ class Trainer:
             }
             model = build_model(config.model_kwargs(), len(self.tokenizer), special, config.seed)
         self.info = inspect(model)
+        if hasattr(model, "set_experts_implementation"):
+            impl = config.experts_implementation
+            model.set_experts_implementation(register_grouped_experts() if impl == "moectl_grouped" else impl)
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
         no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
         optimizer = torch.optim.AdamW(
@@ -123,12 +140,16 @@ class Trainer:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             self.start_step = int(state["step"]) + 1
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.raw_model = self.accelerator.unwrap_model(self.model)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(
+            NextTokenLoss(model, fused=config.fused_ce), optimizer, scheduler
+        )
+        self.raw_model = self.accelerator.unwrap_model(self.model).model
         self.log_path = self.out / "log.jsonl"
+        self.stop = StopRequest()
         if self.accelerator.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             config.save(self.out / "config.json")
+            truncate_log(self.log_path, self.start_step)
 
     # -- one optimisation step ---------------------------------------------------------------
     def _micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
@@ -167,8 +188,8 @@ class Trainer:
             ids = batch["input_ids"].to(self.accelerator.device)
             with route(
                 self.raw_model, self._policies(batch, step, m), collect=True, info=self.info
-            ) as session:
-                self.raw_model(input_ids=ids)
+            ) as session, self.accelerator.autocast():
+                self.raw_model.model(input_ids=ids)  # the decoder alone: routing needs no logits
             valid = torch.ones_like(ids, dtype=torch.bool)
             for i, (_, chosen) in session.collected.items():
                 counts[i] += expert_counts(chosen, valid, self.info.num_experts).cpu()
@@ -194,7 +215,7 @@ class Trainer:
                 ) as session,
             ):
                 with acc.autocast():
-                    ce = self.model(input_ids=ids, labels=ids).loss
+                    ce = self.model(ids)
                 valid = torch.ones_like(ids, dtype=torch.bool)
                 lb_terms, z_terms = [], []
                 for i, (logits, chosen) in session.collected.items():
@@ -268,6 +289,10 @@ class Trainer:
                 f"{c.objective} {c.preset}", total=c.max_steps, completed=self.start_step, stats=""
             )
             for step in range(self.start_step, c.max_steps):
+                if self.stop.requested:
+                    if step > self.start_step:
+                        self.save(step - 1)
+                    raise TrainingInterrupted(self.out, step - 1)
                 stats = self.train_step(step)
                 window_tokens += tokens_per_step
                 stats.update(step=step, tokens=(step + 1) * tokens_per_step)
@@ -314,6 +339,32 @@ class Trainer:
             fh.write(json.dumps(record) + "\n")
 
 
+class TrainingInterrupted(Exception):
+    """Raised after a stop request (Ctrl-C, SIGTERM) once the last finished step is checkpointed."""
+
+    def __init__(self, out: Path, step: int) -> None:
+        super().__init__(f"stopped after step {step}; checkpoint saved. Resume with: moectl pretrain --resume {out}")
+        self.out, self.step = out, step
+
+
+def truncate_log(log_path: Path, start_step: int) -> None:
+    """Drop log records of steps >= ``start_step`` (written after the checkpoint a run resumes from),
+    so the log and the loss curve continue without repeats; a fresh run (0) starts a new log."""
+    if not log_path.exists():
+        return
+    if start_step == 0:
+        log_path.unlink()
+        return
+    kept = [
+        line
+        for line in log_path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", -1) < start_step and not json.loads(line).get("final")
+    ]
+    tmp = log_path.with_name(f".{log_path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(log_path)
+
+
 def _sample_dir() -> Path:
     from moectl.data.sample import sample_corpus_dir
 
@@ -337,6 +388,40 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
     return plot_curves(series, png, xlabel="tokens")
 
 
-def pretrain(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) a run; returns the final evaluation."""
-    return Trainer(config, resume=resume, progress=progress).fit()
+def pretrain(
+    config: TrainConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
+) -> dict[str, Any]:
+    """Train (or resume) a run; returns the final evaluation.
+
+    Ctrl-C or SIGTERM (in the main thread) stops after the current step, checkpoints it and raises
+    ``TrainingInterrupted`` naming the resume command; a second Ctrl-C stops at once.
+    """
+    with _stop_on_signals() as stop:
+        trainer = Trainer(config, resume=resume, progress=progress, overwrite=overwrite)
+        trainer.stop = stop
+        return trainer.fit()
+
+
+class StopRequest:
+    """Set by a signal handler; the loop checks it between steps."""
+
+    requested: bool = False
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[StopRequest]:
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def request_stop(signum, frame) -> None:
+        stop.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

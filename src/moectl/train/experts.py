@@ -1,0 +1,68 @@
+"""Grouped expert GEMMs that follow autocast, for training (registered as ``"moectl_grouped"``).
+
+transformers' ``grouped_mm`` experts cast the activations to the weights' dtype, because
+``grouped_mm`` is not autocast-aware: under bf16 autocast with float32 master weights the experts
+ran in float32 — the largest matmuls of the step at half the speed (profiled on the ``small``
+preset). This forward casts the expert weights to the autocast dtype instead (the cast is part of
+the graph, so gradients reach the float32 masters, as autocast does for ``nn.Linear``), sorts the
+(token, expert) pairs by expert and runs one grouped GEMM per projection. Without autocast it is
+the same computation in the weights' dtype.
+
+Supports experts with concatenated ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
+(Qwen2-MoE, OLMoE, Qwen3-MoE, Mixtral layouts), no biases: moectl's pretraining models.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAME = "moectl_grouped"
+
+
+def _grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """x [S, in] (rows sorted by expert) @ w[e] [in, out] per group; ``grouped_mm`` where it has a
+    kernel (float32, bf16, fp16), else a loop over experts (float64, for exactness tests)."""
+    if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return F.grouped_mm(x, w, offs=offsets)
+    bounds = [0, *offsets.tolist()]
+    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(itertools.pairwise(bounds))])
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def grouped_experts_forward(
+    module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """Σ_k w_k · E_{i_k}(x) for every token, with one grouped GEMM per projection."""
+    dtype = _compute_dtype(hidden_states)
+    num_tokens, hidden = hidden_states.shape
+    k = top_k_index.shape[-1]
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    offsets = torch.bincount(experts, minlength=module.num_experts).cumsum(0).to(torch.int32)
+    rows = order // k
+    x = hidden_states.to(dtype)[rows]
+    gate_up = _grouped_mm(x, module.gate_up_proj.to(dtype).transpose(-2, -1), offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = _grouped_mm(module.act_fn(gate) * up, module.down_proj.to(dtype).transpose(-2, -1), offsets)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(dtype)
+    result = torch.zeros(num_tokens, hidden, dtype=out.dtype, device=out.device)
+    return result.index_add_(0, rows, out).to(hidden_states.dtype)
+
+
+def register() -> str:
+    """Register the forward with transformers' experts interface (idempotent); returns its name."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, grouped_experts_forward)
+    return NAME
