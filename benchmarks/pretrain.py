@@ -54,11 +54,12 @@ def summarise(run: Path) -> dict:
 SPEED_VARIANTS = [
     # before: fp32, transformers' default experts (its grouped_mm: fp32 weights), transformers' loss
     ("fp32, default experts, HF loss (before)", {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False}, "system"),
-    ("bf16 autocast", {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False}, "system"),
-    ("+ grouped expert GEMMs in bf16", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False}, "system"),
-    ("+ fused chunked cross-entropy", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "system"),
-    ("+ page-keeping allocator (moectl pretrain)", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "fast"),
-    ("fp32, all but bf16 (loss reference)", {"bf16": False, "experts_implementation": "moectl_grouped", "fused_ce": True}, "fast"),
+    # then one change at a time, all under tcmalloc (glibc's step times vary 1.3-8.8 s: allocator.py)
+    ("+ tcmalloc", {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False}, "fast"),
+    ("+ bf16 autocast", {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False}, "fast"),
+    ("+ grouped expert GEMMs in bf16", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False}, "fast"),
+    ("+ fused chunked cross-entropy (moectl pretrain)", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "fast"),
+    ("same, glibc allocator", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "system"),
 ]
 
 
@@ -97,7 +98,7 @@ def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None)
             f"{r['variant']:<46}{r['tokens_per_s']:>9.0f}{r['tokens_per_s'] / base:>10.2f}"
             f"{100 * r['mfu_bf16']:>7.1f}%{r['step_s']:>9.3f}  {r['allocator']}"
         )
-    r = rows[-2]
+    r = rows[4]
     print(
         f"\nmodel {r['flops_per_token'] / 1e6:.1f} MFLOP/token; measured peaks: bf16 {r['peak_bf16_flops'] / 1e9:.0f} "
         f"GFLOP/s, fp32 {r['peak_fp32_flops'] / 1e9:.0f} GFLOP/s ({threads} threads, 2048² matmul); goal MFU >= 40%"

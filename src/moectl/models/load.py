@@ -1,4 +1,5 @@
-"""Load a model and tokenizer from ``tiny:FAMILY``, a local checkpoint directory or a hub id."""
+"""Load a model and tokenizer from ``tiny:FAMILY``, ``shape:NAME[@LAYERS][~wWIDTH]``, a local
+checkpoint directory or a hub id."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from moectl.models.shapes import MARKER, SPEC_PREFIX, build_shape, check_checkpoint, known_shapes
 from moectl.models.tiny import FAMILIES, tiny
 
 
@@ -37,27 +39,47 @@ class ByteTokenizer:
         return {"input_ids": ids, "attention_mask": mask}
 
 
+def byte_tokenizer(vocab_size: int = ByteTokenizer.vocab_size) -> ByteTokenizer:
+    """The byte tokenizer for a model of ``vocab_size`` ids (ids past 258 decode to nothing)."""
+    tokenizer = ByteTokenizer()
+    tokenizer.vocab_size = max(int(vocab_size), ByteTokenizer.vocab_size)
+    return tokenizer
+
+
 def load_model(
     spec: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, with_tokenizer: bool = True
 ) -> tuple[PreTrainedModel, object]:
-    """``spec`` is ``tiny:FAMILY`` (offline random model), a checkpoint directory or a hub id.
+    """``spec`` is ``tiny:FAMILY`` (offline random model), ``shape:NAME[@LAYERS][~wWIDTH]`` (a real
+    model's shape with random bf16 weights, see ``moectl.models.shapes``), a checkpoint directory or
+    a hub id.
 
     Returns (model in eval mode, tokenizer padding on the left); the tokenizer is None when
-    ``with_tokenizer`` is False.
+    ``with_tokenizer`` is False. Shapes and checkpoints written from them have no tokenizer of
+    their own: they come with the byte tokenizer over the model's vocabulary.
     """
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
         model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size).to(device)
         return model, ByteTokenizer()
+    if spec.startswith(SPEC_PREFIX):
+        shape_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+        model = build_shape(spec, dtype=shape_dtype, device=device, seed=seed)
+        return model, byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(spec).expanduser()
     if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
         raise FileNotFoundError(
             f"{spec!r} is neither a checkpoint directory nor a hub id (owner/name); for an offline "
-            f"model use tiny:FAMILY with FAMILY one of {', '.join(FAMILIES)}"
+            f"model use tiny:FAMILY with FAMILY one of {', '.join(FAMILIES)}, or shape:NAME with NAME "
+            f"one of {', '.join(known_shapes())}"
         )
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    if (local / MARKER).is_file():  # written by moectl.models.shapes: check shards, no tokenizer
+        check_checkpoint(local)
+        model = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch_dtype)
+        tokenizer = byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
+        return model.to(device).eval(), tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(local) if local.exists() else spec, dtype=torch_dtype
