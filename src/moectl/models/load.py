@@ -46,6 +46,31 @@ def byte_tokenizer(vocab_size: int = ByteTokenizer.vocab_size) -> ByteTokenizer:
     return tokenizer
 
 
+def _quiet_transformers() -> None:
+    """No "Loading weights" bar on every command: moectl reports its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def check_model_folder(folder: Path) -> None:
+    """A local model folder holds a config.json and complete weight files: refuse anything else
+    before transformers reads it, naming the file (a truncated shard otherwise surfaces as a long
+    traceback from deep inside the loader)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is a file, not a model folder (a folder with config.json)")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a model folder: it has no config.json (expected what "
+            "save_pretrained writes: config.json and *.safetensors)"
+        )
+    if any(folder.glob("*.safetensors")):
+        try:
+            check_checkpoint(folder)
+        except ValueError as err:
+            raise OSError(str(err)) from None
+
+
 def load_model(
     spec: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, with_tokenizer: bool = True
 ) -> tuple[PreTrainedModel, object]:
@@ -75,6 +100,9 @@ def load_model(
             f"one of {', '.join(known_shapes())}"
         )
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    _quiet_transformers()
+    if local.exists():
+        check_model_folder(local)
     if (local / MARKER).is_file():  # written by moectl.models.shapes: check shards, no tokenizer
         check_checkpoint(local)
         model = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch_dtype)

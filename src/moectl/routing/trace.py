@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+
+from moectl.fileio import atomic_path
 
 
 @dataclass
@@ -167,11 +168,5 @@ def _pad_t(x: Tensor, t: int, fill: Any) -> Tensor:
 
 
 def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        write(str(tmp))

@@ -1,0 +1,48 @@
+"""Atomic file writes with the usual permissions.
+
+``tempfile.mkstemp`` creates files readable by their owner only (0600) — fine for a temporary
+file, wrong for a result renamed into place: a trace, a results JSON or a fetched evaluation set
+must get the mode any other new file gets (0666 less the umask). ``atomic_path`` yields a
+temporary path beside the target, and on success gives it that mode and renames it into place;
+on any error the temporary file is removed and the target is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode a new file (0666) or folder (0777) gets under the current umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it to ``path`` when the block succeeds."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder: give a file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        tmp.chmod(default_mode())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically, with the usual mode."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)

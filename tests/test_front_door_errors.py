@@ -1,0 +1,61 @@
+"""What a new user trips on at the front door: bad model folders, --json paths, file modes."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import stat
+
+import torch
+from typer.testing import CliRunner
+
+import moectl
+from moectl.cli import app
+from moectl.fileio import default_mode, write_text_atomic
+from moectl.routing import route
+
+runner = CliRunner()
+
+
+def _saved_tiny(tmp_path):
+    model = moectl.tiny("olmoe")
+    model.save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_a_truncated_weight_file_is_named_in_one_line(tmp_path):
+    folder = _saved_tiny(tmp_path)
+    weights = folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    result = runner.invoke(app, ["inspect", str(folder)])
+    assert result.exit_code == 2
+    assert "model.safetensors: truncated" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_a_folder_without_config_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = runner.invoke(app, ["inspect", str(tmp_path / "empty")])
+    assert result.exit_code == 2
+    assert "no config.json" in " ".join(result.output.split())
+    assert "model_type" not in result.output
+
+
+def test_json_naming_a_folder_is_refused_before_any_work(tmp_path):
+    result = runner.invoke(app, ["inspect", "--tiny", "olmoe", "--json", str(tmp_path)])
+    assert result.exit_code == 2
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())  # rich boxes usage errors
+    assert "is a folder: give a file path" in flat
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_written_files_get_the_usual_mode(tmp_path):
+    path = write_text_atomic(tmp_path / "r.json", json.dumps({"a": 1}))
+    assert stat.S_IMODE(path.stat().st_mode) == default_mode()
+    model = moectl.tiny("olmoe")
+    with route(model, [], record=True) as session:
+        model(input_ids=torch.randint(3, 200, (1, 8)))
+    session.trace.save(tmp_path / "trace")
+    for file in tmp_path.glob("trace*"):
+        assert stat.S_IMODE(file.stat().st_mode) == default_mode(), file
