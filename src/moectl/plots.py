@@ -79,6 +79,14 @@ def plot_switch_rate_per_layer(
     return path
 
 
+def _si(value: float, _pos: int | None = None) -> str:
+    """1500000 → 1.5M, 250000 → 250k, 12 → 12."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.4g}{suffix}"
+    return f"{value:.4g}"
+
+
 def plot_curves(
     series: dict[str, tuple[list[float], list[float]]],
     path: str | Path,
@@ -86,10 +94,16 @@ def plot_curves(
     ylabel: str = "loss",
     title: str | None = None,
 ) -> Path:
-    """Line plot of named (x, y) series (a loss curve); one marker per point for short series."""
+    """Line plot of named (x, y) series (a loss curve); one marker per point for short series.
+    Large x values (tokens) are labelled 1.5M / 250k rather than 1500000."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(_si))
+    ax.grid(alpha=0.3)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:

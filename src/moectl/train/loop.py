@@ -383,9 +383,17 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
         return None
     series = {"train CE": ([r["tokens"] for r in train], [r["ce"] for r in train])}
     val = [r for r in train if "val_loss" in r]
+    final = next((r for r in reversed(rows) if r.get("final")), None)
+    if final is not None:  # the final evaluation (whole validation split) closes the curve
+        val.append({"tokens": train[-1]["tokens"], "val_loss": final["val_loss"]})
     if val:
-        series["validation"] = ([r["tokens"] for r in val], [r["val_loss"] for r in val])
-    return plot_curves(series, png, xlabel="tokens")
+        series["validation (full model)"] = ([r["tokens"] for r in val], [r["val_loss"] for r in val])
+    config_path = log_path.parent / "config.json"
+    title = None
+    if config_path.exists():
+        config = json.loads(config_path.read_text())
+        title = f"{config.get('objective', '')} objective, {config.get('preset', '')} preset: {log_path.parent.name}"
+    return plot_curves(series, png, xlabel="training tokens", ylabel="cross-entropy (nats/token)", title=title)
 
 
 def pretrain(

@@ -71,7 +71,8 @@ def tokenize_split(
     unknown = sorted({d["domain"] for d in docs} - set(index))
     if unknown:
         raise ValueError(f"split {split!r} has domains {unknown} that the training split does not have")
-    encoded = tokenizer([d["text"] for d in docs], add_special_tokens=False)["input_ids"]
+    # documents longer than the model are expected here: they are packed into rows (no warning)
+    encoded = tokenizer([d["text"] for d in docs], add_special_tokens=False, verbose=False)["input_ids"]
     return pack_documents(encoded, [index[d["domain"]] for d in docs], seq_len, tokenizer.eos_token_id, names)
 
 
