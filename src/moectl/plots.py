@@ -21,12 +21,17 @@ def plot_expert_activation(
     row: int = 0,
     k_hat: int | None = None,
     title: str | None = None,
+    label: str | None = None,
 ) -> Path:
     """TE-MoE Figure 2: experts activated at one layer over the generated token positions.
 
-    Dark cells are the activated experts; with ``k_hat`` the router-as-option mask ω is shaded
-    behind them and each switch is marked by a tick above the axis.
+    Black cells are the activated experts. With ``k_hat`` the router-as-option mask ω (TE-MoE
+    §2.2) is drawn in blue behind them and every switch of ω is a red tick in the strip above;
+    the subtitle gives the number of switches and the switch rate. ``label`` (e.g. the prompt or its
+    category) is printed under the title.
     """
+    from matplotlib.patches import Patch
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if layer not in trace.chosen:
@@ -37,22 +42,41 @@ def plot_expert_activation(
     valid = trace.valid[row]
     stop = int(valid.nonzero().max()) + 1 if bool(valid.any()) else start
     chosen = trace.chosen_mask(layer)[row, start:stop].T.float()  # [E, T]
-    fig, ax = plt.subplots(figsize=(min(16, 3 + chosen.shape[1] / 16), 2 + trace.num_experts / 12))
-    image = chosen.clone()
+    n_exp, n_pos = chosen.shape
+    width = min(16.0, 4.5 + n_pos / 14)
+    fig, (strip, ax) = plt.subplots(
+        2, 1, sharex=True, figsize=(width, 2.4 + n_exp / 10), height_ratios=[1, max(3.0, n_exp / 4)]
+    )
+    image = torch.ones(n_exp, n_pos, 3)  # white
+    handles = [Patch(facecolor="black", label="activated")]
+    subtitle = []
     if k_hat is not None:
         probs = trace.probs[layer][row : row + 1, start:stop]
         option = router_option_masks(probs, trace.chosen_mask(layer)[row : row + 1, start:stop], k_hat)[0]
-        image = torch.maximum(image, 0.35 * option.T.float())
+        image[option.T] = torch.tensor([0.62, 0.78, 0.95])  # the option ω: light blue
         switches = (option[1:] != option[:-1]).any(-1).nonzero().flatten() + 1
-        for s in switches.tolist():
-            ax.plot([s, s], [-1.5, -0.8], color="crimson", linewidth=0.8, clip_on=False)
-    ax.imshow(image.numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        strip.vlines(switches.tolist(), 0, 1, color="crimson", linewidth=1.0)
+        handles += [Patch(facecolor=(0.62, 0.78, 0.95), label=f"option ω (top k-hat={k_hat})"),
+                    Patch(facecolor="crimson", label="switch of ω")]  # fmt: skip
+        rate = len(switches) / max(n_pos - 1, 1)
+        subtitle.append(f"k-hat = {k_hat}: {len(switches)} switches in {n_pos} tokens (switch rate {rate:.0%})")
+    image[chosen.bool()] = 0.0
+    ax.imshow(image.numpy(), aspect="auto", interpolation="nearest")
+    strip.set_ylim(0, 1)
+    strip.set_yticks([])
+    strip.set_ylabel("switch", rotation=0, ha="right", va="center", fontsize=8)
+    for side in ("top", "right", "left"):
+        strip.spines[side].set_visible(False)
     ax.set_xlabel("generated token position")
     ax.set_ylabel("expert")
-    default = f"Activated experts, MoE layer {layer}" + (
-        f" (k-hat={k_hat} option shaded, switches ticked)" if k_hat else ""
-    )
-    ax.set_title(title or default, pad=16)
+    if n_exp <= 32:
+        ax.set_yticks(range(n_exp))
+        ax.tick_params(axis="y", labelsize=7 if n_exp > 16 else 9)
+    if label:
+        subtitle.insert(0, label if len(label) <= 90 else label[:87] + "...")
+    heading = title or f"Activated experts, MoE layer {layer} (TE-MoE Fig. 2)"
+    strip.set_title(heading + ("\n" + " · ".join(subtitle) if subtitle else ""), fontsize=10, loc="left")
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
