@@ -89,10 +89,58 @@ def test_pool_respects_padding(olmoe):
 
 
 def test_pool_chosen_inside(model):
+    """Every family, grouped routers included: the pool never leaves a token short (no mid-forward error)."""
     info = moectl.inspect(model)
-    if info.layers[0].rule.grouped:
-        pytest.skip("document pools on grouped routers may leave a kept group empty; checked at run time")
     with route(model, DocumentPool(4, "causal"), record=True) as session:
         model(random_ids(batch=2, length=12))
     for layer, chosen in session.trace.chosen.items():
         assert session.trace.allowed[layer].gather(-1, chosen).all()
+        rule = info.layer(layer).rule
+        if rule.grouped:  # the pool lies within the router's topk_group groups
+            groups = session.trace.allowed[layer].reshape(2, 12, rule.n_group, -1).any(-1).sum(-1)
+            assert bool((groups <= rule.topk_group).all())
+
+
+def test_grouped_router_pool_is_group_limited_and_refuses_too_large_d():
+    model = moectl.tiny("deepseek_v3")  # 8 experts in 2 groups, the router keeps 1 group, top-2
+    info = moectl.inspect(model)
+    rule = info.layers[0].rule
+    assert rule.grouped and (rule.n_group, rule.topk_group) == (2, 1)
+    for mode in ("causal", "full"):
+        with route(model, DocumentPool(4, mode), record=True) as session:
+            model(random_ids(batch=3, length=16, seed=1))
+        for layer in session.trace.allowed:
+            allowed = session.trace.allowed[layer]
+            assert bool((allowed.sum(-1) == 4).all())
+            assert bool((allowed.reshape(3, 16, 2, 4).any(-1).sum(-1) == 1).all())
+    too_large = r"topk_group \* E / n_group.*keeps 1 of 2 expert groups.*allowed d: 2\.\.4"
+    with pytest.raises(ValueError, match=too_large), route(model, DocumentPool(5)):
+        pass
+
+
+def test_pool_means_are_exact_at_the_end_of_a_long_packed_row():
+    """A 12-token document after 16k packed tokens pools as it does alone (float32 prefix sums lost 2.6e-5)."""
+    generator = torch.Generator().manual_seed(0)
+    t_long, t_doc, e = 16_384, 12, 8
+    logits = torch.randn(1, t_long, e, generator=generator) * 3
+    doc_ids = torch.zeros(1, t_long, dtype=torch.long)
+    doc_ids[0, -t_doc:] = 1
+    rule = RouterRule(kind="softmax_topk", top_k=2, num_experts=e)
+    from moectl.routing.pool import full_means, prefix_means
+
+    p = torch.softmax(logits, -1)
+    valid = torch.ones(1, t_long, dtype=torch.bool)
+    alone = p[:, -t_doc:].double()
+    for means, expected in (
+        (prefix_means, alone.cumsum(1) / torch.arange(1, t_doc + 1, dtype=torch.float64)[None, :, None]),
+        (full_means, alone.mean(1, keepdim=True).expand(1, t_doc, e)),
+    ):
+        sums, counts = means(p, valid, doc_ids)
+        got = (sums / counts)[:, -t_doc:]
+        assert (got - expected).abs().max() < 1e-12
+    for mode in ("causal", "full"):
+        packed = RoutingState(0, logits, rule, RouteContext(batch=1, length=t_long))
+        DocumentPool(3, mode=mode, doc_ids=doc_ids).apply(packed)
+        single = RoutingState(0, logits[:, -t_doc:], rule, RouteContext(batch=1, length=t_doc))
+        DocumentPool(3, mode=mode).apply(single)
+        assert torch.equal(packed.allowed[:, -t_doc:], single.allowed)

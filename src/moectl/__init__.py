@@ -1,22 +1,75 @@
-"""moectl: control expert routing in Mixture-of-Experts language models."""
+"""moectl: control expert routing in Mixture-of-Experts language models.
+
+``import moectl`` loads the routing core only (torch, safetensors). Everything that needs
+transformers, peft, lm-eval, optuna, matplotlib or accelerate loads on first use (PEP 562): the
+names below in ``_LAZY`` and the subpackages (``moectl.roe``, ``moectl.options``, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from moectl.adapters import ModelInfo, UnsupportedModelError, inspect, self_test, supported_routers
-from moectl.models.tiny import FAMILIES, tiny
-from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, RoutingTrace, route
+from moectl.metrics.switch_rate import switch_rate
+from moectl.routing import (
+    DocumentPool,
+    ExpertMask,
+    GumbelTopK,
+    PolicyConfig,
+    RoutingTrace,
+    load_policy,
+    route,
+    save_policy,
+)
 
 __version__ = "0.1.0"
+
+# name -> (module, attribute), imported on first access
+_LAZY: dict[str, tuple[str, str]] = {
+    "tiny": ("moectl.models.tiny", "tiny"),
+    "FAMILIES": ("moectl.models.tiny", "FAMILIES"),
+    "load": ("moectl.loaded", "load"),
+    "Loaded": ("moectl.loaded", "Loaded"),
+    "RoEConfig": ("moectl.roe.config", "RoEConfig"),
+}
+_SUBPACKAGES = (
+    "adapters", "data", "eval", "metrics", "models", "options", "roe", "routing", "serve", "subsets", "train",
+)  # fmt: skip
 
 __all__ = [
     "FAMILIES",
     "DocumentPool",
     "ExpertMask",
     "GumbelTopK",
+    "Loaded",
     "ModelInfo",
+    "PolicyConfig",
+    "RoEConfig",
     "RoutingTrace",
     "UnsupportedModelError",
     "inspect",
+    "load",
+    "load_policy",
     "route",
+    "save_policy",
     "self_test",
     "supported_routers",
+    "switch_rate",
     "tiny",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"moectl.{name}")
+    raise AttributeError(f"module 'moectl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))

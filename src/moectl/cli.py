@@ -71,6 +71,13 @@ def switch_rate_cmd(
     trace: Annotated[
         Path | None, typer.Option(help="Save the routing trace here (.safetensors + .json).")
     ] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            help="Generate under a policy: a policy file or folder (subset, mask, controller run, ...) or "
+            "option:K_HAT; a controller's (or full mask's) recorded mask is ω."
+        ),
+    ] = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Generate, record routing and report the switch rate (TE-MoE §2.2, Table 1) per layer and category."""
@@ -87,13 +94,13 @@ def switch_rate_cmd(
             seed,
             str(plot) if plot else None,
             str(trace) if trace else None,
+            policy=policy,
         )
     except (ValueError, OSError) as err:
         fail(err)
     cats = result["categories"]
-    table = Table(
-        title=f"Switch rate (mean ± std over prompts), k-hat = {result['k_hat']}, top-k = {result['top_k']}"
-    )
+    omega = "recorded mask" if result["source"] == "allowed" else f"k-hat = {result['k_hat']}"
+    table = Table(title=f"Switch rate (mean ± std over prompts), {omega}, top-k = {result['top_k']}")
     table.add_column("model")
     for cat in cats:
         table.add_column(cat, justify="right")
@@ -179,6 +186,12 @@ _mount()
 
 
 def main() -> None:
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "pretrain":
+        from moectl.train.allocator import reexec_with_fast_allocator
+
+        reexec_with_fast_allocator()  # training steps page-fault under glibc's defaults
     app()
 
 

@@ -10,6 +10,7 @@ from moectl.generate import generate, load_prompts
 from moectl.metrics.switch_rate import switch_rate
 from moectl.models.load import load_model
 from moectl.plots import plot_expert_activation, plot_switch_rate_per_layer
+from moectl.routing.loader import load_policy
 from moectl.routing.session import route
 
 
@@ -36,11 +37,21 @@ def run_switch_rate(
     plot_dir: str | None = None,
     trace_path: str | None = None,
     progress: bool = True,
+    policy: str | None = None,
 ) -> dict:
-    """Measure the router-as-option switch rate on generated tokens; returns a JSON-ready dict."""
+    """Measure the switch rate on generated tokens; returns a JSON-ready dict.
+
+    Without ``policy`` the plain router as an option policy (k-hat, default top-k). With one (any
+    spec ``moectl.load_policy`` reads) generation runs under it; where it records a mask at every
+    MoE layer (a controller, a subset) that mask is ω, else the router with the policy's k-hat
+    (``option:K``) or ``k_hat`` (``switch_rate``'s ``source="auto"``).
+    """
     model, tokenizer = load_model(model_spec, seed=seed)
     prompts = load_prompts(prompts_path)
-    with route(model, record=True) as session:
+    loaded = load_policy(policy, model) if policy is not None else []
+    if k_hat is None and getattr(loaded, "policy_type", None) == "option":
+        k_hat = loaded.k_hat  # the router as the option policy the file names
+    with route(model, loaded, record=True) as session:
         generate(model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, progress=progress)
     trace = session.trace
     assert trace is not None
@@ -53,6 +64,8 @@ def run_switch_rate(
         "model": model_spec,
         "family": session.info.family,
         "k_hat": report.k_hat,
+        "policy": policy,
+        "source": report.source,
         "top_k": session.info.top_k,
         "num_experts": session.info.num_experts,
         "moe_layers": [layer.layer_idx for layer in session.info.layers],

@@ -1,4 +1,4 @@
-"""``--policy FILE``: routing policies for an evaluation, as JSON.
+"""``--policy FILE``: routing policies for an evaluation — any file ``moectl.load_policy`` reads.
 
 A file holds one policy object or a list of them (composed in order, as ``route()`` does)::
 
@@ -7,72 +7,77 @@ A file holds one policy object or a list of them (composed in order, as ``route(
     {"type": "gumbel", "tau": 0.3, "seed": 0}                       # tau: number, list or {layer: tau}
     {"type": "document_pool", "d": 4, "mode": "causal"}
 
-Keys of ``experts`` are MoE layer indices (0 … number of MoE layers − 1); layers not named allow
-every expert. An exported expert subset is an ``expert_mask``.
+and every other form of ``routing/loader.py``: a subset file (``moectl subset select``,
+``moectl baselines --out``), a RoE tau profile, a controller folder, ``option:8``. Keys of
+``experts`` are MoE layer indices (0 … number of MoE layers − 1); layers not named allow every
+expert. This module keeps the evaluation's view: the routing policies bound to the model, and
+the mean number of experts a fixed mask allows.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.routing import DocumentPool, ExpertMask, GumbelTopK
+from moectl.roe.config import RoEConfig
+from moectl.routing import ExpertMask, load_policy
+from moectl.routing.config import policy_types
+from moectl.routing.loader import routing_policies
 from moectl.routing.state import Policy
 
-POLICY_TYPES = ("expert_mask", "gumbel", "document_pool")
+POLICY_TYPES = tuple(policy_types())
 
 
 def policy_from_dict(spec: dict[str, Any], info: ModelInfo, where: str = "policy") -> Policy:
     """One policy from its JSON object (``ValueError`` naming the field and the allowed values)."""
-    if not isinstance(spec, dict):
-        raise ValueError(f"{where}: each policy must be a JSON object, got {type(spec).__name__}")
-    kind = spec.get("type")
-    if kind == "expert_mask":
-        renorm = spec.get("renorm", "pruned")
-        if ("experts" in spec) == ("everywhere" in spec):
-            raise ValueError(
-                f"{where}: an expert_mask needs exactly one of 'experts' ({{layer: [ids]}}) or 'everywhere' ([ids])"
-            )
-        if "everywhere" in spec:
-            return ExpertMask.everywhere(info, spec["everywhere"], renorm=renorm)
-        try:
-            experts = {int(layer): ids for layer, ids in spec["experts"].items()}
-        except (AttributeError, ValueError) as err:
-            raise ValueError(f"{where}: 'experts' must map MoE layer indices to lists of expert ids") from err
-        return ExpertMask.from_lists(info, experts, renorm=renorm)
-    if kind == "gumbel":
-        if "tau" not in spec:
-            raise ValueError(f"{where}: a gumbel policy needs 'tau'")
-        tau = spec["tau"]
-        if isinstance(tau, dict):
-            tau = {int(k): float(v) for k, v in tau.items()}
-        return GumbelTopK(tau, seed=int(spec.get("seed", 0)))
-    if kind == "document_pool":
-        if "d" not in spec:
-            raise ValueError(f"{where}: a document_pool policy needs 'd' (pool size)")
-        return DocumentPool(int(spec["d"]), mode=spec.get("mode", "causal"))
-    raise ValueError(f"{where}: unknown policy type {kind!r}; allowed: {', '.join(POLICY_TYPES)}")
+    try:
+        return load_policy(spec, info)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def load_policies(path: str | os.PathLike, info: ModelInfo) -> tuple[list[Policy], list[dict[str, Any]]]:
-    """Policies of a policy file, bound-checked against ``info``; also returns the raw specs."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"policy file {path} does not exist")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-    specs = raw if isinstance(raw, list) else [raw]
-    if not specs:
-        raise ValueError(f"{path}: the policy list is empty")
-    policies = [policy_from_dict(s, info, where=f"{path} [{i}]") for i, s in enumerate(specs)]
+    """Routing policies of a policy file, bound-checked against ``info``; also their configs."""
+    loaded = load_policy(os.fspath(path), info)
+    loaded = loaded if isinstance(loaded, list) else [loaded]
+    policies = bind_all(routing_policies(loaded, None, info), info, path)
+    return policies, [p.to_dict() for p in loaded]
+
+
+def bind_all(policies: list[Policy], info: ModelInfo, where: Any) -> list[Policy]:
+    """Bind each policy now, so that a mismatch fails naming the file rather than inside the harness."""
     for policy in policies:
-        policy.bind(info)  # fail now, with the file named, rather than inside the harness
-    return policies, specs
+        try:
+            policy.bind(info)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    return policies
+
+
+def evaluation_routing(
+    loaded: list[Any], info: ModelInfo, roe: RoEConfig | None, seed: int, where: Any
+) -> tuple[list[Policy], RoEConfig | None, dict[str, Any] | None]:
+    """Split loaded policies into (routing policies, RoE config, controller summary) for ``moectl eval``.
+
+    A RoE profile becomes the evaluation's RoE config (as ``--roe``); controllers and RoE are
+    seeded with the evaluation's ``--seed`` (as ``--controller`` and ``--roe`` are); residency
+    policies contribute their routing (``static``: its mask; ``lru``, ``option``: none).
+    """
+    policies: list[Policy] = []
+    controller = None
+    for policy in loaded:
+        kind = getattr(policy, "policy_type", None)
+        if kind == "roe":
+            if roe is not None:
+                raise ValueError(f"{where}: a RoE config is given twice (--roe and --policy); give one")
+            roe = policy.with_(seed=seed)
+            continue
+        if kind == "controller":
+            policy.reset(seed=seed)
+            controller = {"path": str(policy.path), "k_hat": policy.controller.k_hat, "eta": policy.options.get("eta")}
+        policies += routing_policies([policy], None, info)
+    return bind_all(policies, info, where), roe, controller
 
 
 def experts_allowed(policies: list[Policy], info: ModelInfo) -> float | None:

@@ -11,9 +11,10 @@ import torch
 
 from moectl.adapters.inspect import inspect
 from moectl.eval.forward import SwitchStats, static_plan
-from moectl.eval.policy_file import experts_allowed, load_policies
+from moectl.eval.policy_file import evaluation_routing, experts_allowed
 from moectl.eval.results import new_results
 from moectl.roe.config import RoEConfig, config_dict
+from moectl.routing import load_policy
 
 ENGINES = ("lm-eval", "moectl")
 
@@ -48,6 +49,10 @@ def roe_config(spec: str, seed: int) -> RoEConfig:
             )
         return RoEConfig.from_profile(head, **fields)
     return RoEConfig(**fields)
+
+
+def _as_list(loaded: Any) -> list[Any]:
+    return list(loaded) if isinstance(loaded, list) else [loaded]
 
 
 def _lm_tokenizer(tokenizer: Any) -> Any:
@@ -111,6 +116,12 @@ def evaluate(
         raise ValueError("nothing to evaluate: give --tasks and/or --perplexity CORPUS")
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
+    # the arguments first, then the data: a wrong flag is named even where no set is fetched yet
+    roe_cfg = roe_config(roe, seed) if roe is not None else None
+    if controller is not None:
+        from moectl.options.state import check_controller_dir
+
+        check_controller_dir(controller)
     if tasks:
         from moectl.eval.lm_tasks import check_data, resolve_tasks
 
@@ -119,7 +130,6 @@ def evaluate(
         from moectl.eval.code_exec import check_code_tasks
 
         check_code_tasks(tasks, True if allow_code_exec else None)  # refuses unless opted into
-    roe_cfg = roe_config(roe, seed) if roe is not None else None
     torch.manual_seed(seed)
     if model_and_tokenizer is None:
         from moectl.models.load import load_model
@@ -127,19 +137,16 @@ def evaluate(
         model, tokenizer = load_model(model_spec, device=device, seed=0)
     else:
         model, tokenizer = model_and_tokenizer
-    controller_info = None
-    if controller is not None:  # TE-MoE: adapters merged, trained routers, per-sequence option state
-        from moectl.options.policy import ControllerPolicy
-        from moectl.options.state import controller_dir, load_controlled
-
-        folder = controller_dir(controller)
-        model, ctrl, options, _ = load_controlled(model, folder, merge=True)
-        model.eval()
-        controller_info = {"path": str(folder), "k_hat": ctrl.k_hat, "eta": options.get("eta")}
-    info = inspect(model)
-    policies, specs = load_policies(policy, info) if policy is not None else ([], [])
+    # --policy: any file load_policy reads; --controller: a controller folder (TE-MoE: adapters and
+    # trained routers merged into the model, per-sequence option state)
+    from_file = _as_list(load_policy(os.fspath(policy), model)) if policy is not None else []
+    specs = [p.to_dict() for p in from_file]
     if controller is not None:
-        policies = [*policies, ControllerPolicy(ctrl, seed=seed)]
+        from_file.append(load_policy({"type": "controller", "path": str(controller)}, model))
+    info = inspect(model)
+    policies, roe_cfg, controller_info = evaluation_routing(
+        from_file, info, roe_cfg, seed, policy if policy is not None else controller
+    )
     switch = bool(policies) and roe_cfg is None if switch is None else switch
     if roe_cfg is not None:
         switch = False  # K samples route differently: a switch rate of the ensemble is not defined

@@ -7,6 +7,17 @@ the router is treated as an option policy: at a switch point ω is set to the to
 and it persists until the k experts activated at a later position are no longer all inside it.
 With k-hat = k this is TE-MoE's Table 1.
 
+Defaults (``source="auto"``, ``region="auto"``), so that ``switch_rate(session.trace)`` reads any
+trace as it is meant:
+
+- source: the recorded masks ω (``"allowed"``) when no ``k_hat`` is given and a policy recorded a
+  mask at *every* MoE layer of the trace (a controller, an expert mask or subset on all layers, a
+  document pool); otherwise the router as an option policy (``"router"``, k-hat default top-k).
+  Giving ``k_hat`` always measures the router.
+- region: ``"generated"`` (from the last prompt token on, as the paper measures) when the trace
+  holds generated tokens (decoding steps after the first call); ``"all"`` for a trace of plain
+  forward calls, which has no generated tokens.
+
 Deviation, for routers whose choice adds a score-correction bias (DeepSeek-V3 family): the option
 at a switch is the activated experts plus the most probable others (top-k-hat of p otherwise),
 so that the option always contains the experts the router actually used; for routers without a
@@ -81,25 +92,44 @@ class SwitchRateReport:
     steps: int
     rows: list[int]  # trace rows measured (rows with no two consecutive positions are dropped)
     per_sequence_layer: list[list[float]]  # [sequence][layer]
+    region: str = "generated"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def has_generated(trace: RoutingTrace) -> bool:
+    """Whether ``trace`` holds positions after a row's prompt (tokens produced by decoding steps)."""
+    t = trace.valid.shape[1]
+    return bool((trace.valid & (torch.arange(t)[None, :] >= trace.prompt_len[:, None])).any())
+
+
+def masks_everywhere(trace: RoutingTrace) -> bool:
+    """Whether a policy recorded an allowed mask at every MoE layer the trace routed."""
+    allowed = set(trace.allowed)
+    return bool(allowed) and set(trace.chosen) <= allowed
+
+
 def switch_rate(
-    trace: RoutingTrace, k_hat: int | None = None, region: str = "generated", source: str = "router"
+    trace: RoutingTrace, k_hat: int | None = None, region: str = "auto", source: str = "auto"
 ) -> SwitchRateReport:
     """Switch rate of the sequences in ``trace``.
 
     ``source='router'``: the plain router as an option policy with ``k_hat`` (default: top-k).
     ``source='allowed'``: the recorded masks of a policy or controller.
     ``region='generated'`` measures positions from the end of the prompt on (the paper measures
-    generated tokens); ``'all'`` every valid position.
+    generated tokens); ``'all'`` every valid position. ``'auto'`` (both defaults): see the module doc
+    — the recorded masks when every MoE layer has one and no ``k_hat`` is given, the generated
+    region when the trace has generated tokens.
     """
-    if region not in ("generated", "all"):
-        raise ValueError(f"region must be 'generated' or 'all', got {region!r}")
-    if source not in ("router", "allowed"):
-        raise ValueError(f"source must be 'router' or 'allowed', got {source!r}")
+    if region not in ("auto", "generated", "all"):
+        raise ValueError(f"region must be 'auto', 'generated' or 'all', got {region!r}")
+    if source not in ("auto", "router", "allowed"):
+        raise ValueError(f"source must be 'auto', 'router' or 'allowed', got {source!r}")
+    if source == "auto":
+        source = "allowed" if k_hat is None and masks_everywhere(trace) else "router"
+    if region == "auto":
+        region = "generated" if has_generated(trace) else "all"
     valid = trace.valid
     b, t = valid.shape
     start = torch.zeros(b, dtype=torch.long)
@@ -134,4 +164,5 @@ def switch_rate(
         steps=int(steps.sum()),
         rows=rows,
         per_sequence_layer=rates.T.tolist(),
+        region=region,
     )

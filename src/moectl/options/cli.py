@@ -147,9 +147,17 @@ def _load(model: str, controller: Path | None, device: str, dtype: str, seed: in
     lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
     if controller is None:
         return lm, tokenizer, None, {}, None
+    if merge:  # the one policy loader: a controller folder, a run folder or a controller policy file
+        from moectl.options.policy import ControllerPolicy
+        from moectl.routing.loader import load_policy
+
+        policy = load_policy(controller, lm)
+        if not isinstance(policy, ControllerPolicy):
+            raise ValueError(f"--controller {controller}: not a controller (got {type(policy).__name__})")
+        return lm, tokenizer, policy.controller, policy.options, None
     from moectl.options.state import load_controlled
 
-    lm, ctrl, config, snapshot = load_controlled(lm, controller, merge=merge)
+    lm, ctrl, config, snapshot = load_controlled(lm, controller, merge=False)  # PEFT kept: the teacher
     lm.eval()
     inspect(lm)
     return lm, tokenizer, ctrl, config, snapshot

@@ -14,14 +14,20 @@ its first real token (t = 0: router top-k-hat, no switch sampled).
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from moectl.adapters.inspect import ModelInfo
+from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.options.controller import OptionController
 from moectl.options.plackett_luce import mask_of
+from moectl.routing.config import PolicyConfig, register_policy, write_json_atomic
 from moectl.routing.gumbel import gumbel_noise
 from moectl.routing.state import RoutingState
 
@@ -48,12 +54,23 @@ def cat_records(chunks: list[OptionRecord]) -> OptionRecord:
     )
 
 
-class ControllerPolicy:
+@register_policy("controller")
+class ControllerPolicy(PolicyConfig):
     """Route under a trained (or fresh) :class:`OptionController`.
 
     ``mode='sample'``: d_t ~ Bernoulli(β_t), new options by Plackett–Luce (as trained);
     ``'greedy'``: switch when β_t > 1/2, new option = top-k-hat of the selection logits.
     ``record=True`` keeps an :class:`OptionRecord` per call and layer in ``records``.
+
+    As a config it names the controller's folder (weights are not JSON)::
+
+        {"type": "controller", "format_version": 1, "path": "runs/ctrl", "mode": "sample", "seed": 0}
+
+    ``from_dict`` (``moectl.load_policy("runs/ctrl", model)``) loads the folder — a run folder's
+    ``final/`` if it has one — and merges its trained LoRA adapters and routers into ``model`` in
+    place (once per model, as ``moectl options generate`` does). Loaded without a model, the merge
+    waits for the first ``route()`` the policy enters (``attach``). ``save(FOLDER)`` writes the
+    controller's weights and a ``policy.json``; ``save(FILE.json)`` only the reference.
     """
 
     def __init__(
@@ -63,17 +80,92 @@ class ControllerPolicy:
         seed: int = 0,
         record: bool = False,
         renorm: str = "pruned",
+        path: str | os.PathLike | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if renorm not in ("pruned", "stock"):
+            raise ValueError(f"renorm must be 'pruned' or 'stock', got {renorm!r}")
         self.controller = controller
         self.mode, self.record, self.renorm = mode, record, renorm
+        self.path = None if path is None else Path(path)  # the folder it was loaded from / saved to
+        self.options = dict(options or {})  # the training configuration (options.json)
+        self.pending: Path | None = None  # a folder whose trained weights still go into the model
         self.seed = int(seed)
         self.generator: torch.Generator | None = None
         self.records: dict[int, list[OptionRecord]] = {}
         self._option: dict[int, Tensor] = {}
         self._started: dict[int, Tensor] = {}
         self._shared_switch: Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"ControllerPolicy(k_hat={self.controller.k_hat}, mode={self.mode!r}, seed={self.seed}, path={self.path})"
+
+    # -- config -------------------------------------------------------------------------------
+    def config_fields(self) -> dict[str, Any]:
+        if self.path is None:
+            raise ValueError(
+                "this controller was never saved: policy.save(FOLDER) writes its weights and policy.json"
+            )
+        return {
+            "path": str(self.path),
+            "mode": self.mode,
+            "seed": self.seed,
+            "renorm": self.renorm,
+            "k_hat": self.controller.k_hat,  # for readers; the folder's controller.json decides
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """``FILE.json``: the reference to the controller's folder (relative to FILE's folder);
+        any other path: a folder with the controller's weights and a ``policy.json``."""
+        path = Path(path)
+        if path.suffix == ".json":
+            fields = self.to_dict()
+            fields["path"] = os.path.relpath(Path(fields["path"]).resolve(), path.parent.resolve())
+            return write_json_atomic(path, fields)
+        self.controller.save(path)
+        self.path = path
+        write_json_atomic(path / "policy.json", {**self.to_dict(), "path": "."})
+        return path
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> ControllerPolicy:
+        from moectl.options.state import controller_dir
+
+        if not isinstance(data.get("path"), str):
+            raise ValueError("a controller policy needs 'path', the folder `moectl options train` wrote")
+        seed = data.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"controller 'seed' must be an integer, got {seed!r}")
+        folder = controller_dir(data["path"])
+        if not (folder / "controller.json").exists():
+            raise ValueError(
+                f"{data['path']}: not a controller folder (needs controller.json and controller.safetensors, "
+                "as `moectl options train` writes)"
+            )
+        controller = _attach(folder, model) if model is not None else _alone(folder, info)
+        options_file = folder / "options.json"
+        options = json.loads(options_file.read_text()) if options_file.exists() else {}
+        policy = cls(
+            controller,
+            mode=data.get("mode", "sample"),
+            seed=seed,
+            renorm=data.get("renorm", "pruned"),
+            path=folder,
+            options=options,
+        )
+        trained = any((folder / name).exists() for name in ("adapter.safetensors", "routers.safetensors"))
+        policy.pending = folder if model is None and trained else None
+        return policy
+
+    def attach(self, model: nn.Module) -> None:
+        """Merge the loaded folder's trained adapters and routers into ``model`` (once per model;
+        ``route()`` calls this before binding). Nothing to do for a controller loaded with its model."""
+        if self.pending is not None:
+            self.controller = _attach(self.pending, model)
 
     # -- Policy protocol ----------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:
@@ -169,3 +261,35 @@ class ControllerPolicy:
     def layer_records(self) -> dict[int, OptionRecord]:
         """Every recorded call joined along T, per MoE layer."""
         return {layer: cat_records(chunks) for layer, chunks in self.records.items()}
+
+
+def _attach(folder: Path, model: nn.Module) -> OptionController:
+    """The controller of ``folder``, its adapters and routers merged into ``model`` (once per model)."""
+    from moectl.options.state import load_controlled
+
+    key = str(folder.resolve())
+    applied = getattr(model, "_moectl_controller", None)
+    if applied is None:
+        merged, controller, _, _ = load_controlled(model, folder, merge=True)
+        if merged is not model:
+            raise RuntimeError("merging the controller's adapters did not happen in place; use load_controlled")
+        model.eval()
+        model._moectl_controller = key
+        return controller
+    if applied != key:
+        raise ValueError(
+            f"the model already carries the adapters and routers of controller {applied}; load a fresh "
+            f"model for {folder}"
+        )
+    controller = OptionController.load(folder, device=next(model.parameters()).device)
+    controller.check(inspect(model))
+    return controller
+
+
+def _alone(folder: Path, info: ModelInfo | None) -> OptionController:
+    """The controller of ``folder`` without its model (its trained weights merge in at ``attach``)."""
+    device = info.layers[0].router.weight.device if info is not None else "cpu"
+    controller = OptionController.load(folder, device=device)
+    if info is not None:
+        controller.check(info)
+    return controller

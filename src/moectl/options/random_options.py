@@ -12,11 +12,15 @@ depend on the other layers. Shared experts are always on: masks never touch them
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer
 from moectl.adapters.rules import Renorm
+from moectl.routing.config import PolicyConfig, register_policy
 from moectl.routing.state import RoutingState
 from moectl.subsets.scores import check_k
 
@@ -52,8 +56,13 @@ def random_allowed(shape: tuple[int, ...], groups: int, k_hat: int, generator: t
     return allowed.reshape(*lead, experts)
 
 
-class RandomOptions:
-    """Allow a fresh uniformly random set of ``k_hat`` experts at every token of every MoE layer."""
+@register_policy("random_options")
+class RandomOptions(PolicyConfig):
+    """Allow a fresh uniformly random set of ``k_hat`` experts at every token of every MoE layer.
+
+    As a config: ``{"type": "random_options", "format_version": 1, "k_hat": 4, "seed": 0,
+    "renorm": "pruned"}`` (``moectl baselines --method random --json``'s report loads as one too).
+    """
 
     def __init__(self, k_hat: int, seed: int = 0, renorm: Renorm = "pruned") -> None:
         if isinstance(k_hat, bool) or not isinstance(k_hat, int) or k_hat < 1:
@@ -65,6 +74,18 @@ class RandomOptions:
         self.renorm: Renorm = renorm
         self._groups: dict[int, int] = {}
         self._generators: dict[int, torch.Generator] = {}
+
+    def config_fields(self) -> dict[str, Any]:
+        return {"k_hat": self.k_hat, "seed": self.seed, "renorm": self.renorm}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> RandomOptions:
+        seed = data.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"random_options 'seed' must be an integer, got {seed!r}")
+        return cls(data.get("k_hat"), seed=seed, renorm=data.get("renorm", "pruned"))
 
     def bind(self, info: ModelInfo) -> None:
         """Check k-hat against every MoE layer and (re)seed one generator per layer."""

@@ -90,6 +90,17 @@ def controller_dir(path: str | Path) -> Path:
     return path / "final" if (path / "final" / "controller.json").exists() else path
 
 
+def check_controller_dir(path: str | Path) -> Path:
+    """The controller folder for ``path`` (see :func:`controller_dir`); FileNotFoundError if it is none."""
+    folder = controller_dir(path)
+    if not (folder / "controller.json").exists():
+        raise FileNotFoundError(
+            f"{path}: not a controller folder (needs controller.json and controller.safetensors, "
+            "as `moectl options train` writes)"
+        )
+    return folder
+
+
 def load_controlled(
     model: nn.Module, path: str | Path, merge: bool = True
 ) -> tuple[nn.Module, OptionController, dict[str, Any], list | None]:

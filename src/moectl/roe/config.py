@@ -16,7 +16,15 @@
   function of the seed, so every cache variant and batch layout sees the same draws.
 
 A *profile* is the JSON that ``moectl roe tune`` writes: the tuned per-layer tau and how it was
-found. ``RoEConfig.from_profile`` reads one back.
+found. It is a policy config (``routing/config.py``) of type ``"roe"``::
+
+    {"type": "roe", "format_version": 1, "K": 16, "tau": [0.0, 0.31, ...], "aggregation": "prob_mean",
+     "cache": "clean", "seed": 0, ...provenance (objective, value, history, ...)}
+
+``RoEConfig.from_profile`` / ``moectl.load_policy`` read it back, and the profiles of earlier
+versions (``{"format": "moectl-roe-profile/1", "tau": [...], "K": ..., ...}``, no type): from
+those only K, tau and aggregation are read, as before (their ``seed`` was the tuner's, and the
+old reader ignored it).
 """
 
 from __future__ import annotations
@@ -26,7 +34,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from moectl.routing.config import PolicyConfig, check_version, register_policy
+
+if TYPE_CHECKING:
+    from moectl.adapters.inspect import ModelInfo
 
 Aggregation = Literal["prob_mean", "logprob_mean"]
 CacheMode = Literal["clean", "separate", "none"]
@@ -37,8 +50,9 @@ CACHE_MODES: tuple[str, ...] = ("clean", "separate", "none")
 PROFILE_FORMAT = "moectl-roe-profile/1"
 
 
+@register_policy("roe")
 @dataclass(frozen=True)
-class RoEConfig:
+class RoEConfig(PolicyConfig):
     """Roster of Experts settings (RoE §2). Validated on construction; ``taus(n)`` checks tau's length."""
 
     K: int = 16
@@ -69,18 +83,37 @@ class RoEConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
-    # -- profiles ---------------------------------------------------------------------------
+    # -- config / profiles ---------------------------------------------------------------------
+    def config_fields(self) -> dict[str, Any]:
+        tau = self.tau
+        if isinstance(tau, Mapping):
+            tau = {str(k): float(v) for k, v in tau.items()}
+        elif not isinstance(tau, (int, float)):
+            tau = [float(v) for v in tau]
+        fields = {"K": self.K, "tau": tau, "aggregation": self.aggregation, "cache": self.cache, "seed": self.seed}
+        skip = {"type", "format_version", "format", *fields}
+        return {**fields, **{k: v for k, v in self.meta.items() if k not in skip}}
+
     @classmethod
-    def from_profile(cls, path: str | Path, **overrides: Any) -> RoEConfig:
-        """Read a tau profile written by ``save_profile`` (``moectl roe tune --out``)."""
-        data = load_profile(path)
+    def from_dict(cls, data: Mapping[str, Any], info: ModelInfo | None = None, **_: Any) -> RoEConfig:
+        """A config from ``to_dict``'s object or a tau profile of any version (see the module doc)."""
+        data = check_profile(data)
         fields = {
             "K": data.get("K", 16),
             "tau": data["tau"],
             "aggregation": data.get("aggregation", "prob_mean"),
         }
-        fields.update(overrides)
-        return cls(**fields, meta={k: v for k, v in data.items() if k != "tau"})
+        if "format" not in data:  # not a profile of the old writer (whose "seed" was the tuner's)
+            fields.update({k: data[k] for k in ("cache", "seed") if k in data})
+        config = cls(**fields, meta={k: v for k, v in data.items() if k != "tau"})
+        if info is not None:
+            config.taus(info.num_moe_layers)
+        return config
+
+    @classmethod
+    def from_profile(cls, path: str | Path, **overrides: Any) -> RoEConfig:
+        """Read a tau profile written by ``save_profile`` (``moectl roe tune --out``) or ``save``."""
+        return cls.from_dict(load_profile(path)).with_(**overrides)
 
 
 def _check_tau_values(spec: TauSpec) -> None:
@@ -139,10 +172,11 @@ def resolve_tau(spec: TauSpec, num_moe_layers: int) -> list[float]:
 
 # -- profile files ---------------------------------------------------------------------------
 def save_profile(path: str | Path, tau: Sequence[float], **info: Any) -> Path:
-    """Write a tau profile: ``{"format", "tau": [per MoE layer], ...info}`` (atomic replace)."""
+    """Write a tau profile: ``{"type": "roe", "format_version", "tau": [per MoE layer], ...info}``
+    (atomic replace; ``info`` holds K, aggregation, seed and how tau was found)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": PROFILE_FORMAT, "tau": [float(t) for t in tau], **info}
+    data = {"type": "roe", "format_version": RoEConfig.format_version, "tau": [float(t) for t in tau], **info}
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
@@ -158,20 +192,48 @@ def load_profile(path: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a JSON tau profile ({err.msg})") from err
-    if not isinstance(data, dict) or "tau" not in data:
-        raise ValueError(
-            f"{path}: a tau profile is a JSON object with a 'tau' list (one value per MoE layer)"
-        )
+    try:
+        return check_profile(data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def check_profile(data: Any) -> dict[str, Any]:
+    """A profile's object, checked, with a ``{layer: tau}`` mapping's keys as ints (a copy)."""
+    if not isinstance(data, Mapping) or "tau" not in data:
+        raise ValueError("a tau profile is a JSON object with a 'tau' list (one value per MoE layer)")
+    data = dict(data)
+    if data.get("type", "roe") != "roe":
+        raise ValueError(f"not a tau profile: a policy of type {data['type']!r} (a profile has type 'roe')")
     if data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
-        raise ValueError(
-            f"{path}: unknown profile format {data.get('format')!r}, expected {PROFILE_FORMAT!r}"
-        )
+        raise ValueError(f"unknown profile format {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
+    check_version(data, RoEConfig)
     tau = data["tau"]
-    if isinstance(tau, dict):
-        tau = {int(k): v for k, v in tau.items()}
+    if isinstance(tau, Mapping):
+        try:
+            tau = {int(k): v for k, v in tau.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"tau: layer keys must be MoE layer indices, got {sorted(tau)}") from None
     _check_tau_values(tau)
     data["tau"] = tau
     return data
+
+
+def as_config(config: Any) -> RoEConfig:
+    """``config`` as a RoEConfig: None (K=16, tau=0), a RoEConfig, or a profile path / dict (``load_policy``)."""
+    if config is None:
+        return RoEConfig()
+    if isinstance(config, RoEConfig):
+        return config
+    from moectl.routing.loader import load_policy
+
+    loaded = load_policy(config)
+    if not isinstance(loaded, RoEConfig):
+        raise ValueError(
+            f"expected a RoE config (a tau profile, type 'roe'), got {type(loaded).__name__}; "
+            "masks and pools go to `policies=`"
+        )
+    return loaded
 
 
 def config_dict(config: RoEConfig, num_moe_layers: int) -> dict[str, Any]:

@@ -90,6 +90,9 @@ def load_items(path: str | Path, limit: int | None = None) -> list[Item]:
 def item_kind(items: list[Item]) -> str:
     """'lm', 'choice' or 'gen' — the one kind every item has; raise on a mix."""
     kinds = {type(i) for i in items}
+    bad = sorted(k.__name__ for k in kinds - {LMItem, ChoiceItem, GenItem})
+    if bad:
+        raise ValueError(f"items must be LMItem, ChoiceItem, GenItem (or plain strings: texts), got {bad}")
     if len(kinds) != 1:
         raise ValueError(f"data mixes item kinds {sorted(k.__name__ for k in kinds)}; use one kind per file")
     return {LMItem: "lm", ChoiceItem: "choice", GenItem: "gen"}[kinds.pop()]

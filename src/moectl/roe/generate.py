@@ -13,13 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.config import RoEConfig
+from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.ensemble import Ensemble
 from moectl.routing.state import Policy
 
@@ -118,7 +119,7 @@ def generate(
     model: nn.Module,
     tokenizer,
     prompts: str | Sequence[str],
-    config: RoEConfig | None = None,
+    config: RoEConfig | str | Path | dict | None = None,
     *,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -139,9 +140,9 @@ def generate(
     ``adaptive_threshold`` (nats, clean cache only): spend the K−1 noisy samples only on tokens
     whose clean next-token entropy exceeds it (``adaptive.AdaptiveEnsemble``; beyond the paper).
     ``on_text(row, piece)`` receives newly decoded text of the prompt at index ``row``.
-    Pass a ``GenerationStats`` to have it filled.
+    Pass a ``GenerationStats`` to have it filled. ``config`` may be a tau profile (path or dict).
     """
-    config = config or RoEConfig()
+    config = as_config(config)
     check_decoding(max_new_tokens, temperature, top_p)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.config import RoEConfig
+from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.roe.ensemble import Ensemble
 from moectl.roe.masks import attention_kinds
@@ -201,8 +201,8 @@ def _progress(enabled: bool, label: str) -> Progress:
 def score(
     model: nn.Module,
     tokenizer,
-    data: str | Path | Sequence[Item],
-    config: RoEConfig | None = None,
+    data: str | Path | Sequence[Item | str],
+    config: RoEConfig | str | Path | dict | None = None,
     *,
     batch_size: int = 8,
     max_length: int = 512,
@@ -213,14 +213,19 @@ def score(
 ) -> ScoreResult:
     """RoE log-likelihood of a dataset: perplexity (LM items), accuracy (multiple choice or generation).
 
-    ``data`` is a JSONL path (see ``moectl.roe.data``) or a list of items.
+    ``data`` is a JSONL path (see ``moectl.roe.data``) or a list of items; a plain string in the
+    list is a text scored whole (``LMItem("", text)``). ``config`` is a RoEConfig, or a tau profile
+    (path or dict) that ``moectl.load_policy`` reads; None: K = 16, tau = 0.
     """
-    config = config or RoEConfig()
+    config = as_config(config)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    items = load_items(data, limit) if isinstance(data, (str, Path)) else list(data)[:limit]
+    if isinstance(data, (str, Path)):
+        items = load_items(data, limit)
+    else:
+        items = [LMItem("", x) if isinstance(x, str) else x for x in list(data)[:limit]]
     if not items:
         raise ValueError("no items to score")
     kind = item_kind(items)

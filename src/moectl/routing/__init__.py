@@ -1,6 +1,9 @@
-"""Routing policies (mask, document pool, Gumbel-top-k), the session that installs them, the trace."""
+"""Routing policies (mask, document pool, Gumbel-top-k), the session that installs them, the trace,
+and the one policy format (``config``: to_dict / from_dict / save; ``loader``: ``load_policy``)."""
 
+from moectl.routing.config import PolicyConfig, policy_types, register_policy, save_policy
 from moectl.routing.gumbel import GumbelTopK
+from moectl.routing.loader import load_policy
 from moectl.routing.mask import ExpertMask
 from moectl.routing.pool import DocumentPool
 from moectl.routing.session import RoutingSession, route
@@ -12,9 +15,14 @@ __all__ = [
     "ExpertMask",
     "GumbelTopK",
     "Policy",
+    "PolicyConfig",
     "RouteContext",
     "RoutingSession",
     "RoutingState",
     "RoutingTrace",
+    "load_policy",
+    "policy_types",
+    "register_policy",
     "route",
+    "save_policy",
 ]

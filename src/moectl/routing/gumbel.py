@@ -10,11 +10,13 @@ multiplies tau per row, e.g. 0 for RoE's clean sample 0.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.routing.config import PolicyConfig, layer_key, register_policy
 from moectl.routing.state import RoutingState
 
 
@@ -25,11 +27,14 @@ def gumbel_noise(shape: torch.Size, generator: torch.Generator, device: torch.de
     return -torch.log(-torch.log(u.clamp(eps, 1 - eps)))
 
 
-class GumbelTopK:
+@register_policy("gumbel")
+class GumbelTopK(PolicyConfig):
     """Gumbel-top-k routing with per-layer temperature tau.
 
     ``tau`` is one float for every MoE layer, a sequence (one per MoE layer) or a mapping from
-    MoE layer index to tau (missing layers: 0).
+    MoE layer index to tau (missing layers: 0). As a config:
+    ``{"type": "gumbel", "format_version": 1, "tau": 0.3 | [..] | {"layer": tau}, "seed": 0}``
+    (plus ``"row_scale": [B floats]`` when set).
     """
 
     def __init__(
@@ -44,6 +49,41 @@ class GumbelTopK:
         self.tau: dict[int, float] = {}
         self.generator: torch.Generator | None = None
 
+    def __repr__(self) -> str:
+        return f"GumbelTopK(tau={self.tau_spec!r}, seed={self.seed})"
+
+    # -- config -------------------------------------------------------------------------------
+    def config_fields(self) -> dict[str, Any]:
+        spec = self.tau_spec
+        if isinstance(spec, Mapping):
+            tau: Any = {str(k): float(v) for k, v in spec.items()}
+        elif isinstance(spec, (int, float)):
+            tau = float(spec)
+        else:
+            tau = [float(v) for v in spec]
+        fields: dict[str, Any] = {"tau": tau, "seed": self.seed}
+        if self.row_scale is not None:
+            fields["row_scale"] = self.row_scale.float().tolist()
+        return fields
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> GumbelTopK:
+        if "tau" not in data:
+            raise ValueError("a gumbel policy needs 'tau' (a number, a list per MoE layer or {layer: tau})")
+        tau = data["tau"]
+        if isinstance(tau, Mapping):
+            tau = {layer_key(k, "tau"): float(v) for k, v in tau.items()}
+        elif isinstance(tau, bool) or not isinstance(tau, (int, float, list)):
+            raise ValueError(f"gumbel 'tau' must be a number, a list or {{layer: tau}}, got {tau!r}")
+        seed = data.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"gumbel 'seed' must be an integer, got {seed!r}")
+        row_scale = data.get("row_scale")
+        return cls(tau, seed=seed, row_scale=None if row_scale is None else torch.tensor(row_scale))
+
+    # -- policy ---------------------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:
         n = info.num_moe_layers
         spec = self.tau_spec

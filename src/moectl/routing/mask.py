@@ -19,23 +19,40 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import Renorm
+from moectl.routing.config import PolicyConfig, layer_key, register_policy
 from moectl.routing.state import RoutingState
 
 _RENORMS = ("pruned", "stock")
+# the ways a policy file names the allowed experts (exactly one per expert_mask)
+MASK_FORMS = ("experts", "keep", "everywhere", "masks")
 
 
+@register_policy("expert_mask")
 @dataclass
-class ExpertMask:
-    """Allowed experts per MoE layer: ``{moe_layer_index: bool tensor [E] | [B,E] | [B,T,E]}``."""
+class ExpertMask(PolicyConfig):
+    """Allowed experts per MoE layer: ``{moe_layer_index: bool tensor [E] | [B,E] | [B,T,E]}``.
+
+    As a config (``to_dict`` / ``from_dict``)::
+
+        {"type": "expert_mask", "format_version": 1, "renorm": "pruned", "num_experts": 8,
+         "experts": {"0": [0, 1, 2, 3]}}            # or "everywhere": [0, 1, 2, 3]
+                                                     # or "keep": {...} (a subset file's spelling)
+                                                     # or "masks": {"0": nested 0/1 lists [B, E] | [B, T, E]}
+
+    A subset file (``moectl subset select``, ``moectl baselines --out``) is an expert_mask with
+    provenance fields (``model``, ``method``, ``calibration``), kept in ``meta`` and written back.
+    """
 
     masks: dict[int, Tensor]
     renorm: Renorm = "pruned"
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)
     _bound: dict[int, Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +101,77 @@ class ExpertMask:
         ids = list(experts)
         return cls.from_lists(info, {layer.index: ids for layer in info.layers}, renorm=renorm)
 
+    # -- config -------------------------------------------------------------------------------
+    def expert_lists(self) -> dict[int, list[int]]:
+        """``{layer: [allowed expert ids]}`` of the per-layer ``[E]`` masks (ValueError for per-token ones)."""
+        out = {}
+        for layer, mask in sorted(self.masks.items()):
+            if mask.dim() != 1:
+                raise ValueError(
+                    f"ExpertMask, MoE layer {layer}: a {mask.dim()}-d mask is not one expert set per layer"
+                )
+            out[layer] = mask.nonzero().flatten().tolist()
+        return out
+
+    def config_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"renorm": self.renorm}
+        if all(m.dim() == 1 for m in self.masks.values()):
+            sizes = {int(m.shape[-1]) for m in self.masks.values()}
+            if len(sizes) == 1:
+                fields["num_experts"] = sizes.pop()
+            fields["experts"] = {str(k): v for k, v in self.expert_lists().items()}
+        else:
+            fields["masks"] = {str(k): m.int().tolist() for k, m in sorted(self.masks.items())}
+        meta = {k: v for k, v in self.meta.items() if k not in fields and k not in ("type", "format_version")}
+        return {**fields, **meta}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> ExpertMask:
+        """Read ``to_dict``'s object (or an older policy or subset file); ``info`` checks ids against the model."""
+        renorm = data.get("renorm", "pruned")
+        forms = [k for k in MASK_FORMS if k in data]
+        known = {"type", "format_version", "renorm", "num_experts", *MASK_FORMS}
+        meta = {k: v for k, v in data.items() if k not in known}
+        if len(forms) != 1:
+            raise ValueError(
+                "an expert_mask needs exactly one of 'experts' ({layer: [ids]}), 'keep' (the same, as subset "
+                f"files spell it), 'everywhere' ([ids] at every MoE layer) or 'masks' ({{layer: 0/1 lists}}); got {forms or 'none'}"
+            )
+        form = forms[0]
+        if form == "masks":
+            if not isinstance(data["masks"], Mapping):
+                raise ValueError("'masks' must map MoE layer indices to nested 0/1 lists")
+            masks = {layer_key(k): torch.tensor(v) for k, v in data["masks"].items()}
+            return cls(masks, renorm=renorm, meta=meta)
+        if form == "everywhere":
+            if info is None:
+                raise ValueError("an expert_mask with 'everywhere' needs the model: load_policy(path, model)")
+            mask = cls.everywhere(info, _id_list(data["everywhere"], "everywhere"), renorm=renorm)
+            mask.meta = meta
+            return mask
+        lists = expert_lists_of(data[form], form)
+        if info is not None:
+            mask = cls.from_lists(info, lists, renorm=renorm)
+            mask.meta = meta
+            return mask
+        n = data.get("num_experts")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                "this expert_mask does not record 'num_experts': pass the model, load_policy(path, model)"
+            )
+        masks = {}
+        for layer, ids in lists.items():
+            bad = [i for i in ids if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"MoE layer {layer}: expert ids {bad} out of range; valid ids are 0..{n - 1}")
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[ids] = True
+            masks[layer] = mask
+        return cls(masks, renorm=renorm, meta=meta)
+
+    # -- policy ---------------------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:
         self._bound = {}
         for layer, mask in self.masks.items():
@@ -113,3 +201,26 @@ class ExpertMask:
                 )
             allowed = mask[:, start:stop]
         state.restrict(allowed, self.renorm)
+
+
+def _id_list(ids: Any, where: str) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where} must be a list of integer expert ids, got {ids!r}")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"{where}: negative expert ids in {ids}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: duplicate experts {sorted({i for i in ids if ids.count(i) > 1})}")
+    return ids
+
+
+def expert_lists_of(value: Any, form: str = "experts") -> dict[int, list[int]]:
+    """``{layer: [ids]}`` from a JSON ``{"0": [ids], ...}``; ValueError naming the layer otherwise."""
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"'{form}' must be a non-empty object mapping MoE layer indices to lists of expert ids")
+    lists: dict[int, list[int]] = {}
+    for key, ids in value.items():
+        layer = layer_key(key, f"'{form}' layer")
+        if layer in lists:
+            raise ValueError(f"MoE layer {layer} is listed twice in '{form}'")
+        lists[layer] = _id_list(ids, f"MoE layer {layer}")
+    return lists

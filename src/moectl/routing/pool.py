@@ -10,21 +10,38 @@ renormalised over it (p-hat), i.e. the "pruned" mode of ``ExpertMask``. Two mode
 
 Documents are the rows of the batch, or — with ``doc_ids`` [B, T] — the runs of equal ids in a
 packed row. Padding tokens (from the attention mask) are excluded from the means. Sums are
-vectorised segment reductions (cumsum / scatter-add), no loop over documents. Across decoding
-steps the per-row sums are carried; a call at offset 0 starts new documents.
+vectorised segment reductions (cumsum / scatter-add), no loop over documents, accumulated in
+float64: a float32 prefix sum over a 16k-token packed row loses ~1e-5 of a short document's mean
+when the prefix before it is subtracted, enough to swap two experts of nearly equal mean. Across
+decoding steps the per-row sums are carried; a call at offset 0 starts new documents.
+
+Grouped routers (DeepSeek-V3 §2.1.2 group-limited routing, GLM-4-MoE, dots1: ``topk_group`` of
+``n_group`` groups): EMO defines the pool for routers without groups, and a top-d pool spread over
+more groups than the router keeps could leave a token fewer than top-k reachable experts.
+Deviation: on such a layer the pool is the top-d of the mean *within the document's best
+``topk_group`` groups* (groups scored as the router scores them: the sum of their two best
+means), so every pooled expert stays reachable; ``bind`` refuses d > topk_group · E / n_group.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.adapters.rules import RouterRule
+from moectl.routing.config import PolicyConfig, register_policy
 from moectl.routing.state import RoutingState
 
 PoolMode = Literal["causal", "full"]
+
+
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the segment sums (exact means), except where the device has none (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def segment_starts(doc_ids: Tensor) -> Tensor:
@@ -37,7 +54,8 @@ def segment_starts(doc_ids: Tensor) -> Tensor:
 
 
 def prefix_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Causal per-document sums and counts of p [B, T, E] over valid tokens up to each t."""
+    """Causal per-document sums and counts of p [B, T, E] over valid tokens up to each t (float64)."""
+    p = p.to(_acc_dtype(p.device))
     w = valid.to(p.dtype).unsqueeze(-1)
     csum = torch.cumsum(p * w, dim=1)
     ccount = torch.cumsum(w, dim=1)
@@ -52,7 +70,8 @@ def prefix_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tens
 
 
 def full_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Whole-document sums and counts of p [B, T, E], broadcast back to every token."""
+    """Whole-document sums and counts of p [B, T, E], broadcast back to every token (float64)."""
+    p = p.to(_acc_dtype(p.device))
     w = valid.to(p.dtype).unsqueeze(-1)
     if doc_ids is None:
         total = (p * w).sum(1, keepdim=True).expand_as(p)
@@ -66,8 +85,27 @@ def full_means(p: Tensor, valid: Tensor, doc_ids: Tensor | None) -> tuple[Tensor
     return sums.gather(1, seg.unsqueeze(-1).expand(b, t, e)), counts.gather(1, seg.unsqueeze(-1))
 
 
-class DocumentPool:
-    """Restrict each document's tokens to the top-d experts of its mean routing distribution."""
+def group_limited(mean: Tensor, rule: RouterRule) -> Tensor:
+    """``mean`` [B, T, E] with the experts outside its best ``topk_group`` groups set below any mean.
+
+    Groups are scored as the router scores them (the sum of each group's two best values).
+    """
+    *lead, e = mean.shape
+    grouped = mean.reshape(*lead, rule.n_group, e // rule.n_group)
+    score = grouped.topk(min(2, e // rule.n_group), dim=-1).values.sum(-1)
+    best = score.topk(rule.topk_group, dim=-1).indices
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, best, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(mean.shape)
+    return mean.masked_fill(~keep, -2.0)
+
+
+@register_policy("document_pool")
+class DocumentPool(PolicyConfig):
+    """Restrict each document's tokens to the top-d experts of its mean routing distribution.
+
+    As a config: ``{"type": "document_pool", "format_version": 1, "d": 4, "mode": "causal"}``
+    (a per-token ``d`` tensor and ``doc_ids`` belong to one batch and are not written).
+    """
 
     def __init__(self, d: int | Tensor, mode: PoolMode = "causal", doc_ids: Tensor | None = None) -> None:
         """``d`` is one pool size, or a [B, T] tensor of per-token sizes (constant within a document,
@@ -79,13 +117,43 @@ class DocumentPool:
         self.doc_ids = doc_ids
         self._carry: dict[int, tuple[Tensor, Tensor]] = {}
 
+    def __repr__(self) -> str:
+        d = "per-token" if isinstance(self.d, Tensor) else self.d
+        return f"DocumentPool(d={d}, mode={self.mode!r}{', packed' if self.doc_ids is not None else ''})"
+
+    # -- config -------------------------------------------------------------------------------
+    def config_fields(self) -> dict[str, Any]:
+        if isinstance(self.d, Tensor) or self.doc_ids is not None:
+            raise ValueError(
+                "DocumentPool: a per-token d tensor or doc_ids describe one batch, not a policy file; "
+                "only DocumentPool(d: int, mode) is written"
+            )
+        return {"d": self.d, "mode": self.mode}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> DocumentPool:
+        d = data.get("d")
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"a document_pool needs 'd', the pool size (an integer >= 1), got {d!r}")
+        return cls(d, mode=data.get("mode", "causal"))
+
+    # -- policy ---------------------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:
         lo, hi = (int(self.d.min()), int(self.d.max())) if isinstance(self.d, Tensor) else (self.d, self.d)
         for layer in info.layers:
-            if not (layer.top_k <= lo and hi <= layer.num_experts):
+            rule = layer.rule
+            top = (rule.topk_group * layer.num_experts // rule.n_group) if rule.grouped else layer.num_experts
+            if not (layer.top_k <= lo and hi <= top):
+                what = f"top-k <= d <= {'topk_group * E / n_group' if rule.grouped else 'E'}"
+                groups = (
+                    f", the router keeps {rule.topk_group} of {rule.n_group} expert groups" if rule.grouped else ""
+                )
                 raise ValueError(
-                    f"DocumentPool: pool size d={self.d if lo == hi else f'{lo}..{hi}'} must satisfy top-k <= d <= E; "
-                    f"MoE layer {layer.index} has top-k={layer.top_k}, E={layer.num_experts}"
+                    f"DocumentPool: pool size d={self.d if lo == hi else f'{lo}..{hi}'} must satisfy {what}; "
+                    f"MoE layer {layer.index} has top-k={layer.top_k}, E={layer.num_experts}{groups} "
+                    f"(allowed d: {layer.top_k}..{top})"
                 )
         self._carry = {}
 
@@ -112,9 +180,11 @@ class DocumentPool:
             counts = counts + carry_count[:, None, :]
         if doc_ids is None:
             self._carry[state.layer] = (sums[:, -1].detach(), counts[:, -1].detach())
-        mean = sums / counts.clamp(min=1)
+        mean = sums / counts.clamp(min=1)  # float64: the ranking sees the exact means
         if state.allowed is not None:
             mean = mean.masked_fill(~state.allowed, -1.0)
+        if state.rule.grouped:
+            mean = group_limited(mean, state.rule)
         if isinstance(self.d, Tensor):
             if self.d.shape != mean.shape[:2]:
                 raise ValueError(

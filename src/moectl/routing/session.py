@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, UnsupportedModelError, inspect
+from moectl.routing.loader import routing_policies
 from moectl.routing.state import Policy, RouteContext, RoutingState
 from moectl.routing.trace import RoutingTrace
 
@@ -33,8 +34,9 @@ class RoutingSession:
         collect: bool = False,
     ) -> None:
         self.model = model
+        # files, dicts and strings are loaded first (a controller folder merges its adapters into the model)
+        self.policies = routing_policies(list(policies), model, info)
         self.info = info or inspect(model)
-        self.policies = list(policies)
         for policy in self.policies:
             if not isinstance(policy, Policy):
                 raise TypeError(f"{type(policy).__name__} is not a routing policy (needs bind() and apply())")
@@ -174,13 +176,18 @@ def _indices_of(fmt: str, output: tuple, k: int) -> Tensor:
 
 def route(
     model: nn.Module,
-    policies: Policy | Sequence[Policy] | None = None,
+    policies: Any = None,
     record: bool = False,
     info: ModelInfo | None = None,
     probs_dtype: torch.dtype = torch.float32,
     collect: bool = False,
 ) -> RoutingSession:
     """Route ``model`` under ``policies`` (applied in order) inside a ``with`` block.
+
+    ``policies`` is a policy, a list of them, or anything ``moectl.load_policy`` reads — a policy
+    file or folder, a dict, ``option:8`` — loaded for ``model``. Residency policies
+    (``serve-offload``'s lru / option / static / controller) install the routing they need; a RoE
+    config is refused (it is K routings: use ``moectl.roe``).
 
     >>> with route(model, [ExpertMask.from_lists(info, {0: [0, 1]}), GumbelTopK(0.3)], record=True) as s:
     ...     model(input_ids)

@@ -38,7 +38,11 @@ def serve_offload_command(
         str, typer.Option(help="Resident experts per MoE layer: a fraction (0.25) or a count (4).")
     ] = "0.25",
     policy: Annotated[
-        str, typer.Option(help="lru | static:SUBSET.json | option:K_HAT | controller:DIR")
+        str,
+        typer.Option(
+            help="lru | static:SUBSET.json | option:K_HAT | controller:DIR, or any policy file or folder "
+            "(`moectl.load_policy`: a subset file or expert mask is served static, a controller folder as controller)."
+        ),
     ] = "lru",
     store: Annotated[str, typer.Option(help="Where non-resident experts live: disk | host.")] = "disk",
     store_dir: Annotated[
@@ -84,6 +88,7 @@ def serve_offload_command(
 
     from moectl.generate import load_prompts
     from moectl.models.load import load_model
+    from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
     from moectl.serve.runner import serve_offload
 
@@ -94,19 +99,15 @@ def serve_offload_command(
     try:
         prefetch_config = PrefetchConfig(prefetch_lookahead, prefetch_beta)
         net, tokenizer = load_model(spec, seed=seed)
-        if policy.startswith("controller:"):
-            from moectl.options.state import load_controlled
-            from moectl.serve.policies import ControllerResidency
-
-            net, controller, _, _ = load_controlled(net, policy.split(":", 1)[1], merge=True)
-            net.eval()
-            policy = ControllerResidency(controller, seed=seed)
+        residency = parse_policy(policy, net)  # a controller's adapters and routers merge into net
+        if isinstance(residency, ControllerResidency):
+            residency = ControllerResidency(residency.route_policy, seed=seed)
         result = serve_offload(
             net,
             tokenizer,
             load_prompts(prompts),
             parse_budget(budget),
-            policy,
+            residency,
             store,
             max_new_tokens,
             store_dir=store_dir,

@@ -126,7 +126,7 @@ class OffloadRuntime:
         self.prefetch_config = prefetch_config or PrefetchConfig()
         self.async_loads = self.prefetch = False
         self.loaders: dict[torch.device, Loader] = {}
-        self.policy = parse_policy(policy) if isinstance(policy, str) else (policy or LRUPolicy())
+        self.policy = LRUPolicy() if policy is None else parse_policy(policy, model)  # any policy spec
         self.budget_spec, self.store_kind, self.verify = budget, store, verify
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.step = 0

@@ -20,23 +20,41 @@ the option policy then takes its first option at the last prompt token, as the m
 ``predict`` (decoding steps, when prefetching is on) returns the experts to prefetch because a
 switch is predicted (``prefetch.py``): the option and controller policies predict; lru and static
 never switch options and return nothing.
+
+Each is a policy config (``routing/config.py``): ``{"type": "lru"}``, ``{"type": "static",
+"experts": {"0": [...]}}``, ``{"type": "option", "k_hat": 8}``; the controller residency is its
+controller's ``{"type": "controller", "path": ...}``. ``residency_policy`` turns whatever
+``moectl.load_policy`` read into one of them: an expert mask (a subset file) becomes ``static``.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from moectl.adapters.inspect import ModelInfo
 from moectl.metrics.switch_rate import option_of
+from moectl.routing.config import PolicyConfig, register_policy
+from moectl.routing.mask import MASK_FORMS, expert_lists_of
 from moectl.serve.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
 
 
-class LRUPolicy:
+@register_policy("lru")
+class LRUPolicy(PolicyConfig):
     name = "lru"
     needs_probs = False
+
+    def config_fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> LRUPolicy:
+        return cls()
 
     def min_budget(self, layer: int, top_k: int) -> int:
         return top_k
@@ -57,12 +75,35 @@ class LRUPolicy:
         return []
 
 
+@register_policy("static")
 class StaticPolicy(LRUPolicy):
     """A fixed expert subset per MoE layer; layers not named keep every expert (served as LRU)."""
 
     def __init__(self, subsets: dict[int, list[int]]) -> None:
         self.subsets = {int(k): sorted({int(e) for e in v}) for k, v in subsets.items()}
         self.name = "static"
+
+    def config_fields(self) -> dict[str, Any]:
+        return {"experts": {str(k): v for k, v in sorted(self.subsets.items())}}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> StaticPolicy:
+        """From ``{"experts" | "keep": {layer: [ids]}}`` or ``{"everywhere": [ids]}`` (with the model)."""
+        forms = [k for k in MASK_FORMS if k in data and k != "masks"]
+        if len(forms) != 1:
+            raise ValueError(
+                "a static residency needs exactly one of 'experts' / 'keep' ({layer: [ids]}) or "
+                f"'everywhere' ([ids]); got {forms or 'none'}"
+            )
+        if forms[0] == "everywhere":
+            from moectl.routing.mask import ExpertMask
+
+            if info is None:
+                raise ValueError("a static residency with 'everywhere' needs the model: load_policy(spec, model)")
+            return cls(ExpertMask.from_dict(data, info).expert_lists())
+        return cls(expert_lists_of(data[forms[0]], forms[0]))
 
     def min_budget(self, layer: int, top_k: int) -> int:
         return max(top_k, len(self.subsets.get(layer, [])))
@@ -83,18 +124,28 @@ class StaticPolicy(LRUPolicy):
                 res.ensure(e)
 
 
+@register_policy("option")
 class OptionPolicy(LRUPolicy):
     """The router treated as an option policy with k-hat experts per option."""
 
     needs_probs = True
 
     def __init__(self, k_hat: int) -> None:
-        if k_hat < 1:
-            raise ValueError(f"k-hat must be >= 1, got {k_hat}")
+        if isinstance(k_hat, bool) or not isinstance(k_hat, int) or k_hat < 1:
+            raise ValueError(f"k-hat must be an integer >= 1, got {k_hat!r}")
         self.k_hat = k_hat
         self.name = f"option:{k_hat}"
         self.option: dict[int, set[int]] = {}
         self.switches: dict[int, int] = {}
+
+    def config_fields(self) -> dict[str, Any]:
+        return {"k_hat": self.k_hat}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> OptionPolicy:
+        return cls(data.get("k_hat"))
 
     def min_budget(self, layer: int, top_k: int) -> int:
         if self.k_hat < top_k:
@@ -133,15 +184,37 @@ class OptionPolicy(LRUPolicy):
 
 
 class ControllerResidency(LRUPolicy):
-    """Residency = the controller's current option per layer (TE-MoE §3.2: only ω lives in fast memory)."""
+    """Residency = the controller's current option per layer (TE-MoE §3.2: only ω lives in fast memory).
+
+    Its config is its controller's (type ``controller``): ``residency_policy`` makes one of a loaded
+    ``ControllerPolicy``."""
+
+    policy_type = "controller"
 
     def __init__(self, controller, seed: int = 0) -> None:
         from moectl.options.policy import ControllerPolicy
 
+        path = pending = None
+        if isinstance(controller, ControllerPolicy):  # a loaded controller policy: its controller and folder
+            controller, path, pending = controller.controller, controller.path, controller.pending
         self.k_hat = controller.k_hat
         self.name = f"controller:{controller.k_hat}"
-        self.route_policy = ControllerPolicy(controller, mode="sample", seed=seed)
+        self.route_policy = ControllerPolicy(controller, mode="sample", seed=seed, path=path)
+        self.route_policy.pending = pending  # trained weights not merged yet: route() merges them
         self.tap = HiddenTap()  # h_t per layer, for the switch prediction
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its controller's config (``{"type": "controller", ...}``)."""
+        return self.route_policy.to_dict()
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> ControllerResidency:
+        from moectl.options.policy import ControllerPolicy
+
+        policy = ControllerPolicy.from_dict(data, info, model=model)
+        return cls(policy, seed=policy.seed)
 
     def min_budget(self, layer: int, top_k: int) -> int:
         return self.k_hat
@@ -185,23 +258,32 @@ class ControllerResidency(LRUPolicy):
         return controller_prediction(controller.layers[layer], hidden[0], option[0], self.k_hat, config.beta)
 
 
-def parse_policy(spec: str):
-    """``lru`` | ``static:SUBSET.json`` (``{"moe_layer": [experts]}``) | ``option:K_HAT``."""
-    kind, _, arg = spec.partition(":")
-    if kind == "lru" and not arg:
-        return LRUPolicy()
-    if kind == "option":
-        try:
-            return OptionPolicy(int(arg))
-        except ValueError as err:
-            raise ValueError(f"policy {spec!r}: option needs an integer k-hat, as option:8 ({err})") from err
-    if kind == "static" and arg:
-        path = Path(arg)
-        if not path.exists():
-            raise FileNotFoundError(f"policy {spec!r}: subset file {path} does not exist")
-        data = json.loads(path.read_text())
-        data = data.get("subsets", data) if isinstance(data, dict) else data
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected {{moe_layer: [expert, ...]}}")
-        return StaticPolicy({int(k): list(v) for k, v in data.items()})
-    raise ValueError(f"unknown policy {spec!r}: use lru, static:SUBSET.json or option:K_HAT")
+RESIDENCY = "lru, option:K_HAT, static:FILE (or any expert mask / subset file) or a controller"
+
+
+def residency_policy(policy: Any) -> LRUPolicy:
+    """The residency policy for what ``moectl.load_policy`` read (an expert mask: ``static``)."""
+    from moectl.options.policy import ControllerPolicy
+    from moectl.routing.mask import ExpertMask
+
+    if isinstance(policy, (list, tuple)) and len(policy) == 1:
+        policy = policy[0]
+    if isinstance(policy, LRUPolicy):
+        return policy
+    if isinstance(policy, ExpertMask):
+        return StaticPolicy(policy.expert_lists())
+    if isinstance(policy, ControllerPolicy):
+        return ControllerResidency(policy, seed=policy.seed)
+    what = f"a list of {len(policy)} policies" if isinstance(policy, (list, tuple)) else type(policy).__name__
+    raise ValueError(f"serve-offload needs one residency policy ({RESIDENCY}); got {what}")
+
+
+def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
+    """``lru`` | ``static:SUBSET.json`` | ``option:K_HAT`` | ``controller:DIR`` | any policy file or folder.
+
+    ``model`` is needed for a trained controller (its adapters merge into it) and for masks that
+    name experts with ``everywhere``.
+    """
+    from moectl.routing.loader import load_policy
+
+    return residency_policy(load_policy(spec, model))

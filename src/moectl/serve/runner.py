@@ -6,6 +6,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ def serve_offload(
     tokenizer,
     prompts: list[Prompt] | list[str],
     budget: float | int,
-    policy: str = "lru",
+    policy: Any = "lru",
     store: str = "disk",
     max_new_tokens: int = 64,
     store_dir: str | Path | None = None,

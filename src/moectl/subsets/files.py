@@ -1,7 +1,13 @@
-"""Subset files: the kept experts of every MoE layer, as JSON.
+"""Subset files: the kept experts of every MoE layer, as JSON — an ``expert_mask`` policy file.
 
-    {"model": "tiny:olmoe", "method": "router", "keep": {"0": [1, 4, 6, 7], "1": [...], ...},
+    {"type": "expert_mask", "format_version": 1, "model": "tiny:olmoe", "method": "router",
+     "keep": {"0": [1, 4, 6, 7], "1": [...], ...},
      "calibration": {"data": "math_val.jsonl", "documents": 5, "tokens": 812, ...}}
+
+A subset file is the expert mask of EMO §4.2 with provenance (model, method, calibration), so
+``moectl.load_policy``, ``route()``, ``moectl eval --policy`` and ``moectl serve-offload
+--policy`` take it as it is. Files written before the type existed (no ``type``) and policy
+files that spell the lists ``experts`` load here too.
 
 Keys of ``keep`` are MoE layer indices (dense layers skipped), values the kept expert ids. Loading
 refuses, naming the file and the layer: non-JSON, missing fields, non-integer layers or ids,
@@ -18,6 +24,7 @@ from pathlib import Path
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
+from moectl.routing.config import FORMAT_VERSION
 
 
 @dataclass
@@ -29,6 +36,8 @@ class SubsetFile:
 
     def to_json(self) -> dict:
         return {
+            "type": "expert_mask",
+            "format_version": FORMAT_VERSION,
             "model": self.model,
             "method": self.method,
             "keep": {str(layer): list(ids) for layer, ids in sorted(self.keep.items())},
@@ -62,6 +71,12 @@ def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
         raise FileNotFoundError(f"subset file {path} does not exist") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"subset file {path}: not valid JSON ({err})") from None
+    if isinstance(data, dict) and data.get("type", "expert_mask") != "expert_mask":
+        raise ValueError(f"subset file {path}: a policy of type {data['type']!r}, not an expert_mask")
+    if isinstance(data, dict) and "keep" not in data and "experts" in data:  # a policy file's spelling
+        data = {**data, "keep": data["experts"]}
+    if isinstance(data, dict) and "keep" not in data and "everywhere" in data and info is not None:
+        data = {**data, "keep": {str(layer.index): data["everywhere"] for layer in info.layers}}
     if not isinstance(data, dict) or not isinstance(data.get("keep"), dict) or not data["keep"]:
         raise ValueError(f'subset file {path}: needs a "keep" object mapping MoE layer -> list of expert ids')
     keep: dict[int, list[int]] = {}
