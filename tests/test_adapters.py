@@ -23,16 +23,19 @@ def test_inspect_reports_layers(model, family):
     info = moectl.inspect(model)
     summary = info.summary()
     assert info.num_experts == 8
-    assert summary["top_k"] == [
-        model.config.num_experts_per_tok if hasattr(model.config, "num_experts_per_tok") else 2
-    ]
+    top_k = model.config.num_experts_per_tok if hasattr(model.config, "num_experts_per_tok") else 2
+    if family == "emo":  # EMO's top_k counts its shared expert, which moectl leaves to the block
+        top_k -= model.config.num_shared_experts
+    assert summary["top_k"] == [top_k]
     assert sorted(summary["moe_layers"] + summary["dense_layers"]) == list(range(info.num_layers))
-    if family in ("deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe"):
+    if family in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe"):
         assert summary["dense_layers"] == [0]  # first layer dense in the tiny configs: skipped
     expected_shared = family in (
         "qwen2_moe",
         "qwen3_next",
         "deepseek_v3",
+        "deepseek_v2",
+        "emo",
         "glm4_moe",
         "dots1",
         "granitemoeshared",

@@ -7,14 +7,14 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from moectl.adapters.registry import Adapter, registry, supported_routers
+from moectl.adapters.errors import UnsupportedModelError
+from moectl.adapters.linear_gate import gate_router
+from moectl.adapters.registry import Adapter, gate_families, registry, supported_routers
 from moectl.adapters.rules import RouterRule
 
+__all__ = ["MoELayer", "ModelInfo", "UnsupportedModelError", "check_not_bypassed", "inspect"]
+
 _SHARED_ATTRS = ("shared_expert", "shared_experts", "shared_mlp")
-
-
-class UnsupportedModelError(ValueError):
-    """The model has no router moectl can re-route, or something bypasses the routers."""
 
 
 @dataclass
@@ -82,8 +82,14 @@ class ModelInfo:
             "shared_experts": sorted({layer.shared_experts for layer in self.layers}),
             "router_rule": sorted(rules),
             "rule": asdict(self.layers[0].rule),
-            "router_class": type(self.layers[0].router).__name__,
+            "router_class": _router_class(self.layers[0]),
         }
+
+
+def _router_class(layer: MoELayer) -> str:
+    """The router's class, or for a bare-Linear router (``GateRouter``) the block's and its gate's."""
+    block_class = getattr(layer.router, "block_class", None)
+    return f"{block_class}.{layer.name.rsplit('.', 1)[-1]}" if block_class else type(layer.router).__name__
 
 
 def _layer_index(name: str) -> int:
@@ -127,18 +133,39 @@ def inspect(model: nn.Module) -> ModelInfo:
     """Find the MoE layers of a transformers model; fail closed on unknown routers.
 
     Dense layers are skipped. Raises ``UnsupportedModelError`` naming the unknown router class
-    and listing the supported ones.
+    and listing the supported ones. A remote-code block whose router is a bare Linear
+    (``linear_gate``) becomes a layer whose ``router`` is a ``GateRouter`` over its gate.
     """
     check_not_bypassed(model)
-    adapters = registry()
+    adapters, gates = registry(), gate_families()
     layers: list[MoELayer] = []
     unknown: set[str] = set()
     parents = dict(model.named_modules())
     for name, module in model.named_modules():
+        family = next((gates[c.__name__] for c in type(module).__mro__ if c.__name__ in gates), None)
+        if family is not None:
+            router = gate_router(module, family)
+            layers.append(
+                MoELayer(
+                    index=len(layers),
+                    layer_idx=_layer_index(name),
+                    name=f"{name}.{family.gate_attr}" if name else family.gate_attr,
+                    router=router,
+                    block=module,
+                    adapter=family.adapter,
+                    rule=family.adapter.build_rule(router),
+                    shared_experts=len(family.shared(module)),
+                )
+            )
+            continue
         adapter = next((adapters[c] for c in type(module).__mro__ if c in adapters), None)
         if adapter is None:
             cls = type(module).__name__
-            if re.search(r"(Router|Gate)$", cls) and "Expert" not in cls and "Shared" not in cls:
+            if (
+                re.search(r"(Router|Gate|MoeBlock|MoEBlock)$", cls)
+                and "Expert" not in cls
+                and "Shared" not in cls
+            ):
                 unknown.add(cls)
             continue
         block_name = name.rsplit(".", 1)[0] if "." in name else ""

@@ -2,8 +2,13 @@
 
 An adapter knows, for one router class, the selection rule (``RouterRule``) and where the
 router's outputs and score-correction bias live. Families register in their own modules
-(``softmax_topk``, ``topk_softmax``, ``sigmoid_grouped``, ``llama4``); lookup is by class
-(walking the MRO, so subclasses inherit), never by name matching.
+(``softmax_topk``, ``topk_softmax``, ``sigmoid_grouped``, ``llama4``, ``phimoe``); lookup is by
+class (walking the MRO, so subclasses inherit), never by name matching.
+
+The exception: remote-code MoE blocks whose router is a bare ``nn.Linear`` (``linear_gate``,
+``emo``) register by the *block's class name*, since ``trust_remote_code`` loads a fresh copy of
+the class from each checkpoint's own module, which moectl cannot import; ``linear_gate`` checks the
+block's structure before adapting it.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
 
 from moectl.adapters.rules import RouterRule
+
+if TYPE_CHECKING:
+    from moectl.adapters.linear_gate import GateFamily
 
 OutputFormat = Literal["triple", "llama4"]
 
@@ -34,6 +42,7 @@ class Adapter:
 
 
 _REGISTRY: dict[type, Adapter] = {}
+_GATES: dict[str, GateFamily] = {}  # remote-code block class name -> family
 _SUPPORTED: list[str] = []
 
 
@@ -45,6 +54,18 @@ def register(module_path: str, class_name: str, adapter: Adapter) -> None:
     except (ImportError, AttributeError):
         return
     _REGISTRY[cls] = adapter
+
+
+def register_gate(family: GateFamily) -> None:
+    """Register a remote-code MoE block whose router is a bare Linear, by the block's class name."""
+    _SUPPORTED.append(f"{family.block_class}.{family.gate_attr} ({family.adapter.family}, remote code)")
+    _GATES[family.block_class] = family
+
+
+def gate_families() -> dict[str, GateFamily]:
+    """Remote-code block class name -> ``GateFamily``."""
+    _load_families()
+    return _GATES
 
 
 def adapter_for(module: nn.Module) -> Adapter | None:
@@ -62,7 +83,7 @@ def supported_routers() -> list[str]:
 
 
 def _load_families() -> None:
-    from moectl.adapters import llama4, sigmoid_grouped, softmax_topk, topk_softmax  # noqa: F401
+    from moectl.adapters import emo, llama4, phimoe, sigmoid_grouped, softmax_topk, topk_softmax  # noqa: F401
 
 
 def registry() -> dict[type, Adapter]:

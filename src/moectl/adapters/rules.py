@@ -3,14 +3,17 @@
 Every supported router family is one of a few rules, parameterised by what it reads off the
 router module (top-k, renormalisation, score-correction bias, expert groups, scaling):
 
-- ``softmax_topk``: p = softmax(g); top-k of p (+ bias); weights p[idx], optionally renormalised
-  (OLMoE, Mixtral, Qwen2/3-MoE, Qwen3-Next, MiniMax, Ernie-4.5, Jamba, FlexOlmo).
+- ``softmax_topk``: p = softmax(g); top-k of p (+ bias), optionally restricted to the best expert
+  groups; weights p[idx], optionally renormalised, times a scaling factor (OLMoE, Mixtral,
+  Qwen2/3-MoE, Qwen3-Next, MiniMax, Ernie-4.5, Jamba, FlexOlmo, DeepSeek-V2, EMO's routed experts).
 - ``topk_softmax``: top-k of g; weights softmax(g[idx]) (gpt-oss, Granite-MoE).
 - ``sigmoid_topk``: s = sigmoid(g); top-k of s + bias, optionally restricted to the best expert
   groups; weights s[idx], optionally renormalised, times a scaling factor (DeepSeek-V3, GLM4-MoE,
   dots1).
 - ``sigmoid_dense``: top-k of g; weights sigmoid(g[idx]) scattered into a dense [N, E] matrix
   (Llama 4).
+- ``sparsemixer``: Phi-MoE's inference rule, two experts picked one after the other, each weighted
+  by a softmax over the experts within a jitter threshold of it (``adapters/sparsemixer.py``).
 
 Policies contribute two things to a selection, never the selection itself: an ``allowed`` mask
 and additive ``noise`` on the logits used for choosing (RoE §2.1: weights come from the
@@ -26,7 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_dense"]
+RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_dense", "sparsemixer"]
 Renorm = Literal["pruned", "stock"]
 
 MASKED = -1.0e4  # added to the choice score of a disallowed expert (finite: no NaN rows)
@@ -45,6 +48,9 @@ class RouterRule:
     scaling: float = 1.0  # routed_scaling_factor
     n_group: int = 1
     topk_group: int = 1
+    group_topn: int = 2  # a group's score sums its best group_topn: DeepSeek-V3 2, DeepSeek-V2 1 (its max)
+    jitter_eps: float = 0.0  # sparsemixer's router_jitter_noise (Phi-MoE)
+    threshold_dtype: str = "float32"  # dtype sparsemixer's threshold is decided in: the router's (Phi-MoE)
 
     @property
     def grouped(self) -> bool:
@@ -57,7 +63,7 @@ class RouterRule:
         sigmoid scores (deviation: these routers define no distribution; this keeps the order).
         """
         logits = logits.float()
-        if self.kind in ("softmax_topk", "topk_softmax"):
+        if self.kind in ("softmax_topk", "topk_softmax", "sparsemixer"):
             return torch.softmax(logits, dim=-1)
         scores = torch.sigmoid(logits)
         return scores / scores.sum(-1, keepdim=True)
@@ -89,6 +95,8 @@ class RouterRule:
                 choice = _softmax_over(choose_logits, allowed) if pruned else torch.softmax(choose_logits, dim=-1)
             if bias is not None:
                 choice = choice + bias
+            if self.grouped:
+                choice = self._restrict_to_groups(choice, allowed)
             idx = _topk_masked(choice, allowed, self.top_k)
             weights = p.gather(-1, idx)
             if self.norm_topk_prob and allowed is not None and not pruned and self.renorm_min == 0:
@@ -118,15 +126,21 @@ class RouterRule:
         if self.kind == "sigmoid_dense":
             idx = _topk_masked(choose_logits, allowed, self.top_k)
             return torch.sigmoid(logits.gather(-1, idx)), idx
+        if self.kind == "sparsemixer":
+            from moectl.adapters.sparsemixer import sparsemixer  # it imports MASKED from here
+
+            dtype = getattr(torch, self.threshold_dtype)
+            return sparsemixer(logits, self.jitter_eps, allowed, noise, renorm, dtype)
         raise ValueError(f"unknown rule kind {self.kind!r}")
 
     def _restrict_to_groups(self, choice: Tensor, allowed: Tensor | None) -> Tensor:
-        """Keep the ``topk_group`` best groups (score: sum of each group's two best), as DeepSeek-V3."""
+        """Keep the ``topk_group`` best groups, scored by the sum of each group's ``group_topn`` best
+        choice scores (DeepSeek-V3: two; DeepSeek-V2's group_limited_greedy: one, the group max)."""
         if allowed is not None:
             choice = choice.masked_fill(~allowed, MASKED)
         n = choice.shape[-1]
         grouped = choice.view(*choice.shape[:-1], self.n_group, n // self.n_group)
-        group_scores = grouped.topk(min(2, n // self.n_group), dim=-1).values.sum(-1)
+        group_scores = grouped.topk(min(self.group_topn, n // self.n_group), dim=-1).values.sum(-1)
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, group_idx, True)
         keep = keep.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)
@@ -136,9 +150,10 @@ class RouterRule:
         """Refuse an allowed-mask that leaves a token fewer than top-k reachable experts.
 
         For grouped routers the experts must be reachable after group selection: with masked
-        experts scoring ``MASKED``, groups with two or more allowed experts always beat groups
-        with one, which beat groups with none; the worst case over score orders must still
-        offer top-k allowed experts.
+        experts scoring ``MASKED``, a group's score falls by ``MASKED`` for each of its
+        ``group_topn`` best that is masked, so (for DeepSeek-V3's two) groups with two or more
+        allowed experts always beat groups with one, which beat groups with none; the worst case
+        over score orders must still offer top-k allowed experts.
         """
         if allowed.dtype != torch.bool:
             raise TypeError(f"{where}: allowed-expert mask must be bool, got {allowed.dtype}")
@@ -153,7 +168,7 @@ class RouterRule:
                 f"{self.top_k}; a mask must allow at least top-k experts"
             )
         if self.grouped:
-            worst = _worst_case_reachable(allowed, self.n_group, self.topk_group)
+            worst = _worst_case_reachable(allowed, self.n_group, self.topk_group, self.group_topn)
             if bool((worst < self.top_k).any()):
                 raise ValueError(
                     f"{where}: with {self.n_group} expert groups of which the router keeps "
@@ -174,10 +189,10 @@ def _topk_masked(choice: Tensor, allowed: Tensor | None, k: int) -> Tensor:
     return choice.topk(k, dim=-1).indices
 
 
-def _worst_case_reachable(allowed: Tensor, n_group: int, topk_group: int) -> Tensor:
+def _worst_case_reachable(allowed: Tensor, n_group: int, topk_group: int, topn: int = 2) -> Tensor:
     """Fewest allowed experts inside the kept groups, over all score orders consistent with tiers."""
     per_group = allowed.reshape(-1, n_group, allowed.shape[-1] // n_group).sum(-1)
-    tier = per_group.clamp(max=2)
+    tier = per_group.clamp(max=topn)
     # Sort groups by tier (desc) then by allowed count (asc): the router picks by tier first, then
     # by scores we do not control, so the worst case takes the fewest-count groups within a tier.
     key = tier * (allowed.shape[-1] + 1) - per_group

@@ -4,11 +4,18 @@ The result is an ordinary transformers model with fewer experts per MoE layer; i
 the full model routed under ``ExpertMask(..., renorm="pruned")`` with the same kept experts
 (tested for every family). transformers configs hold one expert count for all layers, so every
 MoE layer must keep the same number; grouped routers (DeepSeek-V3 family) must keep the same
-number in every group, at least two, so that group scores are computed as before.
+number in every group, at least as many as a group's score sums (two for DeepSeek-V3, one for
+DeepSeek-V2), so that group scores are computed as before.
 
 ``write_experts`` is the inverse: it writes a sliced model's experts (and their router rows) back
 into the full model at the kept indices (EMO §6, ``moectl subset merge``). Both directions find the
 per-expert tensors the same way (``per_expert_tensors``), so what one slices the other restores.
+
+Remote-code blocks with a bare gate Linear (``linear_gate``, EMO) hold their experts as an
+``nn.ModuleList`` and may keep shared experts among them: keep lists name routed experts; the
+block's shared experts are always kept, the list and the gate rows are sliced in the block's own
+expert ids, and the family fixes the ids it holds (``GateFamily.after_slice``). ``write_experts``
+does not support them yet (refused).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
+from moectl.adapters.linear_gate import GateRouter
 
 _CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -53,10 +61,10 @@ def check_keep(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> dict[int, 
         if rule.grouped or rule.n_group > 1:
             size = layer.num_experts // rule.n_group
             per_group = torch.bincount(torch.tensor(ids) // size, minlength=rule.n_group)
-            if len(set(per_group.tolist())) != 1 or int(per_group[0]) < 2:
+            if len(set(per_group.tolist())) != 1 or int(per_group[0]) < rule.group_topn:
                 raise ValueError(
                     f"MoE layer {index}: a grouped router ({rule.n_group} groups) needs the same number of kept "
-                    f"experts in every group, at least 2; got {per_group.tolist()} per group"
+                    f"experts in every group, at least {rule.group_topn}; got {per_group.tolist()} per group"
                 )
         clean[int(index)] = ids
     counts = {len(v) for v in clean.values()}
@@ -102,6 +110,11 @@ def per_expert_tensors(model: nn.Module, info: ModelInfo | None = None) -> dict[
     names = {id(m): name for name, m in model.named_modules()}
     found: dict[str, ExpertTensor] = {}
     for layer in info.layers:
+        if isinstance(layer.router, GateRouter):
+            raise ValueError(
+                f"MoE layer {layer.index} ({layer.adapter.family}): its experts are a list of modules, not "
+                "tensors with an expert dimension; writing experts back (merge) is not supported for it"
+            )
         for part, module in layer_modules(layer):
             for name, _, dim in expert_tensors(module, layer.num_experts):
                 full = f"{names[id(module)]}.{name}" if names[id(module)] else name
@@ -129,20 +142,35 @@ def slice_experts(
     """Keep only ``keep[moe_layer]`` experts in every MoE layer, in place; returns the model."""
     info = info or inspect(model)
     keep = check_keep(info, keep)
+    config = getattr(model, "config", None)
+    kept = 0
     for layer in info.layers:
-        n = layer.num_experts
-        ids = torch.tensor(keep[layer.index], dtype=torch.long)
+        n, ids = _block_ids(layer, keep[layer.index])
         for _, module in layer_modules(layer):
             _slice_module(module, ids, n)
+        experts = layer.block.experts
+        if isinstance(experts, nn.ModuleList) and len(experts) == n:
+            layer.block.experts = nn.ModuleList([experts[i] for i in ids.tolist()])
         if getattr(layer.block, "num_experts", None) == n:
             layer.block.num_experts = len(ids)
-    kept = len(next(iter(keep.values())))
-    config = getattr(model, "config", None)
+        if isinstance(layer.router, GateRouter):
+            layer.router.family.after_slice(layer.block, ids.tolist(), config, layer.layer_idx)
+        kept = len(ids)
     for sub in (config, getattr(config, "text_config", None)):
         for key in _CONFIG_KEYS:
             if sub is not None and isinstance(getattr(sub, key, None), int):
                 setattr(sub, key, kept)
     return model
+
+
+def _block_ids(layer: MoELayer, keep: list[int]) -> tuple[int, Tensor]:
+    """(experts in the block, the block's expert ids to keep): the kept routed experts, plus the shared
+    experts of a bare-Linear block (``GateRouter``), in the block's own ids."""
+    if not isinstance(layer.router, GateRouter):
+        return layer.num_experts, torch.tensor(keep, dtype=torch.long)
+    routed = layer.router.routed_ids()[torch.tensor(keep, dtype=torch.long)].tolist()
+    shared = layer.router.family.shared(layer.block)
+    return int(layer.router.gate.out_features), torch.tensor(sorted({*routed, *shared}), dtype=torch.long)
 
 
 def get_tensor(model: nn.Module, name: str) -> Tensor:

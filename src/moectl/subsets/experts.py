@@ -43,6 +43,8 @@ def routed_output(layer: MoELayer, x: Tensor, weights: Tensor, idx: Tensor) -> T
         dense = torch.zeros(n, e, device=x.device).scatter_(1, idx, weights.float())
         scaled = x.unsqueeze(0) * dense.t().unsqueeze(-1)  # [E, N, H]: Llama 4 scales the input
         return experts(scaled.reshape(e * n, -1).to(dtype)).reshape(e, n, -1).sum(0).float()
+    if hasattr(layer.router, "routed_output"):  # a bare-Linear gate (remote-code blocks, e.g. EMO)
+        return layer.router.routed_output(x.to(dtype), weights.to(dtype), idx).float()
     return experts(x.to(dtype), idx, weights.to(dtype)).float()
 
 

@@ -88,6 +88,14 @@ def _transposed(layer: MoELayer) -> bool:
 def _input_projection(layer: MoELayer, hidden: int) -> Tensor:
     experts = layer.block.experts
     weight = getattr(experts, "gate_up_proj", None)
+    if weight is None and isinstance(experts, torch.nn.ModuleList) and hasattr(experts[0], "gate_proj"):
+        # one module per expert (remote-code blocks, e.g. EMO): stack the routed experts' [2I, H]
+        ids = layer.router.routed_ids(experts[0].gate_proj.weight.device).tolist() if hasattr(
+            layer.router, "routed_ids"
+        ) else range(len(experts))
+        weight = torch.stack(
+            [torch.cat([experts[i].gate_proj.weight, experts[i].up_proj.weight]) for i in ids]
+        )
     dim = 1 if _transposed(layer) else 2
     if not isinstance(weight, Tensor) or weight.dim() != 3 or weight.shape[dim] != hidden:
         raise ValueError(
