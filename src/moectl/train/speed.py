@@ -47,7 +47,7 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     return 6.0 * matmul_params + attention
 
 
-def measure_training(train_config: Any, steps: int = 5, warmup: int = 2) -> dict[str, Any]:
+def measure_training(train_config: Any, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
     """Median tokens/s of ``Trainer.train_step`` over ``steps`` steps after ``warmup``, with MFU.
 
     Runs the real step (routing hooks, load balancing, optimizer) on the configured data; the run
@@ -75,6 +75,7 @@ def measure_training(train_config: Any, steps: int = 5, warmup: int = 2) -> dict
     return {
         "tokens_per_s": tps,
         "step_s": seconds,
+        "step_s_min": min(times),
         "step_s_all": times,
         "flops_per_token": fpt,
         "achieved_flops": fpt * tps,
