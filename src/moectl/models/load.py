@@ -65,10 +65,7 @@ def check_model_folder(folder: Path) -> None:
             "save_pretrained writes: config.json and *.safetensors)"
         )
     if any(folder.glob("*.safetensors")):
-        try:
-            check_checkpoint(folder)
-        except ValueError as err:
-            raise OSError(str(err)) from None
+        check_checkpoint(folder)  # ValueError naming a missing or truncated file
 
 
 def load_model(
@@ -85,6 +82,8 @@ def load_model(
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
         model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size).to(device)
+        if dtype != "auto":
+            model = model.to(getattr(torch, dtype))
         return model, ByteTokenizer()
     if spec.startswith(SPEC_PREFIX):
         shape_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)

@@ -1,1 +1,0 @@
-"""The work behind each ``moectl`` verb, as plain functions returning JSON-ready dicts."""
