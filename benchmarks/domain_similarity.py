@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from moectl.adapters import inspect
+from moectl.data.domains import texts_by_domain
 from moectl.models.load import load_model
-from moectl.subsets.cli import texts_by_domain
 from moectl.subsets.clusters import cluster_tokens
 from moectl.subsets.similarity import document_statistics, document_vectors, domain_similarity, domain_vectors
 
@@ -49,7 +49,7 @@ def _layer_mean(stats: dict[int, dict[str, float]]) -> dict[str, float]:
 def measure(spec: str, data: Path, max_docs: int, max_length: int, clusters: int, seed: int) -> dict:
     model, tokenizer = load_model(spec)
     info = inspect(model)
-    texts = texts_by_domain(data, max_docs)
+    texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
     domains = list(texts)
     documents = document_vectors(model, tokenizer, texts, info, max_length)
     similarity = domain_similarity(domain_vectors(model, tokenizer, texts, documents=documents))

@@ -28,22 +28,13 @@ import torch
 
 from moectl.adapters.inspect import inspect
 from moectl.adapters.slicing import slice_experts
-from moectl.data.sample import iter_documents
+from moectl.data.domains import corpus_texts_by_domain
 from moectl.models.load import load_model
 from moectl.routing import ExpertMask
 from moectl.subsets.calibrate import tokenize
 from moectl.subsets.finetune import finetune_subset
 from moectl.subsets.gating import mean_loss
 from moectl.subsets.select import select_subset
-
-
-def texts_by_domain(corpus: str, split: str, per_domain: int) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for doc in iter_documents(corpus, split):
-        bucket = out.setdefault(doc["domain"], [])
-        if len(bucket) < per_domain:
-            bucket.append(doc["text"])
-    return out
 
 
 def finetuned_loss(model, tokenizer, keep: dict, train: list[str], heldout: list[str], args) -> float:
@@ -129,9 +120,9 @@ def main() -> None:
 
         args.corpus = str(sample_corpus_dir())
     fractions = [float(f) for f in args.fractions.split(",")]
-    calib = texts_by_domain(args.corpus, "validation", args.calib_docs)
-    heldout = texts_by_domain(args.corpus, "test", args.eval_docs)
-    train = texts_by_domain(args.corpus, "train", args.ft_docs) if args.finetune else None
+    calib = corpus_texts_by_domain(args.corpus, args.calib_docs, "validation")
+    heldout = corpus_texts_by_domain(args.corpus, args.eval_docs, "test")
+    train = corpus_texts_by_domain(args.corpus, args.ft_docs, "train") if args.finetune else None
     results = {
         name: retention(name, path, calib, heldout, train, fractions, args)
         for name, path in zip(("standard", "emo"), args.models, strict=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from moectl.data import cli
-from moectl.data.cli import corpus_app, tokenizer_app
+from moectl.cli import corpus as cli
+from moectl.cli.corpus import corpus_app, tokenizer_app
 from moectl.data.sources import Source
 
 runner = CliRunner()

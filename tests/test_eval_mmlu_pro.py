@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 import moectl
 from _eval_data import WORDS
+from moectl.cli.eval import data_app, eval_app
 from moectl.eval.cache import EvalSetMissingError, load_rows, read_manifest, split_path
 from moectl.eval.catalog import MMLU_PRO_CATEGORIES, SETS, user_supplied
-from moectl.eval.cli import data_app, eval_app
 from moectl.eval.convert import ConversionError
 from moectl.eval.fetch import fetch_evals
 from moectl.eval.lm_tasks import available_tasks, check_data

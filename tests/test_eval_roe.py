@@ -18,9 +18,9 @@ from moectl.cli import app
 from moectl.eval.forward import BatchRouting, static_plan, to_left_padding
 from moectl.eval.harness import RoutedLM
 from moectl.eval.lm_tasks import run_lm_eval
-from moectl.eval.run import roe_config
 from moectl.eval.tokenizer import byte_tokenizer
 from moectl.roe.config import RoEConfig
+from moectl.roe.config import parse_roe_spec as roe_config
 from moectl.roe.parallel import _stepwise_log_probs, ensemble_log_probs
 from moectl.roe.score import token_logprobs_parallel
 

@@ -8,12 +8,12 @@ import torch
 from typer.testing import CliRunner
 
 import moectl
+from moectl.cli.serve import serve_app
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.trainer import OptionsConfig, train_options
 from moectl.serve import offload
-from moectl.serve.cli import serve_app
 from moectl.serve.policies import ControllerResidency
 
 

@@ -9,7 +9,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from moectl.roe.cli import roe_app
+from moectl.cli.roe import roe_app
 
 app = typer.Typer()
 app.add_typer(roe_app, name="roe")

@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 import moectl
 from _serve_helpers import greedy, prompt
+from moectl.cli.serve import serve_app
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.serve import ExpertStoreError, offload
-from moectl.serve.cli import serve_app
 from moectl.serve.cuda_loader import CudaStreamLoader
 from moectl.serve.loader import LoadTotals, SyncLoader, ThreadLoader, Ticket, Wait, make_loader
 from moectl.serve.policies import ControllerResidency

@@ -7,8 +7,8 @@ import json
 import torch
 from typer.testing import CliRunner
 
+from moectl.cli.serve import serve_app
 from moectl.models.load import load_model
-from moectl.serve.cli import serve_app
 from moectl.serve.runner import serve_offload
 
 torch.set_num_threads(1)
@@ -50,8 +50,8 @@ def test_cli_serve_offload_writes_json(tmp_path):
 def test_policy_and_budget_specs_are_parsed_or_refused_clearly(tmp_path):
     import pytest
 
+    from moectl.cli.serve import parse_budget
     from moectl.serve import offload, parse_policy
-    from moectl.serve.cli import parse_budget
     from moectl.serve.offload import BudgetError
 
     assert parse_budget("0.25") == 0.25 and parse_budget("4") == 4

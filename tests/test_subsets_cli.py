@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import moectl
+from moectl.cli.subset import modularity_cmd, subset_app
 from moectl.models.load import load_model
 from moectl.routing import ExpertMask, route
-from moectl.subsets.cli import modularity_cmd, subset_app
 
 runner = CliRunner()
 
@@ -144,8 +144,8 @@ def test_modularity_writes_heatmaps_and_similarity(tmp_path):
 
 
 def test_modularity_groups_a_corpus_folder_by_domain(tmp_path):
+    from moectl.data.domains import corpus_texts_by_domain
     from moectl.data.sample import sample_corpus_dir
-    from moectl.subsets.cli import corpus_texts_by_domain
 
     texts = corpus_texts_by_domain(sample_corpus_dir(), max_docs=2)
     assert len(texts) >= 2 and "validation" not in texts and "train" not in texts

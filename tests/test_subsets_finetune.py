@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.adapters.slicing import slice_experts
+from moectl.cli.subset import subset_app
 from moectl.models.load import ByteTokenizer, load_model
-from moectl.subsets.cli import subset_app
 from moectl.subsets.export import export_subset
 from moectl.subsets.finetune import FinetuneConfig, finetune_subset, save_finetuned
 from moectl.subsets.finetune_data import IGNORE, Example, collate, encode_example, read_examples

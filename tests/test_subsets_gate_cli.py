@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from moectl.subsets.cli import subset_app
+from moectl.cli.subset import subset_app
 from moectl.subsets.files import save_subset
 
 runner = CliRunner()

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.adapters.slicing import get_tensor, per_expert_tensors, slice_experts
+from moectl.cli.subset import subset_app
 from moectl.models.load import load_model
 from moectl.routing import ExpertMask, route
-from moectl.subsets.cli import subset_app
 from moectl.subsets.export import export_subset
 from moectl.subsets.files import save_subset
 from moectl.subsets.merge import merge_subset

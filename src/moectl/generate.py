@@ -69,13 +69,32 @@ def generate(
     ``ignore_eos`` forces every sequence to its full length, as TE-MoE §3.1 measures switch rates
     on 256 generated tokens per prompt.
     """
+    rows = generate_tokens(
+        model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, ignore_eos, progress
+    )
+    return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+
+
+@torch.no_grad()
+def generate_tokens(
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    batch_size: int = 8,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    progress: bool = True,
+) -> list[list[int]]:
+    """As :func:`generate`, but the new token ids of each prompt (what the routing trace saw)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    outputs: list[str] = []
+    outputs: list[list[int]] = []
     columns = [
         TextColumn("generating"),
         BarColumn(),
@@ -104,5 +123,5 @@ def generate(
                 **kwargs,
             )
             new = out[:, enc["input_ids"].shape[1] :]
-            outputs.extend(tokenizer.decode(row, skip_special_tokens=True) for row in new)
+            outputs.extend(row.tolist() for row in new)
     return outputs

@@ -1,4 +1,8 @@
-"""``moectl switch-rate``: generate, record routing, report switch rates by prompt category (TE-MoE Table 1)."""
+"""The JSON-ready reports behind ``moectl inspect`` and ``moectl switch-rate``, for a loaded model.
+
+- :func:`inspect_report`: family, MoE layers, experts, top-k, shared experts, router rule, self-test.
+- :func:`switch_rate_report`: generate, record routing, switch rates by prompt category (TE-MoE Table 1).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from moectl.adapters.inspect import inspect
+from moectl.adapters.selftest import self_test
 from moectl.generate import generate, load_prompts
 from moectl.metrics.switch_rate import switch_rate
-from moectl.models.load import load_model
 from moectl.plots import plot_expert_activation, plot_switch_rate_per_layer
 from moectl.routing.loader import load_policy
 from moectl.routing.session import route
@@ -26,7 +31,27 @@ def _summarise(values: list[list[float]]) -> dict:
     }
 
 
-def run_switch_rate(
+def inspect_report(model, model_spec: str) -> dict:
+    """What ``moectl inspect`` prints: ``ModelInfo.summary()``, the spec, the parameter count and the
+    adapter self-test."""
+    info = inspect(model)
+    result = self_test(model, info)
+    summary = info.summary()
+    summary["model"] = model_spec
+    summary["parameters"] = sum(p.numel() for p in model.parameters())
+    summary["self_test"] = {
+        "passed": result.passed,
+        "layers_checked": result.layers_checked,
+        "tokens": result.tokens,
+        "index_mismatches": result.index_mismatches,
+        "max_weight_error": result.max_weight_error,
+    }
+    return summary
+
+
+def switch_rate_report(
+    model,
+    tokenizer,
     model_spec: str,
     prompts_path: str | None = None,
     k_hat: int | None = None,
@@ -39,14 +64,14 @@ def run_switch_rate(
     progress: bool = True,
     policy: str | None = None,
 ) -> dict:
-    """Measure the switch rate on generated tokens; returns a JSON-ready dict.
+    """Measure the switch rate of ``model`` (loaded from ``model_spec``) on generated tokens;
+    returns a JSON-ready dict.
 
     Without ``policy`` the plain router as an option policy (k-hat, default top-k). With one (any
     spec ``moectl.load_policy`` reads) generation runs under it; where it records a mask at every
     MoE layer (a controller, a subset) that mask is ω, else the router with the policy's k-hat
     (``option:K``) or ``k_hat`` (``switch_rate``'s ``source="auto"``).
     """
-    model, tokenizer = load_model(model_spec, seed=seed)
     prompts = load_prompts(prompts_path)
     loaded = load_policy(policy, model) if policy is not None else []
     if k_hat is None and getattr(loaded, "policy_type", None) == "option":

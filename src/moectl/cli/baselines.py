@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
+from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
 
 _ERRORS = (ValueError, OSError, KeyError)
 PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.data``)
@@ -62,7 +62,6 @@ def baselines_command(
 ) -> None:
     """Per-layer expert masks of TE-MoE's pruning baselines (frequency, reconstruction, random, wanda)."""
     from moectl.adapters import inspect
-    from moectl.models.load import load_model
     from moectl.options.baselines import baseline_keep, baseline_name, calibration_batch
     from moectl.options.data import read_prompts
     from moectl.options.random_options import check_k_hat
@@ -79,7 +78,7 @@ def baselines_command(
                 "--out: the random baseline redraws k-hat experts at every token and has no fixed mask "
                 "to write; use --json for its report"
             )
-        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
         info = inspect(lm)
         check_k_hat(info, k_hat)
         keep: dict[int, list[int]] | None = None

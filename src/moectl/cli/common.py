@@ -1,7 +1,9 @@
-"""What the ``moectl`` verbs share: the console, ``--json`` writing, error exit, common options.
+"""What the ``moectl`` verbs share: the console, ``--json`` writing, error exit, common options,
+and the one model loader (:func:`load`) every verb that loads a model goes through.
 
 Every verb reports bad input as ``error: MESSAGE`` and exit code 2 (:func:`fail`), and writes its
-results with ``--json PATH`` atomically (:func:`write_json`).
+results with ``--json PATH`` atomically (:func:`write_json`). This module imports no torch,
+transformers or other heavy package: ``moectl --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moectl.fileio import write_text_atomic
-from moectl.models.tiny import FAMILIES
 
 console = Console(width=None if Console().is_terminal else 160)
 
@@ -22,17 +24,27 @@ ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directo
 OptionalModelArg = Annotated[
     str | None, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id (or use --tiny).")
 ]
-TinyOpt = Annotated[
-    str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {', '.join(FAMILIES)}.")
-]
+FAMILY_HELP = "olmoe, mixtral, qwen3_moe, deepseek_v3, gpt_oss, ... (all: `python -c 'import moectl; print(moectl.FAMILIES)'`)"
+TinyOpt = Annotated[str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {FAMILY_HELP}.")]
 JsonOpt = Annotated[
     Path | None,
-    typer.Option("--json", help="Also write the results to this JSON file.", callback=lambda p: check_json_path(p)),
+    typer.Option(
+        "--json", help="Also write the results to this JSON file.", callback=lambda p: check_json_path(p)
+    ),
 ]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="Where the model runs: cpu, cuda, cuda:1, ...")]
 DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto, float32, bfloat16, float16 (checkpoints only).")
+    str,
+    typer.Option("--dtype", help="Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."),
 ]
+
+
+def load(spec: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, with_tokenizer: bool = True):
+    """``(model, tokenizer)`` for a model spec (``moectl.models.load.load_model``), imported here so
+    that ``--help`` never loads transformers."""
+    from moectl.models.load import load_model
+
+    return load_model(spec, dtype=dtype, device=device, seed=seed, with_tokenizer=with_tokenizer)
 
 
 def model_spec(model: str | None, tiny: str | None) -> str:
@@ -52,7 +64,11 @@ def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
     try:
         write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n")
     except OSError as err:
-        fail(f"--json {path}: {err.strerror or err}" if not isinstance(err, IsADirectoryError) else f"--json {err}")
+        fail(
+            f"--json {path}: {err.strerror or err}"
+            if not isinstance(err, IsADirectoryError)
+            else f"--json {err}"
+        )
     console.print(f"[dim]wrote {path}[/dim]")
 
 
@@ -66,5 +82,5 @@ def check_json_path(path: Path | None) -> Path | None:
 
 def fail(err: Exception | str) -> NoReturn:
     """Print ``error: ERR`` and leave with exit code 2."""
-    console.print(f"[bold red]error:[/bold red] {err}")
+    console.print(f"[bold red]error:[/bold red] {escape(str(err))}")
     raise typer.Exit(code=2) from (err if isinstance(err, BaseException) else None)

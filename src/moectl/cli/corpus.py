@@ -1,8 +1,6 @@
 """Command-line front ends: ``moectl corpus build|sources`` and ``moectl tokenizer train``.
 
-Mounted into the main CLI with ``app.add_typer(corpus_app, name="corpus")`` and
-``app.add_typer(tokenizer_app, name="tokenizer")``. Every command prints a rich table and, with
-``--json PATH``, writes its result as JSON.
+Every command prints a rich table and, with ``--json PATH``, writes its result as JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli_common import write_json
+from moectl.cli.common import write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app", "tokenizer_app"]
@@ -78,7 +76,7 @@ def build_command(
     max_docs_per_source: Annotated[int | None, typer.Option("--max-docs-per-source", min=1,
                                                             help="quick builds: at most N documents per source")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the statistics here as JSON")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")] = True,
 ) -> None:
     """Fetch the sources, strip markup, de-duplicate, split by document id, write JSONL and stats.json."""
     from moectl.data.build import build_corpus

@@ -1,12 +1,11 @@
-"""Command-line front ends: ``moectl eval``, ``moectl data fetch-evals``, ``moectl report``.
+"""``moectl eval``, ``moectl report`` and ``moectl data fetch-evals | list-evals``.
 
-Mount them in the main CLI with::
+    moectl eval MODEL --tasks ... | --perplexity CORPUS
+    moectl report results/*.json
+    moectl data fetch-evals | list-evals
 
-    app.add_typer(eval_app, name="eval")       # moectl eval MODEL --tasks ... | --perplexity CORPUS
-    app.add_typer(data_app, name="data")       # moectl data fetch-evals | list-evals
-    app.add_typer(report_app, name="report")   # moectl report results/*.json
-
-Each prints a rich table and writes its results as JSON (``--out`` / ``--json``).
+``eval_app``, ``report_app`` and ``data_app`` run them alone. Each prints a rich table and writes
+its results as JSON (``--out`` / ``--json``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moectl.cli_common import console, fail, write_json
+from moectl.cli.common import DeviceOpt, DtypeOpt, console, fail, write_json
 
 __all__ = ["data_app", "eval_app", "report_app"]
 
@@ -64,14 +63,15 @@ def eval_command(
     engine: Annotated[
         str, typer.Option(help="lm-eval (any task) or moectl (multiple choice, in-process).")
     ] = "lm-eval",
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Requests per forward pass.")] = 8,
     max_length: Annotated[int | None, typer.Option("--max-length", help="Default: the model's.")] = None,
-    seed: int = 1234,
+    seed: Annotated[int, typer.Option(help="Seed of sampling, few-shot order and routing noise.")] = 1234,
     switch_rate: Annotated[
         bool | None, typer.Option("--switch-rate/--no-switch-rate", help="Default: on with a policy.")
     ] = None,
     cache: Annotated[Path | None, typer.Option(help="Evaluation set cache (default $MOECTL_EVALS).")] = None,
-    device: str = "cpu",
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
     label: Annotated[str | None, typer.Option(help="Row name in reports (default: MODEL).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "--json", help="Write the results JSON here.")] = None,
     allow_code_exec: Annotated[
@@ -106,6 +106,7 @@ def eval_command(
             switch=switch_rate,
             cache=cache,
             device=device,
+            dtype=dtype,
             label=label,
             allow_code_exec=allow_code_exec,
         )
@@ -201,7 +202,7 @@ def fetch_evals_command(
 @data_app.command("list-evals")
 def list_evals_command(
     cache: Annotated[Path | None, typer.Option(help="Evaluation set cache (default $MOECTL_EVALS).")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.")] = None,
 ) -> None:
     """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""
     from moectl.eval.cache import EvalSetMissingError

@@ -1,4 +1,5 @@
-"""``moectl options train | generate | eval``: temporally extended MoE controllers (TE-MoE)."""
+"""``moectl options train | generate | eval`` (TE-MoE controllers) and ``moectl baselines`` (its
+pruning baselines, :mod:`moectl.cli.baselines`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, fail, write_json
+from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
 
 options_app = typer.Typer(no_args_is_help=True, help="Learn and use per-layer option controllers (TE-MoE).")
-console = Console()
 
 ControllerOpt = Annotated[
     Path, typer.Option("--controller", help="Folder written by `moectl options train` (its final/).")
@@ -41,10 +40,14 @@ def train_cmd(
             "--data", help="Prompts: JSONL ('prompt'/'text') or a corpus folder; default sample corpus."
         ),
     ] = None,
-    steps: Annotated[int, typer.Option("--steps")] = 300,
+    steps: Annotated[int, typer.Option("--steps", help="Training steps.")] = 300,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per step.")] = 16,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
-    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens")] = 128,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
+    ] = 64,
+    max_prompt_tokens: Annotated[
+        int, typer.Option("--max-prompt-tokens", help="Prompt tokens kept (the last ones).")
+    ] = 128,
     tau: Annotated[float, typer.Option("--tau", help="Teacher mixing ratio τ.")] = 0.2,
     no_intra: Annotated[
         bool, typer.Option("--no-intra", help="Train the controller only (no LoRA, routers frozen).")
@@ -52,7 +55,7 @@ def train_cmd(
     cross_layer: Annotated[
         bool, typer.Option("--cross-layer", help="One switch decision for all layers (§A4).")
     ] = False,
-    lora_r: Annotated[int, typer.Option("--lora-r")] = 16,
+    lora_r: Annotated[int, typer.Option("--lora-r", help="LoRA rank (alpha = rank).")] = 16,
     no_lora_experts: Annotated[
         bool,
         typer.Option(
@@ -71,8 +74,10 @@ def train_cmd(
             "--critic-warmup", help="Steps that train only the critics before β and selection move."
         ),
     ] = 0,
-    save_every: Annotated[int, typer.Option("--save-every")] = 50,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    save_every: Annotated[int, typer.Option("--save-every", help="Steps between checkpoints.")] = 50,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
+    ] = 0,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore checkpoints in --out.")] = False,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
@@ -80,13 +85,12 @@ def train_cmd(
 ) -> None:
     """Train per-layer option controllers with a deliberation cost (TE-MoE Algorithm 2)."""
     from moectl.adapters.inspect import inspect
-    from moectl.models.load import load_model
     from moectl.options.data import read_prompts
     from moectl.options.trainer import OptionsConfig, train_options
 
     try:
         prompts = read_prompts(data)
-        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
         latency = None
         if eta_from_latency is not None:
             from moectl.options.latency import measure_switch_cost
@@ -141,25 +145,11 @@ def train_cmd(
 
 
 def _load(model: str, controller: Path | None, device: str, dtype: str, seed: int, merge: bool = True):
-    from moectl.adapters.inspect import inspect
-    from moectl.models.load import load_model
+    """(model, tokenizer, controller, options config, router snapshot) through the shared loader."""
+    from moectl.options.state import attach_controller
 
-    lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
-    if controller is None:
-        return lm, tokenizer, None, {}, None
-    if merge:  # the one policy loader: a controller folder, a run folder or a controller policy file
-        from moectl.options.policy import ControllerPolicy
-        from moectl.routing.loader import load_policy
-
-        policy = load_policy(controller, lm)
-        if not isinstance(policy, ControllerPolicy):
-            raise ValueError(f"--controller {controller}: not a controller (got {type(policy).__name__})")
-        return lm, tokenizer, policy.controller, policy.options, None
-    from moectl.options.state import load_controlled
-
-    lm, ctrl, config, snapshot = load_controlled(lm, controller, merge=False)  # PEFT kept: the teacher
-    lm.eval()
-    inspect(lm)
+    lm, tokenizer = load(model, device, dtype, seed=seed)
+    lm, ctrl, config, snapshot = attach_controller(lm, controller, merge)
     return lm, tokenizer, ctrl, config, snapshot
 
 
@@ -168,8 +158,12 @@ def generate_cmd(
     model: ModelArg,
     controller: ControllerOpt,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
-    temperature: Annotated[float, typer.Option("--temperature")] = 0.5,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
+    ] = 64,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Sampling temperature of generation (0: greedy).")
+    ] = 0.5,
     greedy_controller: Annotated[
         bool,
         typer.Option("--greedy-controller", help="Switch when β > 1/2 and take the top-k̂ (no sampling)."),
@@ -177,14 +171,17 @@ def generate_cmd(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Write the options over positions (Fig. 6) here.")
     ] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
+    ] = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     json_path: JsonOpt = None,
 ) -> None:
     """Generate under a controller and show where the options switch."""
-    from moectl.generate import Prompt, generate
+    from moectl.generate import Prompt, generate_tokens
     from moectl.metrics.switch_rate import switch_rate
+    from moectl.options.events import marked_text, switch_events
     from moectl.options.policy import ControllerPolicy
     from moectl.routing import route
 
@@ -195,32 +192,26 @@ def generate_cmd(
         )
         prompts = [Prompt(p) for p in (prompt or ["The history of the"])]
         with route(lm, policy, record=True) as session:
-            texts = generate(lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False)
+            generated = generate_tokens(
+                lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False
+            )
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         fail(err)
     trace = session.trace
     report = switch_rate(trace, source="allowed")
-    records = policy.layer_records()
+    switches = {layer: rec.switch for layer, rec in policy.layer_records().items()}
     rows = []
-    for i, (p, text) in enumerate(zip(prompts, texts, strict=True)):
-        start = int(trace.prompt_len[i]) - 1
-        events = {
-            layer: [int(t) - start for t in rec.switch[i].nonzero().flatten().tolist() if t >= start]
-            for layer, rec in records.items()
-        }
-        ids = tokenizer.encode(text) if hasattr(tokenizer, "encode") else []
-        any_switch = sorted({t for ts in events.values() for t in ts})
-        marked = "".join(
-            ("│" if j in any_switch else "") + tokenizer.decode([tok]) for j, tok in enumerate(ids, start=1)
-        )
-        console.print(f"[bold]{p.text}[/bold]{marked}")
+    for i, (p, ids) in enumerate(zip(prompts, generated, strict=True)):
+        events = switch_events(switches, trace.prompt_len, i)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        console.print(f"[bold]{p.text}[/bold]{marked_text(tokenizer, ids, events)}")
         console.print(f"[dim]switch events per layer (generated position): {events}[/dim]")
         rows.append({"prompt": p.text, "text": text, "switch_events": events})
     console.print(f"switch rate {report.mean:.4f} (per layer {[round(x, 4) for x in report.per_layer]})")
     if plot is not None:
         from moectl.options.plots import plot_options
 
-        for layer in sorted(records)[:3]:
+        for layer in sorted(switches)[:3]:
             plot_options(trace, plot / f"options_layer{layer}.png", layer=layer)
         console.print(f"[dim]wrote option plots to {plot}[/dim]")
     write_json(json_path, {"switch_rate": report.mean, "per_layer": report.per_layer, "samples": rows})
@@ -246,10 +237,16 @@ def eval_cmd(
         int | None, typer.Option("--k-hat", help="k̂ for the plain model's router-as-option switch rate.")
     ] = None,
     max_docs: Annotated[int, typer.Option("--max-docs", help="Documents per domain.")] = 16,
-    max_length: Annotated[int, typer.Option("--max-length")] = 256,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
-    temperature: Annotated[float, typer.Option("--temperature")] = 0.5,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens per held-out document.")] = 256,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
+    ] = 128,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Sampling temperature of generation (0: greedy).")
+    ] = 0.5,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
+    ] = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     json_path: JsonOpt = None,

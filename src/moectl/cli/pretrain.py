@@ -1,4 +1,4 @@
-"""``moectl pretrain`` and ``python -m moectl.pretrain`` (for ``accelerate launch``).
+"""``moectl pretrain`` (and ``python -m moectl.pretrain``, the shim ``accelerate launch`` runs).
 
 moectl pretrain --objective emo --preset small --corpus data/corpus --out runs/emo-small
 moectl pretrain --resume runs/emo-small                  # exact resume from the latest checkpoint
@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli_common import console, fail, write_json
+from moectl.cli.common import console, fail, write_json
 
 
 def pretrain_command(
@@ -28,20 +28,50 @@ def pretrain_command(
     anneal_from: Annotated[
         Path | None, typer.Option("--anneal-from", help="Start from this checkpoint (EMO §B.4).")
     ] = None,
-    max_steps: Annotated[int | None, typer.Option("--max-steps")] = None,
-    warmup_steps: Annotated[int | None, typer.Option("--warmup-steps")] = None,
-    micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
-    grad_accum: Annotated[int | None, typer.Option("--grad-accum")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len")] = None,
-    lr: float | None = None,
-    lb_coef: Annotated[float | None, typer.Option("--lb-coef")] = None,
-    lb_scope: Annotated[str | None, typer.Option("--lb-scope", help="micro | dp | global.")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every")] = None,
-    eval_every: Annotated[int | None, typer.Option("--eval-every")] = None,
-    seed: int | None = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Optimiser steps (default: the preset's).")
+    ] = None,
+    warmup_steps: Annotated[
+        int | None, typer.Option("--warmup-steps", help="Learning-rate warmup steps (default: the preset's).")
+    ] = None,
+    micro_batch: Annotated[
+        int | None, typer.Option("--micro-batch", help="Sequences per forward pass (default: the preset's).")
+    ] = None,
+    grad_accum: Annotated[
+        int | None,
+        typer.Option("--grad-accum", help="Micro-batches per optimiser step (default: the preset's)."),
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="Tokens per packed sequence (default: the preset's).")
+    ] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (default: the preset's).")] = None,
+    lb_coef: Annotated[
+        float | None,
+        typer.Option("--lb-coef", help="Load-balancing loss coefficient (default: the preset's)."),
+    ] = None,
+    lb_scope: Annotated[
+        str | None,
+        typer.Option(
+            "--lb-scope", help="Load-balancing statistics over: micro | dp | global (default: the preset's)."
+        ),
+    ] = None,
+    checkpoint_every: Annotated[
+        int | None,
+        typer.Option("--checkpoint-every", help="Steps between checkpoints (default: the preset's)."),
+    ] = None,
+    eval_every: Annotated[
+        int | None,
+        typer.Option("--eval-every", help="Steps between validation losses (default: the preset's)."),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of weights and data order (default: the preset's).")
+    ] = None,
     bf16: Annotated[
         bool | None,
-        typer.Option("--bf16/--no-bf16", help="bf16 autocast (CPU and GPU); --no-bf16 trains in fp32."),
+        typer.Option(
+            "--bf16/--no-bf16",
+            help="bf16 autocast (CPU and GPU); --no-bf16 trains in fp32 (default: the preset's).",
+        ),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option(help="Start a new run in an --out that already holds one (its checkpoints go).")
@@ -111,6 +141,8 @@ def pretrain_command(
 
 
 def main() -> None:
+    """``python -m moectl.pretrain`` / ``python -m moectl.cli.pretrain``: the verb alone, under the
+    page-keeping allocator."""
     from moectl.train.allocator import reexec_with_fast_allocator
 
     reexec_with_fast_allocator()

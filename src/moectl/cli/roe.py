@@ -1,4 +1,4 @@
-"""``moectl roe ...``: Roster of Experts from the command line (mounted by ``moectl.cli`` as ``roe``).
+"""``moectl roe ...``: Roster of Experts from the command line (``moectl.cli`` mounts ``roe_app`` as ``roe``).
 
     moectl roe generate MODEL --k 16 --temperatures profile.json --prompt "..." --max-new-tokens 128
     moectl roe score    MODEL --k 16 --temperatures profile.json --data heldout.jsonl
@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli_common import (
+from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -27,6 +27,7 @@ from moectl.cli_common import (
     TinyOpt,
     console,
     fail,
+    load,
     model_spec,
     write_json,
 )
@@ -55,31 +56,19 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing
 
 # -- helpers --------------------------------------------------------------------------------
 def _load(spec: str, device: str, dtype: str):
-    from moectl.models.load import load_model
-
-    return load_model(spec, dtype=dtype, device=device)
+    return load(spec, device, dtype)
 
 
 def _config(k: int | None, temperatures: str | None, cache: str, aggregation: str, seed: int):
-    """RoEConfig from the CLI options (a profile path, a number, or a comma list)."""
-    from moectl.roe.config import RoEConfig
+    """RoEConfig from the CLI options (``moectl.roe.config.config_from_options``)."""
+    from moectl.roe.config import config_from_options
 
-    if temperatures is None:
-        return RoEConfig(K=16 if k is None else k, tau=0.0, cache=cache, aggregation=aggregation, seed=seed)
-    path = Path(temperatures)
-    if path.suffix == ".json" or path.exists():
-        overrides = {"cache": cache, "aggregation": aggregation, "seed": seed}
-        if k is not None:
-            overrides["K"] = k
-        return RoEConfig.from_profile(path, **overrides)
     try:
-        values = [float(v) for v in temperatures.split(",")]
-    except ValueError:
-        raise typer.BadParameter(
-            f"--temperatures {temperatures!r} is neither a profile file nor numbers (e.g. 0.3 or 0,0.2,0.3,0)"
-        ) from None
-    tau: float | list[float] = values[0] if len(values) == 1 else values
-    return RoEConfig(K=16 if k is None else k, tau=tau, cache=cache, aggregation=aggregation, seed=seed)
+        return config_from_options(k, temperatures, cache, aggregation, seed)
+    except ValueError as err:
+        if not str(err).startswith("--temperatures"):
+            raise
+        raise typer.BadParameter(str(err)) from None
 
 
 _ERRORS = (ValueError, OSError, NotImplementedError)
@@ -102,7 +91,9 @@ def generate_cmd(
     prompts: Annotated[
         Path | None, typer.Option("--prompts", help="JSONL with 'prompt' (or 'text') per line.")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
+    ] = 128,
     sampling_temperature: Annotated[
         float, typer.Option("--sampling-temperature", help="0 = greedy (the paper's setting); > 0 samples.")
     ] = 0.0,
@@ -118,7 +109,7 @@ def generate_cmd(
     cache: CacheOpt = "clean",
     aggregation: AggOpt = "prob_mean",
     seed: SeedOpt = 0,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 8,
     stream: Annotated[
         bool, typer.Option("--stream/--no-stream", help="Print tokens as they come (one prompt).")
     ] = True,
@@ -196,7 +187,7 @@ def score_cmd(
         Path | None, typer.Option("--data", help="JSONL(.gz): text | prompt+continuation | choices.")
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Score only the first N items.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 8,
     max_length: Annotated[
         int, typer.Option("--max-length", help="Tokens per sequence (context cut on the left).")
     ] = 512,
@@ -297,19 +288,26 @@ def tune_cmd(
     uniform: Annotated[
         bool, typer.Option("--uniform", help="Sweep one shared tau instead (Appendix B).")
     ] = False,
-    uniform_step: Annotated[float, typer.Option("--uniform-step")] = 0.05,
+    uniform_step: Annotated[
+        float, typer.Option("--uniform-step", help="Grid step of --uniform's sweep.")
+    ] = 0.05,
     out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path("out/roe/profile.json"),
     storage: Annotated[
         Path | None,
         typer.Option("--storage", help="Optuna SQLite file (default: next to --out); reruns resume."),
     ] = None,
-    study_name: Annotated[str | None, typer.Option("--study-name")] = None,
+    study_name: Annotated[
+        str | None,
+        typer.Option("--study-name", help="Optuna study name (default: roe-FAMILY-KK-OBJECTIVE-MODE)."),
+    ] = None,
     plot_dir: Annotated[
         Path | None, typer.Option("--plot-dir", help="Where the PNGs go (default: --out's folder).")
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Use the first N validation items.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
-    max_length: Annotated[int, typer.Option("--max-length")] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 8,
+    max_length: Annotated[
+        int, typer.Option("--max-length", help="Tokens per sequence (context cut on the left).")
+    ] = 256,
     aggregation: AggOpt = "prob_mean",
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
@@ -368,10 +366,14 @@ def bench_cmd(
     variants: Annotated[
         str, typer.Option("--variants", help="Comma list of clean, separate, none.")
     ] = "clean,separate,none",
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 128,
-    new_tokens: Annotated[int, typer.Option("--new-tokens")] = 32,
+    prompt_tokens: Annotated[
+        int, typer.Option("--prompt-tokens", help="Random prompt length in tokens.")
+    ] = 128,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens decoded per measurement.")] = 32,
     batch: Annotated[int, typer.Option("--batch", help="Prompts per batch B.")] = 1,
-    repeats: Annotated[int, typer.Option("--repeats")] = 3,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Measurements per point (the fastest is kept).")
+    ] = 3,
     tau: Annotated[float, typer.Option("--tau", help="tau on every MoE layer during the benchmark.")] = 0.3,
     memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Also measure peak memory.")] = True,
     threads: Annotated[

@@ -1,6 +1,6 @@
 """``moectl serve-offload``: generate with only a budget of experts resident and report the cost.
 
-Mount with ``app.command("serve-offload")(serve_offload_command)``; ``serve_app`` runs it alone.
+``serve_app`` runs it alone (``moectl.cli`` mounts ``serve_offload_command`` as ``serve-offload``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,18 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli_common import JsonOpt, OptionalModelArg, TinyOpt, console, fail, model_spec, write_json
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    OptionalModelArg,
+    TinyOpt,
+    console,
+    fail,
+    load,
+    model_spec,
+    write_json,
+)
 
 serve_app = typer.Typer(help="Serve an MoE with offloaded experts.", no_args_is_help=True)
 
@@ -52,7 +63,9 @@ def serve_offload_command(
     prompts: Annotated[
         Path | None, typer.Option(help="JSONL with 'prompt' per line; default: built-in prompts.")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
+    ] = 64,
     plot: Annotated[Path | None, typer.Option(help="PNG (or directory) for the load timeline.")] = None,
     json_path: JsonOpt = None,
     async_loads: Annotated[
@@ -81,13 +94,14 @@ def serve_offload_command(
     prefetch_beta: Annotated[
         float, typer.Option(help="controller policy: β above this predicts a switch.")
     ] = 0.5,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights and of controller sampling.")] = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Generate greedily with experts offloaded; report memory, loads, bytes moved, time and hit rate."""
     import torch
 
     from moectl.generate import load_prompts
-    from moectl.models.load import load_model
     from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
     from moectl.serve.runner import serve_offload
@@ -98,7 +112,7 @@ def serve_offload_command(
     torch.manual_seed(seed)
     try:
         prefetch_config = PrefetchConfig(prefetch_lookahead, prefetch_beta)
-        net, tokenizer = load_model(spec, seed=seed)
+        net, tokenizer = load(spec, device, dtype, seed=seed)
         residency = parse_policy(policy, net)  # a controller's adapters and routers merge into net
         if isinstance(residency, ControllerResidency):
             residency = ControllerResidency(residency.route_policy, seed=seed)

@@ -2,30 +2,30 @@
 
     moectl subset select MODEL --data math_val.jsonl --keep 8 --method router --out math.subset.json
     moectl subset export MODEL --subset math.subset.json --out math-8/
-    moectl subset finetune math-8/ --data math_train.jsonl --out math-8-ft/        # cli_train.py
+    moectl subset finetune math-8/ --data math_train.jsonl --out math-8-ft/   # subset_finetune.py
     moectl subset merge MODEL --subset math.subset.json --experts math-8-ft/ --out merged/
-    moectl subset gate MODEL --subset math.subset.json --data domains/ --json gate.json  # cli_analysis.py
+    moectl subset gate MODEL --subset math.subset.json --data domains/ --json gate.json
     moectl subset clusters MODEL --data domains/ --out clusters/
     moectl modularity MODEL --data domains/ --out report/     # ``modularity_cmd``, mounted top-level
 
 MODEL is ``tiny:FAMILY`` (an offline random model), a checkpoint directory or a hub id. ``--data``
-is JSONL with a ``text`` field per line. Each verb prints a rich table and writes its results
-with ``--json``.
+is JSONL with a ``text`` field per line; for ``gate``, ``clusters`` and ``modularity`` a directory of
+DOMAIN.jsonl files or a moectl corpus folder (its validation split, by ``domain``; ``clusters`` and
+``gate`` also take one JSONL file), read by ``moectl.data.domains.texts_by_domain``. Each verb
+prints a rich table and writes its results with ``--json``.
 """
 
 from __future__ import annotations
 
 import json
-from itertools import islice
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.table import Table
 
-from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
-from moectl.data.jsonl import iter_jsonl_rows
+from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
 
 subset_app = typer.Typer(
     help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",
@@ -34,13 +34,14 @@ subset_app = typer.Typer(
 _ERRORS = (ValueError, OSError, KeyError)
 
 
-def read_texts(path: Path, limit: int | None = None) -> list[str]:
-    """The ``text`` field of every JSONL line, at most ``limit``; blank lines and empty texts skipped."""
-    rows = iter_jsonl_rows(path, "text")
-    texts = list(islice((row["text"] for _, row in rows if row["text"].strip()), limit))
-    if not texts:
-        raise ValueError(f"{path}: no documents")
-    return texts
+DataOpt = Annotated[
+    Path,
+    typer.Option(
+        "--data", help="Directory of DOMAIN.jsonl files ('text' per line), or a moectl corpus folder."
+    ),
+]
+MaxDocsOpt = Annotated[int | None, typer.Option("--max-docs", help="Documents per domain.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights (and k-means).")]
 
 
 @subset_app.command("select")
@@ -66,7 +67,7 @@ def select_cmd(
 ) -> None:
     """Select the experts to keep per MoE layer from a small calibration set."""
     from moectl.adapters import inspect
-    from moectl.models.load import load_model
+    from moectl.data.domains import read_texts
     from moectl.subsets.calibrate import tokenize
     from moectl.subsets.files import save_subset
     from moectl.subsets.select import method_name, select_subset
@@ -74,7 +75,7 @@ def select_cmd(
     try:
         method = method_name(method)
         texts = read_texts(data, max_docs)
-        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
         info = inspect(lm)
         batch = tokenize(tokenizer, texts, max_length)
         kept = select_subset(
@@ -114,15 +115,14 @@ def export_cmd(
 ) -> None:
     """Slice the unselected experts out and save a checkpoint plain transformers loads."""
     from moectl.adapters import inspect
-    from moectl.models.load import load_model
     from moectl.subsets.export import export_subset
     from moectl.subsets.files import load_subset
 
     try:
         try:
-            lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+            lm, tokenizer = load(model, device, dtype, seed=seed)
         except (OSError, ValueError):  # a checkpoint without a (loadable) tokenizer: weights only
-            lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed, with_tokenizer=False)
+            lm, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=False)
             console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
         info = inspect(lm)
         chosen = load_subset(subset, info)
@@ -171,24 +171,23 @@ def modularity_cmd(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
 ) -> None:
-    """Domain similarity of expert use per MoE layer (EMO §5.3, Figure 6): heatmaps and a table.
-
-    A plain function, for ``moectl.cli`` to mount as the top-level ``moectl modularity`` verb.
-    """
+    """Domain similarity of expert use per MoE layer (EMO §5.3, Figure 6): heatmaps and a table."""
     from moectl.adapters import inspect
-    from moectl.models.load import load_model
+    from moectl.data.domains import texts_by_domain
     from moectl.subsets.similarity import domain_similarity, domain_vectors, plot_similarity
 
     try:
-        texts = texts_by_domain(data, max_docs)
-        lm, tokenizer = load_model(model, dtype=dtype, device=device, seed=seed)
+        texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
         info = inspect(lm)
         similarity = domain_similarity(domain_vectors(lm, tokenizer, texts, info, max_length))
     except _ERRORS as err:
         fail(err)
+    import torch
+
     domains = list(texts)
     paths = plot_similarity(similarity, domains, out)
-    off_diagonal = ~torch.eye(len(domains), dtype=torch.bool)
+    off_diagonal = ~torch.eye(len(domains), dtype=torch.bool)  # torch: loaded with the model above
     table = Table(title=f"domain similarity of expert use ({len(domains)} domains)")
     for column in ("MoE layer", "mean off-diagonal", "min", "max"):
         table.add_column(column, justify="right")
@@ -215,40 +214,141 @@ def modularity_cmd(
     write_json(json_path, result)
 
 
-def texts_by_domain(data: Path, max_docs: int | None, min_domains: int = 2) -> dict[str, list[str]]:
-    """``{domain: texts}`` from a directory of DOMAIN.jsonl files or a moectl corpus folder (its
-    validation split, grouped by ``domain``); ``min_domains`` is 1 or 2, and with 1 a single JSONL
-    file is also accepted (its stem is the domain)."""
-    if min_domains <= 1 and data.is_file():
-        return {data.stem: read_texts(data, max_docs)}
-    texts = corpus_texts_by_domain(data, max_docs) if _is_corpus(data) else {}
-    if not texts:
-        files = sorted(data.glob("*.jsonl")) if data.is_dir() else []
-        if len(files) < min_domains:
-            files_needed = "two DOMAIN.jsonl files" if min_domains > 1 else "one DOMAIN.jsonl file"
-            raise ValueError(
-                f"{data}: needs a directory with at least {files_needed}, or a corpus folder (validation.jsonl "
-                "with a 'domain' field)" + (", or one JSONL file" if min_domains <= 1 else "")
-            )
-        texts = {f.stem: read_texts(f, max_docs) for f in files}
-    return texts
+@subset_app.command("gate")
+def gate_cmd(
+    model: ModelArg,
+    subset: Annotated[Path, typer.Option("--subset", help="Subset file whose experts are blocked.")],
+    data: DataOpt,
+    domain: Annotated[
+        str | None,
+        typer.Option("--domain", help="The subset's own domain (default: its calibration file's name)."),
+    ] = None,
+    max_docs: MaxDocsOpt = None,
+    max_length: Annotated[
+        int, typer.Option("--max-length", help="Tokens per document (the last ones).")
+    ] = 512,
+    seed: SeedOpt = 0,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Per-domain loss with and without the subset's experts blocked (EMO §6, fine-grained control)."""
+    from moectl.adapters import inspect
+    from moectl.data.domains import texts_by_domain
+    from moectl.subsets.files import load_subset
+    from moectl.subsets.gating import block_mask, domain_losses
+
+    try:
+        texts = texts_by_domain(data, "validation", max_docs)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
+        info = inspect(lm)
+        chosen = load_subset(subset, info)
+        mask = block_mask(info, chosen.keep)
+        full = domain_losses(lm, tokenizer, texts, max_length=max_length)
+        blocked = domain_losses(lm, tokenizer, texts, [mask], max_length=max_length)
+    except _ERRORS as err:
+        fail(err)
+    own = domain or Path(str(chosen.calibration.get("data", ""))).stem
+    own = own if own in texts else None
+    rows = {
+        name: {"full": full[name], "blocked": blocked[name], "increase": blocked[name] - full[name],
+               "relative": blocked[name] / full[name] - 1}
+        for name in texts
+    }  # fmt: skip
+    kept = len(next(iter(chosen.keep.values())))
+    table = Table(title=f"blocking {subset.name}: {kept} of {info.num_experts} experts per MoE layer")
+    for column in ("domain", "loss", "blocked", "increase", "relative"):
+        table.add_column(column, justify="right")
+    for name, row in rows.items():
+        label = f"[bold]{name} *[/bold]" if name == own else name
+        table.add_row(label, f"{row['full']:.4f}", f"{row['blocked']:.4f}", f"{row['increase']:+.4f}",
+                      f"{row['relative']:+.1%}")  # fmt: skip
+    console.print(table)
+    result = {"model": model, "subset": str(subset), "blocked_experts": kept, "domain": own, "domains": rows}
+    others = [row["increase"] for name, row in rows.items() if name != own]
+    if own is not None and others:
+        result["selectivity"] = rows[own]["increase"] - sum(others) / len(others)
+        console.print(
+            f"{own} (*) loses {rows[own]['increase']:+.4f}; the other domains {sum(others) / len(others):+.4f} "
+            f"on average; selectivity {result['selectivity']:+.4f}"
+        )
+    write_json(json_path, result)
 
 
-def _is_corpus(path: Path) -> bool:
-    return path.is_dir() and any((path / f"validation.{ext}").exists() for ext in ("jsonl", "jsonl.gz"))
+@subset_app.command("clusters")
+def clusters_cmd(
+    model: ModelArg,
+    data: Annotated[
+        Path,
+        typer.Option("--data", help="A JSONL file, a directory of DOMAIN.jsonl files or a corpus folder."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Directory for clusters.json.")],
+    clusters: Annotated[int, typer.Option("--clusters", help="k of spherical k-means (EMO: 32).")] = 32,
+    first: Annotated[int, typer.Option("--first", help="Tokens per document (the first; EMO: 100).")] = 100,
+    variance: Annotated[float, typer.Option("--variance", help="PCA variance kept (EMO: 0.95).")] = 0.95,
+    top: Annotated[int, typer.Option("--top", help="Most frequent tokens listed per cluster.")] = 10,
+    max_docs: MaxDocsOpt = None,
+    seed: SeedOpt = 0,
+    json_path: JsonOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Cluster tokens by their routing (EMO §5.3, appendix D): frequent tokens, document purity."""
+    from moectl.data.domains import texts_by_domain
+    from moectl.subsets.clusters import cluster_tokens
+
+    try:
+        if not 0 < variance <= 1:
+            raise ValueError(f"--variance must lie in (0, 1], got {variance}")
+        if clusters < 1 or first < 1:
+            raise ValueError("--clusters and --first must be at least 1")
+        texts = texts_by_domain(data, "validation", max_docs)
+        docs = [(name, text) for name, bucket in texts.items() for text in bucket]
+        lm, tokenizer = load(model, device, dtype, seed=seed)
+        result = cluster_tokens(lm, tokenizer, [t for _, t in docs], clusters, first, variance, seed, top)
+    except _ERRORS as err:
+        fail(err)
+    doc_domain = [name for name, _ in docs]
+    report = []
+    for c, frequent in sorted(result.top_tokens.items()):
+        members = result.labels == c
+        domains = Counter(doc_domain[int(d)] for d in result.doc_ids[members])
+        major, count = domains.most_common(1)[0]
+        report.append({
+            "cluster": c,
+            "tokens": int(members.sum()),
+            "documents": len(set(result.doc_ids[members].tolist())),
+            "top_domain": major,
+            "top_domain_share": count / int(members.sum()),
+            "frequent_tokens": [{"id": t, "text": _decode(tokenizer, t), "count": n} for t, n in frequent],
+        })  # fmt: skip
+    table = Table(
+        title=f"{len(report)} token clusters ({result.components} PCA dims); purity {result.purity:.3f}"
+    )
+    for column in ("cluster", "tokens", "docs", "top domain", "frequent tokens"):
+        table.add_column(column, justify="right" if column in ("cluster", "tokens", "docs") else "left")
+    for row in report:
+        words = " ".join(repr(t["text"])[1:-1] or "∅" for t in row["frequent_tokens"][:8])
+        table.add_row(str(row["cluster"]), str(row["tokens"]), str(row["documents"]),
+                      f"{row['top_domain']} {row['top_domain_share']:.0%}", words)  # fmt: skip
+    console.print(table)
+    data_out = {
+        "model": model, "data": str(data), "documents": {n: len(b) for n, b in texts.items()},
+        "clusters": clusters, "first": first, "variance": variance, "components": result.components,
+        "purity": result.purity, "report": report,
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "clusters.json").write_text(json.dumps(data_out, indent=2) + "\n")
+    console.print(f"[dim]wrote {out}/clusters.json[/dim]")
+    write_json(json_path, data_out)
 
 
-def corpus_texts_by_domain(path: Path, max_docs: int | None) -> dict[str, list[str]]:
-    """Validation documents of a moectl corpus folder, grouped by their ``domain`` field."""
-    from moectl.data.sample import iter_documents
-
-    texts: dict[str, list[str]] = {}
-    for doc in iter_documents(path, "validation"):
-        bucket = texts.setdefault(doc["domain"], [])
-        if max_docs is None or len(bucket) < max_docs:
-            bucket.append(doc["text"])
-    return dict(sorted(texts.items()))
+def _decode(tokenizer, token: int) -> str:
+    try:
+        return tokenizer.decode([token])
+    except Exception:  # a tokenizer that cannot decode a lone id: show the id
+        return f"<{token}>"
 
 
-# The other verbs register themselves on ``subset_app`` (kept in their own files to keep this one short).
-from moectl.subsets import cli_analysis, cli_train  # noqa: E402, F401
+# finetune and merge register themselves on ``subset_app`` (their own file keeps this one short).
+from moectl.cli import subset_finetune  # noqa: E402, F401

@@ -1,4 +1,5 @@
-"""``moectl subset finetune`` and ``moectl subset merge`` (EMO appendix C, §6), on ``subset_app``.
+"""``moectl subset finetune`` and ``moectl subset merge`` (EMO appendix C, §6), on ``subset_app``
+(:mod:`moectl.cli.subset`).
 
     moectl subset finetune math-8/ --data math_train.jsonl --out math-8-ft/ [--lora 8]
     moectl subset merge MODEL --subset math.subset.json --experts math-8-ft/ --out merged/
@@ -12,65 +13,16 @@ rows) back into the full model at the kept indices.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from moectl.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, write_json
-from moectl.subsets.cli import _ERRORS, subset_app
+from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
+from moectl.cli.subset import _ERRORS, subset_app
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")]
-
-
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
-
-
-def _subset_metadata(path: Path) -> dict:
-    """The ``moectl_subset.json`` that ``moectl subset export`` writes beside a subset's weights, or {}."""
-    from moectl.subsets.export import METADATA
-
-    file = path / METADATA
-    if not file.exists():
-        return {}
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer(path: Path) -> bool:
-    """Whether a checkpoint directory holds tokenizer files (transformers 5 otherwise builds an empty one)."""
-    return any((path / name).exists() for name in _TOKENIZER_FILES)
-
-
-def _load_tokenizer(spec: str, tokenizer: str | None, metadata: dict):
-    """``--tokenizer``, else the checkpoint's own, else the byte tokenizer of an exported tiny model."""
-    from moectl.models.load import ByteTokenizer
-
-    if tokenizer == "bytes" or (tokenizer is None and spec.startswith("tiny:")):
-        return ByteTokenizer()
-    if tokenizer is None and Path(spec).is_dir() and not has_tokenizer(Path(spec)):
-        if str(metadata.get("model", "")).startswith("tiny:"):
-            console.print(f"[dim]{spec} is an export of {metadata['model']}: using its byte tokenizer[/dim]")
-            return ByteTokenizer()
-        raise OSError(f"{spec} has no tokenizer files; pass --tokenizer PATH (or 'bytes' for tiny models)")
-    from transformers import AutoTokenizer
-
-    try:
-        loaded = AutoTokenizer.from_pretrained(tokenizer or spec)
-    except (OSError, ValueError) as err:
-        raise OSError(f"no tokenizer loads from {tokenizer or spec} ({err}); pass --tokenizer PATH") from None
-    if getattr(loaded, "pad_token_id", None) is None:
-        loaded.pad_token = loaded.eos_token
-    return loaded
 
 
 @subset_app.command("finetune")
@@ -110,12 +62,12 @@ def finetune_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="float32 (default), bfloat16, auto.")] = "float32",
 ) -> None:
     """Fine-tune a subset checkpoint, prompt tokens masked (EMO appendix C); saves it atomically."""
-    from moectl.models.load import load_model
+    from moectl.subsets.checkpoint_files import check_out, load_tokenizer, subset_metadata
     from moectl.subsets.finetune import FinetuneConfig, finetune_subset, save_finetuned
     from moectl.subsets.finetune_data import read_examples
 
     try:
-        _check_out(out, overwrite)
+        check_out(out, overwrite)
         config = FinetuneConfig(
             epochs=epochs, lr=lr, batch_size=batch_size, micro_batch_size=micro_batch_size,
             max_length=max_length, schedule=schedule, warmup_ratio=warmup_ratio,
@@ -123,9 +75,11 @@ def finetune_cmd(
         )  # fmt: skip
         examples = read_examples(data, max_examples)
         source = Path(checkpoint) if Path(checkpoint).is_dir() else None
-        metadata = _subset_metadata(source) if source else {}
-        model, _ = load_model(checkpoint, dtype=dtype, device=device, seed=seed, with_tokenizer=False)
-        tok = _load_tokenizer(checkpoint, tokenizer, metadata)
+        metadata = subset_metadata(source) if source else {}
+        model, _ = load(checkpoint, device, dtype, seed=seed, with_tokenizer=False)
+        tok, note = load_tokenizer(checkpoint, tokenizer, metadata)
+        if note:
+            console.print(f"[dim]{note}[/dim]")
         log = finetune_subset(model, tok, examples, config, progress=progress)
         log.update(checkpoint=checkpoint, data=str(data))
         path = save_finetuned(model, tok, out, log, source, overwrite=overwrite)
@@ -168,21 +122,19 @@ def merge_cmd(
 ) -> None:
     """Write fine-tuned subset experts back into the full model at the kept indices (EMO §6)."""
     from moectl.adapters import inspect
-    from moectl.models.load import load_model
+    from moectl.subsets.checkpoint_files import check_out, has_tokenizer, subset_metadata
     from moectl.subsets.files import load_subset
     from moectl.subsets.merge import merge_subset, save_merged
 
     try:
-        _check_out(out, overwrite)
+        check_out(out, overwrite)
         if not experts.is_dir():
             raise FileNotFoundError(f"--experts {experts} is not a checkpoint directory")
         local = Path(model).is_dir()
         with_tokenizer = has_tokenizer(Path(model)) if local else not model.startswith("tiny:")
-        full, tokenizer = load_model(
-            model, dtype=dtype, device=device, seed=seed, with_tokenizer=with_tokenizer
-        )
+        full, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=with_tokenizer)
         info = inspect(full)
-        metadata = _subset_metadata(experts)
+        metadata = subset_metadata(experts)
         recorded = metadata.get("keep")
         if metadata.get("model") not in (None, model):
             console.print(
@@ -196,7 +148,7 @@ def merge_cmd(
             keep = {int(k): list(v) for k, v in recorded.items()}
         else:
             raise ValueError(f"{experts} records no kept experts (moectl_subset.json); pass --subset")
-        sub, _ = load_model(str(experts), dtype="auto", device=device, with_tokenizer=False)
+        sub, _ = load(str(experts), device, "auto", with_tokenizer=False)
         report = merge_subset(full, sub, keep, router=router, all_weights=all_weights, info=info)
         meta = {"model": model, "experts": str(experts), "subset": str(subset) if subset else None, **report}
         path = save_merged(full, out, tokenizer, meta, overwrite=overwrite)

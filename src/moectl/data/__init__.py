@@ -8,7 +8,8 @@
 - :mod:`moectl.data.build`: the pipeline, ``build_corpus``;
 - :mod:`moectl.data.sample`: corpus readers and the shipped sample corpus;
 - :mod:`moectl.data.tokenizer`: byte-level BPE training and token counts;
-- :mod:`moectl.data.cli`: ``moectl corpus …`` and ``moectl tokenizer …``.
+- :mod:`moectl.data.domains`: ``{domain: texts}`` from a corpus, a folder of DOMAIN.jsonl files or a JSONL file
+  (the commands ``moectl corpus …`` and ``moectl tokenizer …`` live in :mod:`moectl.cli.corpus`).
 """
 
 from moectl.data.build import build_corpus

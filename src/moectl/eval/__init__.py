@@ -11,7 +11,7 @@
   :mod:`~moectl.eval.gsm8k`, :mod:`~moectl.eval.math_equiv`, :mod:`~moectl.eval.intervals`:
   moectl's own evaluators and their 95% intervals;
 - :mod:`moectl.eval.results` (the one results schema), :mod:`~moectl.eval.report`,
-  :mod:`~moectl.eval.run`, :mod:`~moectl.eval.cli`.
+  :mod:`~moectl.eval.run` (the commands: :mod:`moectl.cli.eval`).
 
 Heavy modules (lm-eval, datasets) load only when used: ``RoutedLM`` and ``evaluate`` are
 imported on first access.

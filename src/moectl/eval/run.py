@@ -13,42 +13,10 @@ from moectl.adapters.inspect import inspect
 from moectl.eval.forward import SwitchStats, static_plan
 from moectl.eval.policy_file import evaluation_routing, experts_allowed
 from moectl.eval.results import new_results
-from moectl.roe.config import RoEConfig, config_dict
+from moectl.roe.config import RoEConfig, config_dict, parse_roe_spec
 from moectl.routing import load_policy
 
 ENGINES = ("lm-eval", "moectl")
-
-
-def roe_config(spec: str, seed: int) -> RoEConfig:
-    """An RoE config from ``--roe``: a tau profile (``moectl roe tune --out``) or ``K=16,tau=0.5[,...]``.
-
-    Inline keys are RoEConfig's (``K``, ``tau``, ``aggregation``, ``cache``, ``seed``); ``tau`` is one
-    value for every MoE layer or ``/``-separated values, one per MoE layer. A profile's K may be
-    overridden inline after the path: ``profile.json,K=8``.
-    """
-    head, *rest = [part.strip() for part in spec.split(",") if part.strip()] or [""]
-    items = rest if "=" not in head else [head, *rest]
-    fields: dict[str, Any] = {"seed": seed}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in ("K", "tau", "aggregation", "cache", "seed"):
-            raise ValueError(
-                f"--roe: cannot read {item!r}; give a tau profile path or K=…,tau=…[,aggregation=…,cache=…,seed=…]"
-            )
-        if key in ("K", "seed"):
-            fields[key] = int(value)
-        elif key == "tau":
-            taus = [float(v) for v in value.split("/")]
-            fields[key] = taus[0] if len(taus) == 1 else taus
-        else:
-            fields[key] = value
-    if "=" not in head:
-        if not Path(head).exists():
-            raise FileNotFoundError(
-                f"--roe: {head!r} is neither a tau profile file nor K=…,tau=… (write a profile with `moectl roe tune`)"
-            )
-        return RoEConfig.from_profile(head, **fields)
-    return RoEConfig(**fields)
 
 
 def _as_list(loaded: Any) -> list[Any]:
@@ -98,6 +66,7 @@ def evaluate(
     switch: bool | None = None,
     cache: str | os.PathLike | None = None,
     device: str = "cpu",
+    dtype: str = "auto",
     label: str | None = None,
     progress: bool = True,
     model_and_tokenizer: tuple[Any, Any] | None = None,
@@ -117,7 +86,7 @@ def evaluate(
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     # the arguments first, then the data: a wrong flag is named even where no set is fetched yet
-    roe_cfg = roe_config(roe, seed) if roe is not None else None
+    roe_cfg = parse_roe_spec(roe, seed) if roe is not None else None
     if controller is not None:
         from moectl.options.state import check_controller_dir
 
@@ -134,7 +103,7 @@ def evaluate(
     if model_and_tokenizer is None:
         from moectl.models.load import load_model
 
-        model, tokenizer = load_model(model_spec, device=device, seed=0)
+        model, tokenizer = load_model(model_spec, dtype=dtype, device=device, seed=0)
     else:
         model, tokenizer = model_and_tokenizer
     # --policy: any file load_policy reads; --controller: a controller folder (TE-MoE: adapters and

@@ -9,39 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moectl.data.jsonl import iter_jsonl_rows
-from moectl.data.sample import iter_documents, sample_corpus_dir
-
-
-def _is_corpus(path: Path) -> bool:
-    return path.is_dir()
+from moectl.data.domains import texts_by_domain as _texts_by_domain
 
 
 def texts_by_domain(
     path: str | Path | None, split: str = "test", max_docs: int | None = None
 ) -> dict[str, list[str]]:
-    """Texts grouped by domain (JSONL without a domain field: one group ``all``)."""
-    path = sample_corpus_dir() if path is None else Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (give a JSONL file or a moectl corpus folder)")
-    groups: dict[str, list[str]] = {}
-    if _is_corpus(path):
-        rows = ({"text": d["text"], "domain": d.get("domain", "all")} for d in iter_documents(path, split))
-    else:
-        rows = _jsonl(path)
-    for row in rows:
-        bucket = groups.setdefault(str(row.get("domain", row.get("category", "all"))), [])
-        if max_docs is None or len(bucket) < max_docs:
-            bucket.append(row["text"])
-    if not groups:
-        raise ValueError(f"{path} holds no texts (split {split!r})")
-    return dict(sorted(groups.items()))
-
-
-def _jsonl(path: Path):
-    """Rows with a non-empty ``prompt`` (else ``text``), that text as ``text``."""
-    for _, row in iter_jsonl_rows(path, ("prompt", "text"), allow_empty=False):
-        yield {**row, "text": row.get("prompt", row.get("text"))}
+    """Texts grouped by domain (JSONL lines without a domain field: one group ``all``)."""
+    return _texts_by_domain(path, split, max_docs, default_domain="all", fields=("prompt", "text"))
 
 
 def read_prompts(

@@ -137,3 +137,29 @@ def load_controlled(
     snapshot = None if merge else router_snapshot(info)
     load_weights(path, model, info)
     return model, controller, config, snapshot
+
+
+def attach_controller(
+    model: nn.Module, controller: str | Path | None, merge: bool = True
+) -> tuple[nn.Module, OptionController | None, dict[str, Any], list | None]:
+    """``(model, controller, options config, router snapshot)`` with the controller at ``controller``
+    attached (None: the plain model, no controller).
+
+    ``merge`` reads it through the one policy loader (a controller folder, a run folder or a
+    controller policy file; its adapters and routers merge into ``model``; no snapshot). Without
+    ``merge`` the PEFT adapters stay separate and the snapshot of the routers is the teacher.
+    """
+    if controller is None:
+        return model, None, {}, None
+    if merge:
+        from moectl.options.policy import ControllerPolicy
+        from moectl.routing.loader import load_policy
+
+        policy = load_policy(controller, model)
+        if not isinstance(policy, ControllerPolicy):
+            raise ValueError(f"--controller {controller}: not a controller (got {type(policy).__name__})")
+        return model, policy.controller, policy.options, None
+    model, ctrl, config, snapshot = load_controlled(model, controller, merge=False)
+    model.eval()
+    inspect(model)
+    return model, ctrl, config, snapshot

@@ -90,7 +90,13 @@ class RoEConfig(PolicyConfig):
             tau = {str(k): float(v) for k, v in tau.items()}
         elif not isinstance(tau, (int, float)):
             tau = [float(v) for v in tau]
-        fields = {"K": self.K, "tau": tau, "aggregation": self.aggregation, "cache": self.cache, "seed": self.seed}
+        fields = {
+            "K": self.K,
+            "tau": tau,
+            "aggregation": self.aggregation,
+            "cache": self.cache,
+            "seed": self.seed,
+        }
         skip = {"type", "format_version", "format", *fields}
         return {**fields, **{k: v for k, v in self.meta.items() if k not in skip}}
 
@@ -242,3 +248,63 @@ def config_dict(config: RoEConfig, num_moe_layers: int) -> dict[str, Any]:
     d.pop("meta", None)
     d["tau"] = config.taus(num_moe_layers)
     return d
+
+
+def config_from_options(
+    k: int | None,
+    temperatures: str | None,
+    cache: str = "clean",
+    aggregation: str = "prob_mean",
+    seed: int = 0,
+) -> RoEConfig:
+    """A config from ``moectl roe``'s options: ``temperatures`` is a tau profile path, one number for
+    every MoE layer or a comma list, one per MoE layer; K defaults to the profile's, else 16.
+    Raises ``ValueError`` naming ``--temperatures`` when it is neither a file nor numbers."""
+    if temperatures is None:
+        return RoEConfig(K=16 if k is None else k, tau=0.0, cache=cache, aggregation=aggregation, seed=seed)
+    path = Path(temperatures)
+    if path.suffix == ".json" or path.exists():
+        overrides: dict[str, Any] = {"cache": cache, "aggregation": aggregation, "seed": seed}
+        if k is not None:
+            overrides["K"] = k
+        return RoEConfig.from_profile(path, **overrides)
+    try:
+        values = [float(v) for v in temperatures.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--temperatures {temperatures!r} is neither a profile file nor numbers (e.g. 0.3 or 0,0.2,0.3,0)"
+        ) from None
+    tau: float | list[float] = values[0] if len(values) == 1 else values
+    return RoEConfig(K=16 if k is None else k, tau=tau, cache=cache, aggregation=aggregation, seed=seed)
+
+
+def parse_roe_spec(spec: str, seed: int) -> RoEConfig:
+    """A config from ``moectl eval --roe``: a tau profile (``moectl roe tune --out``) or ``K=16,tau=0.5[,...]``.
+
+    Inline keys are RoEConfig's (``K``, ``tau``, ``aggregation``, ``cache``, ``seed``); ``tau`` is one
+    value for every MoE layer or ``/``-separated values, one per MoE layer. A profile's K may be
+    overridden inline after the path: ``profile.json,K=8``.
+    """
+    head, *rest = [part.strip() for part in spec.split(",") if part.strip()] or [""]
+    items = rest if "=" not in head else [head, *rest]
+    fields: dict[str, Any] = {"seed": seed}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("K", "tau", "aggregation", "cache", "seed"):
+            raise ValueError(
+                f"--roe: cannot read {item!r}; give a tau profile path or K=…,tau=…[,aggregation=…,cache=…,seed=…]"
+            )
+        if key in ("K", "seed"):
+            fields[key] = int(value)
+        elif key == "tau":
+            taus = [float(v) for v in value.split("/")]
+            fields[key] = taus[0] if len(taus) == 1 else taus
+        else:
+            fields[key] = value
+    if "=" not in head:
+        if not Path(head).exists():
+            raise FileNotFoundError(
+                f"--roe: {head!r} is neither a tau profile file nor K=…,tau=… (write a profile with `moectl roe tune`)"
+            )
+        return RoEConfig.from_profile(head, **fields)
+    return RoEConfig(**fields)

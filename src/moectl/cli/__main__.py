@@ -1,0 +1,5 @@
+"""``python -m moectl.cli``: the ``moectl`` command."""
+
+from moectl.cli import main
+
+main()
