@@ -170,7 +170,7 @@ def test_cli_train_generate_eval(tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "p" / "options_layer0.png").exists()
+    assert (tmp_path / "p" / "options_prompt0.png").exists()  # one figure per prompt, every layer
     assert 0.0 <= json.loads((tmp_path / "g.json").read_text())["switch_rate"] <= 1.0
     result = runner.invoke(
         app,

@@ -211,8 +211,8 @@ def generate_cmd(
     if plot is not None:
         from moectl.options.plots import plot_options
 
-        for layer in sorted(switches)[:3]:
-            plot_options(trace, plot / f"options_layer{layer}.png", layer=layer)
+        for i, p in enumerate(prompts):
+            plot_options(trace, plot / f"options_prompt{i}.png", row=i, label=p.text)
         console.print(f"[dim]wrote option plots to {plot}[/dim]")
     write_json(json_path, {"switch_rate": report.mean, "per_layer": report.per_layer, "samples": rows})
 

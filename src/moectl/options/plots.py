@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 _PANELS = (
     ("reward", "reward (−reverse KL)"),
     ("switch_rate", "switch rate"),
@@ -48,32 +50,69 @@ def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
-def plot_options(trace, path: str | Path, layer: int = 0, row: int = 0) -> Path:
-    """TE-MoE Fig. 6: the option ω (shaded) and the activated experts (dark) over generated positions."""
+def plot_options(
+    trace, path: str | Path, layers: list[int] | None = None, row: int = 0, label: str | None = None,
+    max_layers: int = 8,
+) -> Path:
+    """TE-MoE Fig. 6: the option ω (blue) and the activated experts (black) over the generated
+    positions, one panel per MoE layer, each switch of ω a red line and counted in the panel's title.
+
+    ``layers`` default: every recorded layer, or where there are more than ``max_layers``, the
+    ``max_layers`` layers with the most switches (the figure's title says so). ``label``: the prompt.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    if layer not in trace.allowed:
-        raise ValueError(f"MoE layer {layer} has no recorded options; recorded: {sorted(trace.allowed)}")
     start = max(int(trace.prompt_len[row]) - 1, 0)
     valid = trace.valid[row]
     stop = int(valid.nonzero().max()) + 1 if bool(valid.any()) else start
-    allowed = trace.allowed[layer][row, start:stop].T.float()
-    chosen = trace.chosen_mask(layer)[row, start:stop].T.float()
-    image = 0.35 * allowed + 0.65 * chosen
-    fig, ax = plt.subplots(figsize=(min(16, 3 + image.shape[1] / 16), 2 + image.shape[0] / 12))
-    ax.imshow(image.numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-    switches = (allowed[:, 1:] != allowed[:, :-1]).any(0).nonzero().flatten() + 1
-    for s in switches.tolist():
-        ax.axvline(s - 0.5, color="tab:red", lw=0.6, alpha=0.6)
-    ax.set_xlabel("generated token position")
-    ax.set_ylabel("expert")
-    ax.set_title(f"options at MoE layer {layer} ({len(switches)} switches)")
-    fig.tight_layout()
+    recorded = sorted(trace.allowed)
+    if not recorded:
+        raise ValueError("the trace has no recorded options (route with a controller or a mask policy)")
+    for layer in layers or []:
+        if layer not in trace.allowed:
+            raise ValueError(f"MoE layer {layer} has no recorded options; recorded: {recorded}")
+    counts = {}
+    for layer in recorded:
+        allowed = trace.allowed[layer][row, start:stop]
+        counts[layer] = int((allowed[1:] != allowed[:-1]).any(-1).sum())
+    picked = layers or recorded
+    note = ""
+    if layers is None and len(recorded) > max_layers:
+        picked = sorted(sorted(recorded, key=lambda layer: -counts[layer])[:max_layers])
+        note = f" (the {max_layers} of {len(recorded)} MoE layers with the most switches)"
+    n_exp = trace.allowed[picked[0]].shape[-1]
+    n_pos = stop - start
+    fig, axes = plt.subplots(
+        len(picked), 1, sharex=True, squeeze=False,
+        figsize=(min(16.0, 4.5 + n_pos / 14), 1.2 + len(picked) * (0.6 + n_exp / 14)),
+    )  # fmt: skip
+    for ax, layer in zip(axes[:, 0], picked, strict=True):
+        allowed = trace.allowed[layer][row, start:stop].T
+        chosen = trace.chosen_mask(layer)[row, start:stop].T
+        image = torch.ones(n_exp, n_pos, 3)
+        image[allowed] = torch.tensor([0.62, 0.78, 0.95])
+        image[chosen] = 0.0
+        ax.imshow(image.numpy(), aspect="auto", interpolation="nearest")
+        switches = (allowed[:, 1:] != allowed[:, :-1]).any(0).nonzero().flatten() + 1
+        for s in switches.tolist():
+            ax.axvline(s - 0.5, color="crimson", lw=0.8)
+        ax.set_ylabel("expert", fontsize=8)
+        ax.set_title(f"MoE layer {layer}: {counts[layer]} switches", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("generated token position")
+    heading = f"Options of the controller over {n_pos} generated tokens (TE-MoE Fig. 6){note}"
+    if label:
+        heading += "\n" + (label if len(label) <= 100 else label[:97] + "...")
+    fig.suptitle(heading, fontsize=10, x=0.01, ha="left")
+    handles = [Patch(facecolor="black", label="activated"), Patch(facecolor=(0.62, 0.78, 0.95), label="option ω"),
+               Patch(facecolor="crimson", label="switch")]  # fmt: skip
+    fig.legend(handles=handles, loc="lower right", fontsize=8, frameon=False, ncols=3)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
