@@ -118,7 +118,9 @@ def load_controlled(
     controller.check(info)
     config = json.loads((path / "options.json").read_text()) if (path / "options.json").exists() else {}
     if (path / "adapter.safetensors").exists():
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from moectl.models.peft_quiet import get_peft_model
 
         cfg = json.loads((path / "adapter_config.json").read_text())
         lora = LoraConfig(

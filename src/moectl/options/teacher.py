@@ -42,7 +42,9 @@ def add_lora(
 
     Returns (peft_model, router_snapshot). Router weights get ``requires_grad`` when ``train_router``.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from moectl.models.peft_quiet import get_peft_model
 
     attention = sorted(
         {

@@ -193,10 +193,11 @@ def _scheduler(optimizer: torch.optim.Optimizer, config: FinetuneConfig, total: 
 
 def _with_lora(model: nn.Module, config: FinetuneConfig):
     """(PEFT-wrapped model, a function that merges the adapters into ``model``'s weights in place)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     from moectl.adapters.inspect import inspect
     from moectl.adapters.slicing import get_tensor, per_expert_tensors
+    from moectl.models.peft_quiet import get_peft_model
 
     experts = sorted(  # fused [E, ·, ·] expert weights: LoRA on parameters (biases left out)
         {e.name.rsplit(".", 1)[-1] for e in per_expert_tensors(model, inspect(model)).values()
