@@ -288,7 +288,7 @@ def test_refused_before_generation(monkeypatch, code_cache):
 
 def test_tiny_random_model_end_to_end(allowed, code_cache):
     import moectl
-    from moectl.eval.harness import RoutedLM
+    from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
     from moectl.eval.tokenizer import byte_tokenizer
 
@@ -297,7 +297,7 @@ def test_tiny_random_model_end_to_end(allowed, code_cache):
     try:
         model = moectl.tiny("olmoe", vocab_size=259)
         model.set_experts_implementation("eager")
-        lm = RoutedLM(model, byte_tokenizer(), batch_size=3)
+        lm = MoectlLM(model, byte_tokenizer(), batch_size=3)
         raw = run_lm_eval(lm, ["humaneval"], code_cache, log_samples=True, gen_kwargs={"max_gen_toks": 12})
     finally:
         torch.set_num_threads(threads)

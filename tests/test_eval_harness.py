@@ -1,6 +1,6 @@
 """The lm-eval bridge end to end on a tiny random model and a 10-item local task.
 
-Checks that routing policies stay active inside the harness (and visibly fire), that RoutedLM
+Checks that routing policies stay active inside the harness (and visibly fire), that MoectlLM
 routes a request the same whatever batch, order and padding lm-eval gives it, that ensembles and
 generation go through the routed path, and that moectl's own scorers agree with the harness.
 """
@@ -16,7 +16,7 @@ import moectl
 from _eval_data import tiny_eval_env
 from moectl import ExpertMask
 from moectl.eval.forward import BatchRouting, RequestBatch, static_plan
-from moectl.eval.harness import RoutedLM
+from moectl.eval.lm_backend import MoectlLM
 from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
 from moectl.eval.tokenizer import byte_tokenizer
 
@@ -30,9 +30,9 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def routed_run(env):
-    """RoutedLM with a fixed mask over the 10-item task, once for the module: (lm, raw results)."""
+    """MoectlLM with a fixed mask over the 10-item task, once for the module: (lm, raw results)."""
     cache, model, info = env
-    lm = RoutedLM(
+    lm = MoectlLM(
         model,
         byte_tokenizer(),
         policies=[ExpertMask.everywhere(info, ALLOWED)],
@@ -74,7 +74,7 @@ def test_policy_stays_active_inside_the_harness(env, routed_run):
         <= entry["metrics"]["acc"]["ci95"][1]
     )
 
-    # RoutedLM with the same fixed mask scores every request exactly as the plain harness did
+    # MoectlLM with the same fixed mask scores every request exactly as the plain harness did
     routed, again = routed_run
     torch.testing.assert_close(_lls(again), _lls(masked), atol=1e-4, rtol=0)
     summary = routed.switch.summary()
@@ -104,10 +104,10 @@ def test_per_request_plan_ignores_batching_and_padding(env, routed_run):
     plan_one, allowed_for = _keyed_plan(info, seen_one)
     plan_many, _ = _keyed_plan(info, seen_many)
     one = run_lm_eval(
-        RoutedLM(model, byte_tokenizer(), plan=plan_one, batch_size=3), ["arc_easy"], cache, log_samples=True
+        MoectlLM(model, byte_tokenizer(), plan=plan_one, batch_size=3), ["arc_easy"], cache, log_samples=True
     )
     many = run_lm_eval(
-        RoutedLM(model, byte_tokenizer(), plan=plan_many, batch_size=8), ["arc_easy"], cache, log_samples=True
+        MoectlLM(model, byte_tokenizer(), plan=plan_many, batch_size=8), ["arc_easy"], cache, log_samples=True
     )
     torch.testing.assert_close(_lls(one), _lls(many), atol=1e-4, rtol=0)
     keys_one = {k for b in seen_one for k in b.keys}
@@ -127,7 +127,7 @@ def test_ensemble_of_identical_copies_is_the_model(env, routed_run):
         return BatchRouting([mask], repeats=2)
 
     double = run_lm_eval(
-        RoutedLM(model, byte_tokenizer(), plan=twice, batch_size=8), ["arc_easy"], cache, log_samples=True
+        MoectlLM(model, byte_tokenizer(), plan=twice, batch_size=8), ["arc_easy"], cache, log_samples=True
     )
     torch.testing.assert_close(_lls(double), _lls(routed_run[1]), atol=1e-4, rtol=0)
 
@@ -136,9 +136,9 @@ def test_generation_is_routed_and_ensemble_decoding_matches_generate(env):
     cache, model, info = env
     mask = ExpertMask.everywhere(info, ALLOWED)
     kwargs = {"num_fewshot": 0, "log_samples": True, "gen_kwargs": {"max_gen_toks": 6}}
-    plain_lm = RoutedLM(model, byte_tokenizer(), batch_size=2)
-    masked_lm = RoutedLM(model, byte_tokenizer(), policies=[mask], batch_size=2, switch_rate=True)
-    ens_lm = RoutedLM(model, byte_tokenizer(), plan=lambda b: BatchRouting([mask], repeats=2), batch_size=2)
+    plain_lm = MoectlLM(model, byte_tokenizer(), batch_size=2)
+    masked_lm = MoectlLM(model, byte_tokenizer(), policies=[mask], batch_size=2, switch_rate=True)
+    ens_lm = MoectlLM(model, byte_tokenizer(), plan=lambda b: BatchRouting([mask], repeats=2), batch_size=2)
     out = {}
     for name, lm in (("plain", plain_lm), ("masked", masked_lm), ("ensemble", ens_lm)):
         raw = run_lm_eval(lm, ["gsm8k"], cache, **kwargs)

@@ -227,7 +227,7 @@ def test_missing_set_says_how_to_import(tmp_path):
 
 
 def test_tiny_model_evaluates_mmlu_pro_5shot(tmp_path):
-    from moectl.eval.harness import RoutedLM
+    from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
     from moectl.eval.tokenizer import byte_tokenizer
 
@@ -243,7 +243,7 @@ def test_tiny_model_evaluates_mmlu_pro_5shot(tmp_path):
     try:
         model = moectl.tiny("olmoe", vocab_size=259)
         model.set_experts_implementation("eager")
-        lm = RoutedLM(model, byte_tokenizer(), batch_size=32)
+        lm = MoectlLM(model, byte_tokenizer(), batch_size=32)
         raw = run_lm_eval(lm, ["mmlu_pro"], cache, log_samples=True)
     finally:
         torch.set_num_threads(threads)

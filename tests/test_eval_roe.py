@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from _eval_data import tiny_eval_env
 from moectl.cli import app
 from moectl.eval.forward import BatchRouting, static_plan, to_left_padding
-from moectl.eval.harness import RoutedLM
+from moectl.eval.lm_backend import MoectlLM
 from moectl.eval.lm_tasks import run_lm_eval
 from moectl.eval.tokenizer import byte_tokenizer
 from moectl.roe.config import RoEConfig
@@ -70,11 +70,11 @@ def test_full_distributions_agree_with_token_scores_and_the_stepwise_definition(
 
 def test_harness_scores_with_roe_independently_of_batching(env):
     cache, model, _ = env
-    plain = run_lm_eval(RoutedLM(model, byte_tokenizer(), batch_size=8), ["arc_easy"], cache, log_samples=True)
-    clean_lm = RoutedLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY.with_(tau=0.0)), batch_size=8)
+    plain = run_lm_eval(MoectlLM(model, byte_tokenizer(), batch_size=8), ["arc_easy"], cache, log_samples=True)
+    clean_lm = MoectlLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY.with_(tau=0.0)), batch_size=8)
     clean = run_lm_eval(clean_lm, ["arc_easy"], cache, log_samples=True)
     torch.testing.assert_close(_lls(clean), _lls(plain), atol=1e-4, rtol=0)  # tau = 0: the plain model
-    lms = [RoutedLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY), batch_size=bs) for bs in (8, 1)]
+    lms = [MoectlLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY), batch_size=bs) for bs in (8, 1)]
     runs = [run_lm_eval(lm, ["arc_easy"], cache, log_samples=True) for lm in lms]
     torch.testing.assert_close(_lls(runs[0]), _lls(runs[1]), atol=1e-4, rtol=0)
     assert not torch.allclose(_lls(runs[0]), _lls(plain), atol=1e-3), "the Gumbel noise is active"
@@ -84,7 +84,7 @@ def test_harness_generates_what_roe_generate_decodes(env):
     from moectl.roe.generate import generate
 
     cache, model, _ = env
-    lm = RoutedLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY), batch_size=2)
+    lm = MoectlLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY), batch_size=2)
     raw = run_lm_eval(lm, ["gsm8k"], cache, num_fewshot=0, log_samples=True, gen_kwargs={"max_gen_toks": 6})
     samples = sorted(raw["samples"]["gsm8k"], key=lambda s: s["doc_id"])
     prompts = [s["arguments"][0][0] for s in samples]

@@ -3,6 +3,8 @@
 ``import moectl`` loads the routing core only (torch, safetensors). Everything that needs
 transformers, peft, lm-eval, optuna, matplotlib or accelerate loads on first use (PEP 562): the
 names below in ``_LAZY`` and the subpackages (``moectl.roe``, ``moectl.options``, ...).
+``moectl`` becomes an lm-eval model name (``lm_eval --model moectl``) when lm-eval's registry is
+imported, before or after moectl (:mod:`moectl.lm_eval`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 from typing import Any
 
 from moectl.adapters import ModelInfo, UnsupportedModelError, inspect, self_test, supported_routers
+from moectl.lm_eval import install as _install_lm_eval_backend
 from moectl.metrics.switch_rate import switch_rate
 from moectl.routing import (
     DocumentPool,
@@ -24,6 +27,8 @@ from moectl.routing import (
 )
 
 __version__ = "0.1.0"
+
+_install_lm_eval_backend()  # registers the lm-eval backend now or when lm-eval loads (stdlib only)
 
 # name -> (module, attribute), imported on first access
 _LAZY: dict[str, tuple[str, str]] = {

@@ -56,12 +56,14 @@ def eval_command(
         int | None, typer.Option("--max-gen-toks", help="Cap generated tokens (generative tasks).")
     ] = None,
     policy: Annotated[
-        Path | None, typer.Option(help="Routing policy JSON (an exported subset, a mask).")
+        Path | None,
+        typer.Option(help="Routing policy: any file or folder moectl.load_policy reads (a subset, a mask, a pool, gumbel), or option:K."),
     ] = None,
     roe: Annotated[str | None, typer.Option(help="Roster of Experts: a tau profile (`moectl roe tune --out`) or K=16,tau=0.5 (RoE §2).")] = None,
     controller: Annotated[str | None, typer.Option(help="Controller folder from `moectl options train` (TE-MoE); switch % is recorded.")] = None,
     engine: Annotated[
-        str, typer.Option(help="lm-eval (any task) or moectl (multiple choice, in-process).")
+        str,
+        typer.Option(help="lm-eval (any task; moectl as lm-eval's model backend) or moectl (multiple choice, in process)."),
     ] = "lm-eval",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Requests per forward pass.")] = 8,
     max_length: Annotated[int | None, typer.Option("--max-length", help="Default: the model's.")] = None,
@@ -83,7 +85,7 @@ def eval_command(
         ),
     ] = False,
 ) -> None:
-    """Evaluate MODEL through lm-eval (or moectl's scorer) with routing policies active."""
+    """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
     from moectl.eval.run import evaluate
 
     try:

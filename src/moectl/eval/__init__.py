@@ -5,16 +5,19 @@
   :mod:`~moectl.eval.user_sets`: MMLU-Pro, imported from the user's copy (no wheel carries it);
 - :mod:`moectl.eval.mmlu_categories`: MMLU subjects grouped into EMO's 17 categories;
 - :mod:`moectl.eval.lm_tasks` and ``tasks/*.yaml``: lm-eval tasks over the converted sets;
-- :mod:`moectl.eval.harness`: ``RoutedLM``, lm-eval's ``HFLM`` with per-request routing;
-- :mod:`moectl.eval.forward`: the routed forward every evaluator shares (request keys, plans);
-- :mod:`moectl.eval.scoring`, :mod:`~moectl.eval.multiple_choice`, :mod:`~moectl.eval.perplexity`,
-  :mod:`~moectl.eval.gsm8k`, :mod:`~moectl.eval.math_equiv`, :mod:`~moectl.eval.intervals`:
-  moectl's own evaluators and their 95% intervals;
+- :mod:`moectl.eval.lm_backend`: ``MoectlLM``, moectl as an lm-eval model backend
+  (``lm_eval --model moectl``; registration: :mod:`moectl.lm_eval`), :mod:`~moectl.eval.model_args`;
+- :mod:`moectl.eval.forward`: requests, routing plans, switch stats; :mod:`~moectl.eval.request_noise`:
+  routing randomness keyed by request; :mod:`~moectl.eval.token_scores`: the routed forward and
+  the LM head on chunks of positions (never [B, T, V]);
+- :mod:`moectl.eval.scoring`, :mod:`~moectl.eval.generation`, :mod:`~moectl.eval.multiple_choice`,
+  :mod:`~moectl.eval.perplexity`, :mod:`~moectl.eval.gsm8k`, :mod:`~moectl.eval.math_equiv`,
+  :mod:`~moectl.eval.intervals`: moectl's own evaluators and their 95% intervals;
 - :mod:`moectl.eval.results` (the one results schema), :mod:`~moectl.eval.report`,
   :mod:`~moectl.eval.run` (the commands: :mod:`moectl.cli.eval`).
 
-Heavy modules (lm-eval, datasets) load only when used: ``RoutedLM`` and ``evaluate`` are
-imported on first access.
+Heavy modules (lm-eval, datasets) load only when used: ``MoectlLM`` (also under its former
+name ``RoutedLM``) and ``evaluate`` are imported on first access.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "SETS",
     "BatchRouting",
     "EvalSetMissingError",
+    "MoectlLM",
     "RequestBatch",
     "RoutedLM",
     "RoutingPlan",
@@ -53,10 +57,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "RoutedLM":
-        from moectl.eval.harness import RoutedLM
+    if name in ("MoectlLM", "RoutedLM"):
+        from moectl.eval.lm_backend import MoectlLM
 
-        return RoutedLM
+        return MoectlLM
     if name == "evaluate":
         from moectl.eval.run import evaluate
 

@@ -14,6 +14,12 @@ Each copy keeps its own noisy history. ``roe = RoEConfig(...)`` is Roster of Exp
 §2.3): every sample reads the *clean* prefix (the shared clean cache) and only the current token
 is routed with noise — computed for all positions at once by :func:`moectl.roe.parallel.ensemble_log_probs`.
 The switch rate is not recorded under RoE (each of the K samples routes differently).
+
+Randomness is the request's own (``request_noise.py``): ``static_plan`` keys Gumbel and
+random-option draws by request and position, and the scorers run a request alone where a policy's
+draws cannot be keyed (a sampling controller). Evaluators score with
+:func:`moectl.eval.token_scores.routed_token_scores` (the LM head on chunks of positions, never
+[B, T, V]); :func:`routed_log_probs` here is the whole-distribution reference it is tested against.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.eval.request_noise import keyed_policies, set_request_codes
 from moectl.metrics.switch_rate import switch_rate
 from moectl.roe.config import RoEConfig
 from moectl.routing.session import route
@@ -76,9 +83,10 @@ def static_plan(policies: Sequence[Policy] = (), roe: RoEConfig | None = None) -
     """The plan of policies that do not depend on the request (masks, exported subsets, an RoE config).
 
     RoE's Gumbel draws are a fixed function of (seed, layer, sample, position, expert), so the
-    same request gets the same ensemble wherever the harness puts it.
+    same request gets the same ensemble wherever the harness puts it; ``GumbelTopK`` and
+    ``RandomOptions`` are replaced by their request-keyed forms (``request_noise.keyed_policies``).
     """
-    fixed = BatchRouting(list(policies), 1, roe)
+    fixed = BatchRouting(keyed_policies(list(policies)), 1, roe)
 
     def plan(batch: RequestBatch) -> BatchRouting:
         return fixed
@@ -139,15 +147,18 @@ def routed_log_probs(
     stats: SwitchStats | None = None,
     region: str = "all",
 ) -> Tensor:
-    """Log-probabilities [B, T, V] (float32) of ``batch`` under the plan's routing.
+    """Log-probabilities [B, T, V] (float32; float64 for a float64 model) of ``batch`` under the plan's routing: the reference.
 
-    With ``repeats = K`` the K routed copies of each row are averaged in probability space.
+    With ``repeats = K`` the K routed copies of each row are averaged in probability space. It
+    holds [B·K, T, V] logits and a float32 copy; evaluators use
+    :func:`moectl.eval.token_scores.routed_token_scores`, which is tested against this.
     """
     routing = plan(batch)
     if routing.roe is not None:
         return _roe_log_probs(model, batch, routing, info)
     k = int(routing.repeats)
     ids, mask = batch.input_ids, batch.attention_mask
+    set_request_codes(routing.policies, batch.keys, k)
     if k > 1:
         ids, mask = ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0)
     with (
@@ -157,7 +168,7 @@ def routed_log_probs(
         logits = model(input_ids=ids, attention_mask=mask).logits
     if stats is not None:
         stats.add(session.trace, region)
-    logp = F.log_softmax(logits.float(), dim=-1)
+    logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     if k > 1:
         b, t, v = batch.size, logp.shape[1], logp.shape[2]
         logp = torch.logsumexp(logp.view(b, k, t, v), dim=1) - math.log(k)

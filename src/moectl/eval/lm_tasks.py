@@ -108,7 +108,7 @@ def run_lm_eval(
     log_samples: bool = False,
     gen_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``lm`` (an lm-eval ``LM``, e.g. :class:`moectl.eval.harness.RoutedLM`) on ``tasks``.
+    """Evaluate ``lm`` (an lm-eval ``LM``, e.g. :class:`moectl.eval.lm_backend.MoectlLM`) on ``tasks``.
 
     Returns lm-eval's raw output. Seeds are fixed (python, numpy, torch, few-shot sampling).
     ``gen_kwargs`` override the generation settings of generative tasks (e.g. ``max_gen_toks``).

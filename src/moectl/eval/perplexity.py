@@ -4,8 +4,9 @@ The corpus is a ``.jsonl`` / ``.jsonl.gz`` file, or a corpus folder holding ``SP
 (moectl's corpus layout), with one document per line: ``text`` and, for ``--by-domain``,
 ``domain``. Each document is ``[BOS] + tokens``, cut into windows of ``max_length`` tokens that
 overlap by one token, so every token after BOS is predicted exactly once (from at most
-``max_length - 1`` tokens of context). Windows are scored in batches, routed like every other
-evaluation.
+``max_length - 1`` tokens of context: ``moectl.models.tokens.rolling_windows``). Windows are
+scored in batches by ``scoring.score_requests``, routed like every other evaluation; the same
+windows serve lm-eval's ``loglikelihood_rolling`` (``lm_backend.MoectlLM``).
 
 Perplexity is token-level over the whole set, exp(Σ nll / Σ tokens); bits per byte
 (Σ nll / ln 2 / Σ UTF-8 bytes) does not depend on the tokenizer. Intervals resample documents
@@ -26,21 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.eval.forward import (
-    RequestBatch,
-    RoutingPlan,
-    SwitchStats,
-    continuation_log_probs,
-    request_keys,
-    routed_log_probs,
-)
+from moectl.eval.forward import RoutingPlan, SwitchStats
 from moectl.eval.intervals import DEFAULT_SEED, bootstrap_interval, perplexity_interval
 from moectl.eval.results import metric
-from moectl.eval.scoring import encode
+from moectl.eval.scoring import score_requests
+from moectl.models.tokens import Request, rolling_windows
 
 
 @dataclass
@@ -86,12 +80,6 @@ def read_corpus(path: str | os.PathLike, split: str = "test", limit: int | None 
     return docs
 
 
-def _windows(ids: list[int], length: int) -> list[list[int]]:
-    """Windows of ``length`` overlapping by one token; together they predict ids[1:] once each."""
-    step = length - 1
-    return [ids[start : start + length] for start in range(0, max(1, len(ids) - 1), step)]
-
-
 @torch.no_grad()
 def document_nll(
     model: nn.Module,
@@ -107,35 +95,16 @@ def document_nll(
     """Summed negative log-likelihood and scored-token count per document."""
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    bos = bos if bos is not None else getattr(tokenizer, "eos_token_id", 0)
-    pad = getattr(tokenizer, "pad_token_id", None) or 0
-    windows: list[tuple[int, list[int]]] = []
+    windows: list[Request] = []
+    owner: list[int] = []
     for d, doc in enumerate(docs):
-        for window in _windows([bos, *encode(tokenizer, doc.text)], max_length):
-            windows.append((d, window))
-    windows.sort(key=lambda w: -len(w[1]))
-    device = next(model.parameters()).device
-    nll = torch.zeros(len(docs), dtype=torch.float64)
-    tokens = torch.zeros(len(docs), dtype=torch.long)
-    columns = [TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
-    with Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task("windows", total=len(windows))
-        for start in range(0, len(windows), batch_size):
-            chunk = windows[start : start + batch_size]
-            lengths = torch.tensor([len(w) for _, w in chunk])
-            ids = torch.full((len(chunk), int(lengths.max())), pad, dtype=torch.long)
-            for r, (_, window) in enumerate(chunk):  # assembling the batch
-                ids[r, : len(window)] = torch.tensor(window)
-            mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
-            ids, mask = ids.to(device), mask.to(device)
-            batch = RequestBatch(ids, mask.long(), request_keys(ids, mask), "loglikelihood")
-            logp = routed_log_probs(model, batch, plan, info, stats, region="all")
-            total, _ = continuation_log_probs(logp, ids, mask)
-            owner = torch.tensor([d for d, _ in chunk])
-            nll.index_add_(0, owner, -total.double().cpu())
-            tokens.index_add_(0, owner, (lengths - 1).clamp(min=0))
-            bar.advance(task, len(chunk))
+        for window in rolling_windows(tokenizer, doc.text, max_length):
+            windows.append(window)
+            owner.append(d)
+    scored = score_requests(model, windows, plan, info, batch_size, stats, progress, "perplexity")
+    index = torch.tensor(owner, dtype=torch.long)
+    nll = torch.zeros(len(docs), dtype=torch.float64).index_add_(0, index, -scored.logprob)
+    tokens = torch.zeros(len(docs), dtype=torch.long).index_add_(0, index, scored.tokens)
     return nll.numpy(), tokens.numpy()
 
 

@@ -10,17 +10,24 @@ A file holds one policy object or a list of them (composed in order, as ``route(
 and every other form of ``routing/loader.py``: a subset file (``moectl subset select``,
 ``moectl baselines --out``), a RoE tau profile, a controller folder, ``option:8``. Keys of
 ``experts`` are MoE layer indices (0 … number of MoE layers − 1); layers not named allow every
-expert. This module keeps the evaluation's view: the routing policies bound to the model, and
-the mean number of experts a fixed mask allows.
+expert. This module keeps the evaluation's view: :func:`setup_routing` turns ``--policy``,
+``--roe`` and ``--controller`` (or lm-eval's ``policy=``, ``roe=``, ``controller=`` model_args)
+into the routing policies bound to the model, the RoE config and the routing plan — one setup for
+``moectl eval`` and ``lm_eval --model moectl`` — and the mean number of experts a fixed mask allows.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from moectl.adapters.inspect import ModelInfo
-from moectl.roe.config import RoEConfig
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.eval.forward import RoutingPlan, static_plan
+from moectl.roe.config import RoEConfig, parse_roe_spec
 from moectl.routing import ExpertMask, load_policy
 from moectl.routing.config import policy_types
 from moectl.routing.loader import routing_policies
@@ -75,7 +82,11 @@ def evaluation_routing(
             continue
         if kind == "controller":
             policy.reset(seed=seed)
-            controller = {"path": str(policy.path), "k_hat": policy.controller.k_hat, "eta": policy.options.get("eta")}
+            controller = {
+                "path": str(policy.path),
+                "k_hat": policy.controller.k_hat,
+                "eta": policy.options.get("eta"),
+            }
         policies += routing_policies([policy], None, info)
     return bind_all(policies, info, where), roe, controller
 
@@ -94,3 +105,67 @@ def experts_allowed(policies: list[Policy], info: ModelInfo) -> float | None:
                 allowed = m if allowed is None else allowed & m
         counts.append(layer.num_experts if allowed is None else int(allowed.sum()))
     return sum(counts) / len(counts)
+
+
+@dataclass
+class EvalRouting:
+    """An evaluation's routing: policies bound to the model, RoE config, controller summary, plan."""
+
+    policies: list[Policy]
+    roe: RoEConfig | None
+    controller: dict[str, Any] | None
+    specs: list[dict[str, Any]] = field(default_factory=list)  # the policy file's configs
+    label: str = "full"
+    info: ModelInfo | None = None
+
+    @property
+    def plan(self) -> RoutingPlan:
+        return static_plan(self.policies, self.roe)
+
+
+def check_routing_args(
+    roe: str | RoEConfig | None, controller: str | os.PathLike | None, seed: int
+) -> RoEConfig | None:
+    """Check ``roe`` and ``controller`` before any model is loaded; returns the parsed RoE config."""
+    if controller is not None:
+        from moectl.options.state import check_controller_dir
+
+        check_controller_dir(controller)
+    if roe is None or isinstance(roe, RoEConfig):
+        return roe
+    return parse_roe_spec(str(roe), seed)
+
+
+def setup_routing(
+    model: nn.Module,
+    policy: Any = None,
+    roe: str | RoEConfig | None = None,
+    controller: str | os.PathLike | None = None,
+    seed: int = 1234,
+) -> EvalRouting:
+    """The routing of an evaluation of ``model``.
+
+    ``policy``: anything ``moectl.load_policy`` reads (a file, a folder, ``option:K``, a dict, a
+    list); ``roe``: a tau profile path, ``K=16,tau=0.3`` or a RoEConfig; ``controller``: a
+    controller folder (TE-MoE: adapters and trained routers merged into the model, per-sequence
+    option state). Controllers and RoE are seeded with ``seed``.
+    """
+    roe_cfg = check_routing_args(roe, controller, seed)
+    loaded = (
+        load_policy(policy if isinstance(policy, (dict, list)) else os.fspath(policy), model)
+        if policy is not None
+        else []
+    )
+    from_file = list(loaded) if isinstance(loaded, list) else [loaded]
+    specs = [p.to_dict() for p in from_file]
+    if controller is not None:
+        from_file.append(load_policy({"type": "controller", "path": str(controller)}, model))
+    info = inspect(model)
+    where = policy if policy is not None else controller
+    policies, roe_cfg, controller_info = evaluation_routing(from_file, info, roe_cfg, seed, where)
+    parts = (
+        [Path(str(policy)).stem] if isinstance(policy, (str, os.PathLike)) else (["policy"] if policy else [])
+    )
+    parts += ["controller"] if controller else []
+    parts += [f"roe-K{roe_cfg.K}"] if roe_cfg is not None else []
+    return EvalRouting(policies, roe_cfg, controller_info, specs, "+".join(parts) or "full", info)

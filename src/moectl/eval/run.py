@@ -4,47 +4,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from moectl.adapters.inspect import inspect
-from moectl.eval.forward import SwitchStats, static_plan
-from moectl.eval.policy_file import evaluation_routing, experts_allowed
+from moectl.eval.forward import SwitchStats
+from moectl.eval.policy_file import EvalRouting, check_routing_args, experts_allowed, setup_routing
 from moectl.eval.results import new_results
-from moectl.roe.config import RoEConfig, config_dict, parse_roe_spec
-from moectl.routing import load_policy
+from moectl.roe.config import config_dict
 
 ENGINES = ("lm-eval", "moectl")
-
-
-def _as_list(loaded: Any) -> list[Any]:
-    return list(loaded) if isinstance(loaded, list) else [loaded]
-
-
-def _lm_tokenizer(tokenizer: Any) -> Any:
-    """lm-eval needs a Hugging Face tokenizer: swap moectl's ByteTokenizer for the equivalent fast one."""
-    from moectl.models.load import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        from moectl.eval.tokenizer import byte_tokenizer
-
-        return byte_tokenizer()
-    return tokenizer
 
 
 def _lm_eval_version() -> str:
     from importlib.metadata import version
 
     return version("lm_eval")
-
-
-def _routing_label(policy: Any, controller: Any, roe: RoEConfig | None) -> str:
-    parts = [Path(policy).stem] if policy is not None else []
-    parts += ["controller"] if controller else []
-    parts += [f"roe-K{roe.K}"] if roe is not None else []
-    return "+".join(parts) or "full"
 
 
 def evaluate(
@@ -86,11 +61,7 @@ def evaluate(
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     # the arguments first, then the data: a wrong flag is named even where no set is fetched yet
-    roe_cfg = parse_roe_spec(roe, seed) if roe is not None else None
-    if controller is not None:
-        from moectl.options.state import check_controller_dir
-
-        check_controller_dir(controller)
+    check_routing_args(roe, controller, seed)
     if tasks:
         from moectl.eval.lm_tasks import check_data, resolve_tasks
 
@@ -107,15 +78,10 @@ def evaluate(
     else:
         model, tokenizer = model_and_tokenizer
     # --policy: any file load_policy reads; --controller: a controller folder (TE-MoE: adapters and
-    # trained routers merged into the model, per-sequence option state)
-    from_file = _as_list(load_policy(os.fspath(policy), model)) if policy is not None else []
-    specs = [p.to_dict() for p in from_file]
-    if controller is not None:
-        from_file.append(load_policy({"type": "controller", "path": str(controller)}, model))
-    info = inspect(model)
-    policies, roe_cfg, controller_info = evaluation_routing(
-        from_file, info, roe_cfg, seed, policy if policy is not None else controller
-    )
+    # trained routers merged into the model, per-sequence option state); --roe: a RoE config
+    routing = setup_routing(model, policy, roe, controller, seed)
+    info, policies, roe_cfg = routing.info, routing.policies, routing.roe
+    assert info is not None
     switch = bool(policies) and roe_cfg is None if switch is None else switch
     if roe_cfg is not None:
         switch = False  # K samples route differently: a switch rate of the ensemble is not defined
@@ -131,12 +97,12 @@ def evaluate(
             "moe_layers": len(summary["moe_layers"]),
         },
         routing={
-            "label": _routing_label(policy, controller, roe_cfg),
+            "label": routing.label,
             "policy_file": str(policy) if policy is not None else None,
-            "policies": specs,
+            "policies": routing.specs,
             "experts_allowed": experts_allowed(policies, info),
             "roe": config_dict(roe_cfg, info.num_moe_layers) if roe_cfg is not None else None,
-            "controller": controller_info,
+            "controller": routing.controller,
         },
         engine={"name": engine, "version": _lm_eval_version() if engine == "lm-eval" else None},
         settings={
@@ -149,7 +115,7 @@ def evaluate(
             "device": device,
         },
     )
-    plan = static_plan(policies, roe_cfg)
+    plan = routing.plan
     if tasks:
         from moectl.eval.code_exec import code_exec_allowed
 
@@ -158,8 +124,7 @@ def evaluate(
                 _run_tasks(
                     model,
                     tokenizer,
-                    info,
-                    plan,
+                    routing,
                     tasks,
                     engine,
                     cache,
@@ -193,8 +158,7 @@ def evaluate(
 def _run_tasks(
     model: Any,
     tokenizer: Any,
-    info: Any,
-    plan: Any,
+    routing: EvalRouting,
     tasks: Sequence[str],
     engine: str,
     cache: Any,
@@ -207,7 +171,12 @@ def _run_tasks(
     switch: bool,
     progress: bool,
 ) -> dict[str, Any]:
-    """Evaluate each task with the chosen engine; returns results-schema task entries."""
+    """Evaluate each task with the chosen engine; returns results-schema task entries.
+
+    Both engines score through moectl's scorers: ``moectl`` runs multiple-choice items in
+    process; ``lm-eval`` runs lm-eval's harness over :class:`moectl.eval.lm_backend.MoectlLM`
+    (the backend of ``lm_eval --model moectl``), so the two give the same numbers.
+    """
     from moectl.eval.multiple_choice import switch_summary
 
     out: dict[str, Any] = {}
@@ -217,24 +186,31 @@ def _run_tasks(
         for task in tasks:
             items = mc_items(task, cache, limit, num_fewshot, seed)
             entry = evaluate_multiple_choice(
-                model, tokenizer, items, plan, info, batch_size, max_length, switch, progress, seed
+                model,
+                tokenizer,
+                items,
+                routing.plan,
+                routing.info,
+                batch_size,
+                max_length,
+                switch,
+                progress,
+                seed,
             )
             entry.pop("per_item")
             out[task] = entry
         return out
-    from moectl.eval.harness import RoutedLM
+    from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
 
-    lm = RoutedLM(
+    lm = MoectlLM(
         model,
-        _lm_tokenizer(tokenizer),
-        plan=plan,
+        tokenizer,
+        routing=routing,
         batch_size=batch_size,
         max_length=max_length,
-        switch_rate=switch,
-        info=info,
         seed=seed,
-        device=str(next(model.parameters()).device),
+        progress=progress,
     )
     for task in tasks:  # one harness run per task, so each gets its own switch rate
         lm.switch = SwitchStats() if switch else None

@@ -1,10 +1,11 @@
-"""Batched log-likelihood of (context, continuation) pairs under a routed model.
+"""Batched log-likelihood of token requests under a routed model: every evaluator's scoring loop.
 
-Requests are tokenised as lm-eval does (context + continuation encoded together, the context's
-tokens split off, trailing context spaces moved to the continuation), sorted by length so each
-batch pads little, right-padded, scored in one routed forward per batch
-(:func:`moectl.eval.forward.routed_log_probs`), and returned in the original order. The per-token
-work is tensor code: one gather and one masked sum per batch.
+A request is ``(ids, scored)`` (``moectl.models.tokens``: the one tokenisation of (context,
+continuation) pairs and of documents). Requests are put in a canonical order — longest first,
+then by their tokens — so a batch holds the same requests whatever order they came in; each
+batch is right-padded and scored by :func:`moectl.eval.token_scores.routed_token_scores` (the LM
+head on chunks of positions), and the results go back in request order. Routing randomness is
+keyed by request (``request_noise.py``), so batch size and order do not change a score either.
 """
 
 from __future__ import annotations
@@ -17,14 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.eval.forward import (
-    RequestBatch,
-    RoutingPlan,
-    SwitchStats,
-    continuation_log_probs,
-    request_keys,
-    routed_log_probs,
-)
+from moectl.eval.forward import RequestBatch, RoutingPlan, SwitchStats, request_keys
+from moectl.eval.token_scores import routed_token_scores, sum_scores
+from moectl.models.tokens import Request, request
 
 
 @dataclass
@@ -36,27 +32,55 @@ class Scored:
     greedy: torch.Tensor  # [N] bool
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids without special tokens, for HF tokenizers and moectl's ByteTokenizer alike."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:
-        return list(tokenizer.encode(text))
-
-
-def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> tuple[list[int], list[int]]:
-    """Context and continuation ids; an empty context becomes the prefix (BOS) token."""
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
-    if not context:
-        return [prefix_id], encode(tokenizer, continuation)
-    whole = encode(tokenizer, context + continuation)
-    ctx = encode(tokenizer, context)
-    return ctx, whole[len(ctx) :]
+def canonical_order(requests: Sequence[Request]) -> list[int]:
+    """Request indices, longest first, ties by token ids: the same batches for any input order."""
+    return sorted(range(len(requests)), key=lambda i: (-len(requests[i][0]), requests[i][0]))
 
 
 @torch.no_grad()
+def score_requests(
+    model: nn.Module,
+    requests: Sequence[Request],
+    plan: RoutingPlan,
+    info: ModelInfo,
+    batch_size: int = 8,
+    stats: SwitchStats | None = None,
+    progress: bool = True,
+    description: str = "scoring",
+) -> Scored:
+    """Summed log-probability of the last ``scored`` tokens of each request's ``ids``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    logprob = torch.zeros(len(requests), dtype=torch.float64)
+    tokens = torch.zeros(len(requests), dtype=torch.long)
+    greedy = torch.ones(len(requests), dtype=torch.bool)
+    order = canonical_order(requests)
+    columns = [TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+    with Progress(*columns, disable=not progress, transient=True) as bar:
+        task = bar.add_task(description, total=len(requests))
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            lengths = torch.tensor([len(requests[i][0]) for i in rows])
+            counts = torch.tensor([requests[i][1] for i in rows])
+            ids = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
+            for r, i in enumerate(rows):  # building the padded batch, not a per-token loop
+                ids[r, : lengths[r]] = torch.tensor(requests[i][0])
+            pos = torch.arange(ids.shape[1])[None, :]
+            mask = pos < lengths[:, None]
+            scored = mask & (pos >= (lengths - counts)[:, None])
+            ids, mask, scored = ids.to(device), mask.to(device), scored.to(device)
+            batch = RequestBatch(ids, mask.long(), request_keys(ids, mask), "loglikelihood")
+            scores = routed_token_scores(model, batch, plan, info, scored, stats, region="all")
+            total, all_greedy = sum_scores(scores, scored)
+            index = torch.tensor(rows)
+            logprob[index] = total.cpu()
+            tokens[index] = counts
+            greedy[index] = all_greedy.cpu()
+            bar.advance(task, len(rows))
+    return Scored(logprob, tokens, greedy)
+
+
 def score_pairs(
     model: nn.Module,
     tokenizer,
@@ -69,45 +93,6 @@ def score_pairs(
     progress: bool = True,
     description: str = "scoring",
 ) -> Scored:
-    """Summed log-probability of each continuation given its context."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    prefix = getattr(tokenizer, "bos_token_id", None)
-    prefix = prefix if prefix is not None else getattr(tokenizer, "eos_token_id", 0)
-    pad = getattr(tokenizer, "pad_token_id", None) or 0
-    encoded = []
-    for context, continuation in pairs:
-        ctx, cont = encode_pair(tokenizer, context, continuation, prefix)
-        if not cont:
-            raise ValueError(f"empty continuation after tokenisation for context ending {context[-40:]!r}")
-        seq = (ctx + cont)[-max_length:]
-        encoded.append((seq, min(len(cont), len(seq) - 1)))
-    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
-    device = next(model.parameters()).device
-    logprob = torch.zeros(len(pairs), dtype=torch.float64)
-    tokens = torch.zeros(len(pairs), dtype=torch.long)
-    greedy = torch.zeros(len(pairs), dtype=torch.bool)
-    columns = [TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
-    with Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task(description, total=len(pairs))
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            lengths = torch.tensor([len(encoded[i][0]) for i in rows])
-            conts = torch.tensor([encoded[i][1] for i in rows])
-            width = int(lengths.max())
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            for r, i in enumerate(rows):  # building the padded batch, not a per-token loop
-                ids[r, : lengths[r]] = torch.tensor(encoded[i][0])
-            pos = torch.arange(width)[None, :]
-            mask = pos < lengths[:, None]
-            cont_mask = mask & (pos >= (lengths - conts)[:, None])
-            ids, mask, cont_mask = ids.to(device), mask.to(device), cont_mask.to(device)
-            batch = RequestBatch(ids, mask.long(), request_keys(ids, mask), "loglikelihood")
-            logp = routed_log_probs(model, batch, plan, info, stats, region="all")
-            total, all_greedy = continuation_log_probs(logp, ids, cont_mask)
-            index = torch.tensor(rows)
-            logprob[index] = total.double().cpu()
-            tokens[index] = conts
-            greedy[index] = all_greedy.cpu()
-            bar.advance(task, len(rows))
-    return Scored(logprob, tokens, greedy)
+    """Summed log-probability of each continuation given its context (lm-eval's ``loglikelihood``)."""
+    requests = [request(tokenizer, context, continuation, max_length) for context, continuation in pairs]
+    return score_requests(model, requests, plan, info, batch_size, stats, progress, description)

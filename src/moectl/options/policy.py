@@ -234,6 +234,7 @@ class ControllerPolicy(PolicyConfig):
         starts = torch.zeros_like(switch)
         betas = torch.zeros(b, t_len, device=dev)
         z = ctrl.set_embedding(option, features)
+        new_options, start_options = mask_of(order, n), mask_of(start_order, n)  # [B, T, N] each
         for t in range(t_len):
             v = valid[:, t]
             start = v & ~started
@@ -242,11 +243,12 @@ class ControllerPolicy(PolicyConfig):
             beta = ctrl.beta_from_parts(a[:, t], w_z, tail, z)
             d = shared[:, t] & cont if shared is not None else (u[:, t] < beta) & cont
             betas[:, t] = torch.where(cont, beta, 0.0)
-            if bool((d | start).any()):
-                option = torch.where(d[:, None], mask_of(order[:, t], n), option)
-                option = torch.where(start[:, None], mask_of(start_order[:, t], n), option)
-                z = ctrl.set_embedding(option, features)
-                started = started | start
+            # no host check for "did any row switch or start": z is recomputed either way (the
+            # same value where nothing changed), so the scan never waits for the device
+            option = torch.where(d[:, None], new_options[:, t], option)
+            option = torch.where(start[:, None], start_options[:, t], option)
+            z = ctrl.set_embedding(option, features)
+            started = started | start
             prev[:, t] = torch.where(start[:, None], option, prev[:, t])
             masks[:, t] = torch.where(started[:, None], option, masks[:, t])
             switch[:, t], starts[:, t] = d, start
@@ -272,7 +274,9 @@ def _attach(folder: Path, model: nn.Module) -> OptionController:
     if applied is None:
         merged, controller, _, _ = load_controlled(model, folder, merge=True)
         if merged is not model:
-            raise RuntimeError("merging the controller's adapters did not happen in place; use load_controlled")
+            raise RuntimeError(
+                "merging the controller's adapters did not happen in place; use load_controlled"
+            )
         model.eval()
         model._moectl_controller = key
         return controller

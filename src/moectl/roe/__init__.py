@@ -10,8 +10,9 @@ Paper: "MoEs are stronger than you think: hyper-parallel inference scaling with 
 
 Layout: ``config`` (RoEConfig, profiles), ``noise`` (Gumbel-top-k keyed by sample and position),
 ``masks`` + ``cache`` + ``hybrid`` (clean cache and the comparison variants), ``ensemble`` (one
-step, aggregation), ``generate``, ``score``, ``data``, ``tune``, ``adaptive`` (adaptive K),
-``bench`` (overhead), ``plots``, ``cli`` (``moectl roe ...``).
+step, aggregation), ``spans`` + ``head`` + ``parallel`` (whole sequences scored span by span, the
+LM head on a few tokens at a time: no [K, T, V]), ``generate``, ``score``, ``data``, ``tune``,
+``adaptive`` (adaptive K), ``bench`` (overhead), ``plots``, ``cli`` (``moectl roe ...``).
 """
 
 from moectl.roe.adaptive import AdaptiveEnsemble, trade_off

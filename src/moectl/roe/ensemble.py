@@ -33,6 +33,8 @@ from moectl.roe.noise import SampleGumbel
 from moectl.routing.session import RoutingSession, route
 from moectl.routing.state import Policy
 
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def aggregate(logits: Tensor, how: str = "prob_mean") -> Tensor:
     """Log-probabilities [..., V] of the aggregated distribution of K samples' logits [..., K, V].
@@ -56,10 +58,13 @@ def experts_implementation(model: nn.Module, implementation: str | None) -> Iter
 
     RoE's K samples only pay off as one batch (§2.3) if the experts run as one batched kernel: a
     per-expert loop (transformers' ``eager`` experts, moectl's tiny-model default) visits every
-    expert the K samples hit — up to E instead of k per token. Models that cannot switch, or
-    ``implementation=None``, keep theirs.
+    expert the K samples hit — up to E instead of k per token. Models that cannot switch (or whose
+    dtype the grouped kernel does not take, e.g. float64), or ``implementation=None``, keep theirs.
     """
     setter = getattr(model, "set_experts_implementation", None)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if implementation == "grouped_mm" and dtype not in _GROUPED_DTYPES:  # e.g. float64 reference runs
+        implementation = None
     if implementation is None or setter is None:
         yield
         return

@@ -154,3 +154,42 @@ def teacher_forced_masks(
         return masks
     (only,) = [m for m in masks.values() if m is not None]
     return only
+
+
+def teacher_forced_span_masks(
+    kinds: list[AttentionKind],
+    as_dict: bool,
+    valid: Tensor,
+    left_pad: Tensor,
+    first: int,
+    stop: int,
+    copies: int,
+    dtype: torch.dtype,
+) -> Tensor | dict[str, Tensor | None]:
+    """[B, 1, Q, n + Q] masks for ``copies`` noisy samples of positions ``first … stop − 1`` at once.
+
+    The queries are the span's tokens repeated ``copies`` times (sample-major, Q = copies ·
+    (stop − first)); the keys are the clean cache's first n = stop − 1 tokens followed by the
+    queries' own keys. Query (k, t) sees the clean keys before t (by the layer's attention kind)
+    and its own key only — :func:`teacher_forced_masks` restricted to a span of positions, with
+    several samples folded into the query dimension as in a clean-cache step (RoE §2.3).
+    """
+    n = max(stop - 1, 0)
+    device = valid.device
+    query = torch.arange(first, stop, device=device).repeat(copies)
+    keys = torch.arange(n, device=device)
+    q = query.numel()
+    own = torch.eye(q, dtype=torch.bool, device=device).expand(valid.shape[0], q, q)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    masks: dict[str, Tensor | None] = {}
+    for kind in kinds:
+        if kind.kind == "recurrent":
+            masks[kind.layer_type] = None
+            continue
+        clean = prefix_visibility(kind, keys, query, valid, left_pad)
+        allowed = torch.cat([clean, own], dim=-1)[:, None]
+        masks[kind.layer_type] = torch.where(allowed, zero, torch.finfo(dtype).min)
+    if as_dict:
+        return masks
+    (only,) = [m for m in masks.values() if m is not None]
+    return only

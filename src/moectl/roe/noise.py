@@ -49,19 +49,64 @@ def layer_keys(seed: int, layers: Sequence[int]) -> list[int]:
     return [_mix_int(base ^ _mix_int(layer * 0x632BE5AB + 0x1B873593)) for layer in layers]
 
 
+_CHUNK_ELEMENTS = 1 << 20  # hash draws computed at once: int64 temporaries stay ~8 MiB each
+
+
+def _token_codes(sample: Tensor, position: Tensor) -> Tensor:
+    """Per routed token, the 32-bit code of (sample, position) [broadcast shape], int64."""
+    return (sample.long() << 20) ^ (position.long() & 0xFFFFF)
+
+
+def _gumbel_of_codes(key: int, token: Tensor, num_experts: int, out: Tensor) -> None:
+    """Write Gumbel(0, 1) draws of layer ``key`` for token codes ``token`` [N] into ``out`` [N, E]."""
+    experts = torch.arange(num_experts, dtype=torch.int64, device=token.device) * 0x61C88647 & _M32
+    h = _mix(_mix(token ^ key).unsqueeze(-1) ^ experts)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    out.copy_(u.log_().neg_().log_().neg_())
+
+
+def layer_gumbel(
+    key: int,
+    sample: Tensor,
+    position: Tensor,
+    num_experts: int,
+    dtype: torch.dtype = torch.float32,
+    chunk: int = _CHUNK_ELEMENTS,
+) -> Tensor:
+    """Gumbel(0, 1) draws [*shape, E] of one MoE layer from the hash of (key, sample, position, expert).
+
+    ``key`` is the layer's ``layer_keys`` entry; ``sample`` (< 2**12) and ``position`` (< 2**20)
+    are broadcastable integer tensors. The integer hash runs over chunks of about ``chunk``
+    draws, so its int64 temporaries stay bounded whatever the batch; the draws are written
+    straight into a tensor of ``dtype`` (the router logits' dtype). Computed in float32 and then
+    cast, so the values are those of :func:`hashed_gumbel` for the same layer, bit for bit.
+    """
+    token = _token_codes(sample, position)
+    shape = token.shape
+    token = token.reshape(-1)
+    out = torch.empty((token.numel(), num_experts), dtype=dtype, device=token.device)
+    rows = max(1, chunk // max(1, num_experts))
+    for first in range(0, token.numel(), rows):  # a handful of chunks per layer, not per token
+        part = out[first : first + rows]
+        if dtype == torch.float32:
+            _gumbel_of_codes(key, token[first : first + rows], num_experts, part)
+        else:
+            tmp = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+            _gumbel_of_codes(key, token[first : first + rows], num_experts, tmp)
+            part.copy_(tmp)
+    return out.reshape(*shape, num_experts)
+
+
 def hashed_gumbel(keys: Tensor, sample: Tensor, position: Tensor, num_experts: int) -> Tensor:
     """Gumbel(0, 1) draws [L, *shape, E] from the hash of (layer key, sample, position, expert).
 
     ``keys`` [L] are ``layer_keys``; ``sample`` (< 2**12) and ``position`` (< 2**20) are
     broadcastable integer tensors. Uniforms use 24 bits: u = (h + 0.5) / 2**24 lies strictly
-    inside (0, 1), so −log(−log u) is finite.
+    inside (0, 1), so −log(−log u) is finite. One :func:`layer_gumbel` per layer (routing draws
+    each layer's noise when that layer routes; this stacked form is for inspection and tests).
     """
-    token = (sample.long() << 20) ^ (position.long() & 0xFFFFF)
-    h = _mix(keys.view(-1, *([1] * token.dim())) ^ token.unsqueeze(0))
-    experts = torch.arange(num_experts, dtype=torch.int64, device=h.device) * 0x61C88647 & _M32
-    h = _mix(h.unsqueeze(-1) ^ experts)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    sample, position = torch.broadcast_tensors(sample, position)
+    return torch.stack([layer_gumbel(int(k), sample, position, num_experts) for k in keys.tolist()])
 
 
 @dataclass
@@ -82,16 +127,15 @@ class SampleGumbel:
 
     ``tau`` has one value per MoE layer (RoE §2.2). Layers with tau = 0 are untouched; so is every
     forward whose ``layout`` is None (e.g. the clean prefill) — the model routes as it always does.
-    The noise of all noisy layers is drawn in one vectorised call at the first MoE layer of each
-    forward (the layout fixes it) and sliced per layer.
+    Each layer draws its own noise when it routes ([B, T, E] in the router logits' dtype, hashed
+    in bounded chunks: ``layer_gumbel``), so no forward ever holds the noise of several layers.
     """
 
     def __init__(self, tau: Sequence[float], seed: int = 0) -> None:
         self.tau = [float(t) for t in tau]
         self.seed = int(seed)
         self._layout: NoiseLayout | None = None
-        self._noise: dict[int, Tensor] | None = None
-        self._noisy = [i for i, t in enumerate(self.tau) if t > 0]
+        self._keys = layer_keys(self.seed, range(len(self.tau)))
 
     @property
     def layout(self) -> NoiseLayout | None:
@@ -99,7 +143,7 @@ class SampleGumbel:
 
     @layout.setter
     def layout(self, layout: NoiseLayout | None) -> None:
-        self._layout, self._noise = layout, None
+        self._layout = layout
 
     def bind(self, info: ModelInfo) -> None:
         if len(self.tau) != info.num_moe_layers:
@@ -111,25 +155,20 @@ class SampleGumbel:
             raise ValueError(f"SampleGumbel: temperatures must be >= 0 (finite), got {bad}")
         self.layout = None
 
-    def _draw(self, layers: list[int], b: int, t: int, e: int, device: torch.device) -> dict[int, Tensor]:
+    def noise(self, layer: int, logits: Tensor) -> Tensor:
+        """tau_layer · scale · G for ``logits`` [B, T, E], G drawn for this layer alone."""
         layout = self._layout
         assert layout is not None
+        b, t, e = logits.shape
+        device = logits.device
         sample = layout.sample.to(device).expand(b, t)
         position = layout.position.to(device).expand(b, t)
         scale = layout.scale.to(device=device, dtype=torch.float32).expand(b, t)
-        tau = torch.tensor([self.tau[i] for i in layers], device=device)
-        keys = torch.tensor(layer_keys(self.seed, layers), dtype=torch.int64, device=device)
-        g = hashed_gumbel(keys, sample, position, e)  # [L, b, t, E]
-        g = g * (tau[:, None, None] * scale).unsqueeze(-1)
-        return dict(zip(layers, g.unbind(0), strict=True))
+        g = layer_gumbel(self._keys[layer], sample, position, e, dtype=logits.dtype)
+        tau = torch.tensor(self.tau[layer], dtype=torch.float32, device=device)
+        return g.mul_((tau * scale).unsqueeze(-1).to(g.dtype))
 
     def apply(self, state: RoutingState) -> None:
         if self._layout is None or self.tau[state.layer] == 0.0:
             return
-        b, t, e = state.logits.shape
-        if self._noise is None:  # first noisy layer of this forward: draw for all of them at once
-            self._noise = self._draw(self._noisy, b, t, e, state.logits.device)
-        noise = self._noise[state.layer]
-        if noise.shape != state.logits.shape:  # a layer with another expert count
-            noise = self._draw([state.layer], b, t, e, state.logits.device)[state.layer]
-        state.add_noise(noise)
+        state.add_noise(self.noise(state.layer, state.logits))

@@ -1,115 +1,180 @@
-"""All positions of a sequence under RoE in two forwards: the clean pass, then the noisy samples (RoE §2.3).
+"""RoE log-likelihoods of whole sequences without [K, T, V]: clean forward, noisy spans, running reductions.
 
-With the clean cache, sample k's prediction at position t reads the *clean* keys and values of
-x_<t and routes only x_t with noise. So one clean forward over the whole sequence fills a KV
-cache, and one forward of the K−1 noisy copies per sequence reads it under a teacher-forced mask
-(``masks.teacher_forced_masks``: a noisy row at t sees the clean keys before t and its own key t
-only). :func:`sample_logits` yields those logits, clean sample first, noisy ones in chunks sized
-to a memory budget; :func:`ensemble_log_probs` aggregates them into the RoE next-token
-distribution at every position, the layout of a model's logits — what an evaluation harness
-gathers continuations and greedy checks from.
+p_RoE(x_t | x_<t) aggregates the K routing samples that predict x_t from the clean prefix (RoE
+§2.3; ``prob_mean``, the paper's probability average, §3.1, or ``logprob_mean``). The samples
+come span by span from ``spans.sample_spans`` as final hidden states; the LM head runs on a few
+tokens at a time (``head.py``) and each result is folded into a running reduction at once:
+
+- :func:`parallel_token_logprobs` — log p_RoE of each next token [B, T]: one log-probability per
+  (sample, token), log-add-exp over the samples (``prob_mean``). Nothing of size V outlives a
+  head call.
+- :func:`parallel_token_scores` — the same plus whether each token is the RoE distribution's
+  greedy choice (what evaluation needs): a [B, P, V] accumulator per span of P positions.
+- :func:`parallel_log_probs` / :func:`ensemble_log_probs` — whole next-token distributions
+  [B, T, V] for callers whose interface is full logits (an lm-eval harness's ``_model_call``):
+  written span by span into the output; no [K, …] or second [B, T, V] buffer.
+
+Generation needs the last position only: ``Ensemble`` (``ensemble.py``) decodes with the clean
+cache and asks the model for the last position's logits ([B, K, V]) at each step.
+Models with recurrent layers (and ``cache != "clean"``) take the stepwise path: teacher-forced
+``Ensemble`` steps, reduced step by step the same way.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
-from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.cache import left_padded
+from moectl.adapters.inspect import ModelInfo
 from moectl.roe.config import RoEConfig
-from moectl.roe.ensemble import experts_implementation
-from moectl.roe.masks import attention_kinds, teacher_forced_masks
-from moectl.roe.noise import NoiseLayout, SampleGumbel
-from moectl.routing.session import route
+from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs
+from moectl.roe.spans import is_attention_only, sample_spans
 from moectl.routing.state import Policy
 
-_CHUNK_BYTES = 1 << 28  # logits + masks budget per noisy chunk
+__all__ = [
+    "Budget",
+    "TokenScores",
+    "ensemble_log_probs",
+    "ensemble_token_scores",
+    "is_attention_only",
+    "parallel_log_probs",
+    "parallel_token_logprobs",
+    "parallel_token_scores",
+]
 
 
-def _full_cache(model: nn.Module):
-    """A cache whose attention layers keep every token (sliding layers too)."""
-    if getattr(model.config, "model_type", "") == "minimax":
-        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+@dataclass(frozen=True)
+class Budget:
+    """Chunk sizes: float bytes of one LM-head call (``head_bytes``, also the cap of a span's
+    [B, P, V] accumulator) and query tokens of one noisy forward (``span_tokens``; None: as many
+    as keep its attention area within the clean forward's, ``spans.span_plan``)."""
 
-        return MiniMaxCache()
-    return DynamicCache()
-
-
-def _repeat_masks(masks, c: int):
-    def rep(m: Tensor | None) -> Tensor | None:
-        return None if m is None else m.repeat_interleave(c, 0)
-
-    return {k: rep(v) for k, v in masks.items()} if isinstance(masks, dict) else rep(masks)
+    head_bytes: int = HEAD_BYTES
+    span_tokens: int | None = None
 
 
-def is_attention_only(model: nn.Module) -> bool:
-    """True when every layer is attention (the parallel path needs a KV cache it can share)."""
-    return not any(k.kind == "recurrent" for k in attention_kinds(model.config)[0])
+@dataclass
+class TokenScores:
+    """Per token of a left-padded batch, position t: ``logprob`` [B, T] = log p_RoE(x_t | x_<t) and
+    ``greedy`` [B, T] = x_t is the argmax of p_RoE(· | x_<t). Position 0 and padding: 0 and True."""
+
+    logprob: Tensor
+    greedy: Tensor | None = None
+
+
+def _vocab(model: nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _finish(acc: Tensor, config: RoEConfig) -> Tensor:
+    """The aggregated log-distribution from the running sums over the K samples (in place)."""
+    if config.aggregation == "prob_mean":
+        return acc.sub_(math.log(config.K))
+    return torch.log_softmax(acc.div_(config.K), dim=-1)
+
+
+def _check(config: RoEConfig) -> None:
+    if config.aggregation not in ("prob_mean", "logprob_mean"):
+        raise ValueError(f"aggregation must be 'prob_mean' or 'logprob_mean', got {config.aggregation!r}")
+
+
+def _distributions(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None,
+    policies: Sequence[Policy],
+    positions: int,
+    budget: Budget,
+) -> Iterator[tuple[int, Tensor]]:
+    """(first position, RoE log-distributions [B, P, V]) span by span, at positions 0 … positions − 1."""
+    head, rows = output_head(model), head_rows(_vocab(model), budget.head_bytes)
+    span_positions = max(1, rows // max(1, ids.shape[0]))  # the [B, P, V] accumulator ≤ one head call
+    acc: Tensor | None = None
+    for part in sample_spans(
+        model, ids, mask, config, info, policies, positions, span_positions, budget.span_tokens
+    ):
+        for k in range(part.hidden.shape[1]):  # the samples of this group, one head pass each
+            acc = add_log_probs(head, part.hidden[:, k], acc, config.aggregation, rows)
+        if part.last:
+            assert acc is not None
+            yield part.first, _finish(acc, config)
+            acc = None
 
 
 @torch.no_grad()
-def sample_logits(
+def parallel_token_logprobs(
     model: nn.Module,
     ids: Tensor,
     mask: Tensor,
     config: RoEConfig,
     info: ModelInfo | None = None,
     policies: Sequence[Policy] = (),
-) -> Iterator[Tensor]:
-    """Logits [B, c, L, V] of the K routing samples at every position of a left-padded batch.
+    budget: Budget = Budget(),
+) -> Tensor:
+    """RoE log p(x_t | x_<t) [B, T] of a left-padded batch (0 at position 0 and at padding).
 
-    The first chunk is the clean sample (c = 1, tau = 0); the others hold noisy samples 1 … K−1.
-    ``policies`` (a mask, a subset) apply before the noise, as in ``Ensemble``.
+    Attention-only models, clean cache. ``prob_mean`` keeps one number per (sample, token);
+    ``logprob_mean`` needs each position's normaliser over the vocabulary, so it goes through
+    span accumulators as :func:`parallel_token_scores` does.
     """
-    info = info or inspect(model)
-    if not is_attention_only(model):
-        raise ValueError("the parallel RoE path needs an attention-only model; use the stepwise path")
-    kinds, as_dict = attention_kinds(model.config)
-    valid, left_pad, position = left_padded(mask)
+    _check(config)
+    if config.aggregation != "prob_mean":
+        return parallel_token_scores(model, ids, mask, config, info, policies, False, budget).logprob
     b, length = ids.shape
-    noise = SampleGumbel(config.taus(info.num_moe_layers), seed=config.seed)
-    with experts_implementation(model, "grouped_mm"), route(model, [*policies, noise], info=info):
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position,
-            past_key_values=_full_cache(model),
-            use_cache=True,
-        )
-        cache, clean = out.past_key_values, out.logits
-        del out
-        vocab = clean.shape[-1]
-        yield clean[:, None]
-        del clean
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        base_mask = teacher_forced_masks(kinds, as_dict, valid, left_pad, dtype)
-        per_chunk = max(1, _CHUNK_BYTES // max(1, b * length * (vocab + 2 * length) * 4))
-        for first in range(1, config.K, per_chunk):
-            c = min(per_chunk, config.K - first)
-            rows = b * c
-            rep = _full_cache(model)
-            for i, layer in enumerate(cache.layers):
-                if getattr(layer, "is_initialized", False) and layer.keys is not None:
-                    rep.update(layer.keys.repeat_interleave(c, 0), layer.values.repeat_interleave(c, 0), i)
-            sample = (first + torch.arange(rows, device=ids.device) % c)[:, None]
-            noise.layout = NoiseLayout(sample=sample, position=position.repeat_interleave(c, 0), scale=sample > 0)
-            try:
-                noisy = model(
-                    input_ids=ids.repeat_interleave(c, 0),
-                    attention_mask=_repeat_masks(base_mask, c),
-                    position_ids=position.repeat_interleave(c, 0),
-                    past_key_values=rep,
-                    use_cache=True,
-                ).logits.reshape(b, c, length, vocab)
-            finally:
-                noise.layout = None
-            del rep
-            yield noisy
+    head, rows = output_head(model), head_rows(_vocab(model), budget.head_bytes)
+    acc = torch.full((b, length), -math.inf, device=ids.device)
+    for part in sample_spans(model, ids, mask, config, info, policies, length - 1, None, budget.span_tokens):
+        c, span = part.hidden.shape[1], part.hidden.shape[2]
+        targets = ids[:, part.first + 1 : part.stop + 1, None].expand(b, span, c).transpose(1, 2)
+        lp = target_logprobs(head, part.hidden.reshape(b * c * span, -1), targets.reshape(-1), rows)
+        lp = torch.logsumexp(lp.reshape(b, c, span), dim=1)
+        if lp.dtype != acc.dtype:
+            acc = acc.to(lp.dtype)
+        window = acc[:, part.first + 1 : part.stop + 1]
+        torch.logaddexp(window, lp, out=window)
+    return (acc - math.log(config.K)).masked_fill_(~mask.bool(), 0.0).index_fill_(1, _zero(ids), 0.0)
+
+
+def _zero(ids: Tensor) -> Tensor:
+    return torch.zeros(1, dtype=torch.long, device=ids.device)
+
+
+@torch.no_grad()
+def parallel_token_scores(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None = None,
+    policies: Sequence[Policy] = (),
+    greedy: bool = True,
+    budget: Budget = Budget(),
+) -> TokenScores:
+    """:class:`TokenScores` of a left-padded batch, span by span (attention-only models, clean cache)."""
+    _check(config)
+    b, length = ids.shape
+    logprob = torch.zeros(b, length, device=ids.device)
+    flags = torch.ones(b, length, dtype=torch.bool, device=ids.device) if greedy else None
+    for first, dist in _distributions(model, ids, mask, config, info, policies, length - 1, budget):
+        stop = first + dist.shape[1]
+        target = ids[:, first + 1 : stop + 1]
+        lp = dist.gather(-1, target[..., None]).squeeze(-1)
+        logprob = logprob.to(lp.dtype) if lp.dtype != logprob.dtype else logprob
+        logprob[:, first + 1 : stop + 1] = lp
+        if flags is not None:
+            flags[:, first + 1 : stop + 1] = dist.argmax(-1) == target
+        del dist
+    valid = mask.bool()
+    logprob.masked_fill_(~valid, 0.0)
+    if flags is not None:
+        flags |= ~valid
+    return TokenScores(logprob, flags)
 
 
 @torch.no_grad()
@@ -120,22 +185,19 @@ def parallel_log_probs(
     config: RoEConfig,
     info: ModelInfo | None = None,
     policies: Sequence[Policy] = (),
+    budget: Budget = Budget(),
 ) -> Tensor:
-    """The clean-cache path of :func:`ensemble_log_probs`: the K samples of :func:`sample_logits`
-    aggregated chunk by chunk (attention-only models)."""
-    acc: Tensor | None = None
-    for logits in sample_logits(model, ids, mask, config, info, policies):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        if config.aggregation == "prob_mean":
-            part = torch.logsumexp(logp, dim=1)
-            acc = part if acc is None else torch.logaddexp(acc, part)
-        else:
-            part = logp.sum(1)
-            acc = part if acc is None else acc + part
-    assert acc is not None
-    if config.aggregation == "prob_mean":
-        return acc - math.log(config.K)
-    return torch.log_softmax(acc / config.K, dim=-1)
+    """RoE next-token log-probabilities [B, T, V] at every position (the output is the only
+    vocabulary-sized buffer that lasts: span accumulators are written into it and dropped)."""
+    _check(config)
+    out: Tensor | None = None
+    for first, dist in _distributions(model, ids, mask, config, info, policies, ids.shape[1], budget):
+        if out is None:
+            out = torch.empty((*ids.shape, dist.shape[-1]), dtype=dist.dtype, device=dist.device)
+        out[:, first : first + dist.shape[1]] = dist
+        del dist
+    assert out is not None
+    return out
 
 
 def ensemble_log_probs(
@@ -150,12 +212,61 @@ def ensemble_log_probs(
 
     Position t holds log p_RoE(· | x_≤t), aggregated over the K samples as ``config.aggregation``
     says (``prob_mean``: the paper's probability average, §3.1). Attention-only models use the
-    two-forward clean-cache path; others (and ``cache != "clean"``) decode teacher-forced with
-    ``Ensemble``, one step per position.
+    clean-cache span path; others (and ``cache != "clean"``) decode teacher-forced with
+    ``Ensemble``, one step per position. Callers that only need the log-probability of the next
+    token (and whether it is the greedy one) should use :func:`ensemble_token_scores`.
     """
     if config.cache == "clean" and is_attention_only(model):
         return parallel_log_probs(model, ids, mask, config, info, policies)
-    return _stepwise_log_probs(model, ids, mask, config, info, policies)
+    return torch.stack([s.logprobs for s in _steps(model, ids, mask, config, info, policies)], dim=1)
+
+
+def ensemble_token_scores(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None = None,
+    policies: Sequence[Policy] = (),
+    greedy: bool = True,
+) -> TokenScores:
+    """:class:`TokenScores` under RoE for any model and cache variant, without [B, T, V]."""
+    if config.cache == "clean" and is_attention_only(model):
+        if not greedy and config.aggregation == "prob_mean":
+            return TokenScores(parallel_token_logprobs(model, ids, mask, config, info, policies))
+        return parallel_token_scores(model, ids, mask, config, info, policies, greedy)
+    b, length = ids.shape
+    logprob = torch.zeros(b, length, device=ids.device)
+    flags = torch.ones(b, length, dtype=torch.bool, device=ids.device) if greedy else None
+    steps = _steps(model, ids[:, :-1], mask[:, :-1], config, info, policies) if length > 1 else []
+    for t, step in enumerate(steps, 1):
+        target = ids[:, t]
+        logprob[:, t] = step.logprobs.gather(-1, target[:, None]).squeeze(-1)
+        if flags is not None:
+            flags[:, t] = step.logprobs.argmax(-1) == target
+    valid = mask.bool()
+    logprob.masked_fill_(~valid, 0.0)
+    if flags is not None:
+        flags |= ~valid
+    return TokenScores(logprob, flags)
+
+
+def _steps(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    config: RoEConfig,
+    info: ModelInfo | None,
+    policies: Sequence[Policy],
+):
+    """Teacher-forced ``Ensemble`` steps: the distribution after each position (any cache variant)."""
+    from moectl.roe.ensemble import Ensemble
+
+    valid = mask.bool()
+    with torch.no_grad(), Ensemble(model, config, info=info, policies=policies) as ens:
+        yield ens.start(ids[:, :1], mask[:, :1])
+        for t in range(1, ids.shape[1]):  # one ensemble step per position: the definition, not a hot path
+            yield ens.step(ids[:, t], valid[:, t])
 
 
 def _stepwise_log_probs(
@@ -166,12 +277,5 @@ def _stepwise_log_probs(
     info: ModelInfo | None,
     policies: Sequence[Policy],
 ) -> Tensor:
-    """Teacher-forced ``Ensemble`` steps: the distribution after each position (any cache variant)."""
-    from moectl.roe.ensemble import Ensemble
-
-    valid = mask.bool()
-    with Ensemble(model, config, info=info, policies=policies) as ens:
-        steps = [ens.start(ids[:, :1], mask[:, :1]).logprobs]
-        for t in range(1, ids.shape[1]):  # one ensemble step per position: the definition, not a hot path
-            steps.append(ens.step(ids[:, t], valid[:, t]).logprobs)
-    return torch.stack(steps, dim=1)
+    """Teacher-forced ``Ensemble`` steps stacked: [B, L, V] (the definition the span path must equal)."""
+    return torch.stack([s.logprobs for s in _steps(model, ids, mask, config, info, policies)], dim=1)

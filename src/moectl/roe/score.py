@@ -32,46 +32,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.models.tokens import encode, request
 from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.roe.ensemble import Ensemble
 from moectl.roe.masks import attention_kinds
-from moectl.roe.parallel import parallel_log_probs
+from moectl.roe.parallel import parallel_token_logprobs
 from moectl.routing.state import Policy
 
 
 # -- tokens ---------------------------------------------------------------------------------
-def _encode(tokenizer, text: str, special: bool) -> list[int]:
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=special))
-    except TypeError:  # tokenizers without the keyword (moectl's ByteTokenizer adds none)
-        return list(tokenizer.encode(text))
-
-
 def encode_pair(tokenizer, context: str, continuation: str, max_length: int) -> tuple[list[int], int]:
     """Token ids of context + continuation and the index of the first scored token.
 
-    An empty context starts from BOS (when the tokenizer has one) so every token of the text is
-    scored; too-long sequences lose context from the left (at least one token of context stays).
+    The one tokenisation of every moectl scorer (``moectl.models.tokens``, lm-eval's convention):
+    the pair encoded whole without special tokens, the continuation's tokens those after the
+    context's; an empty context is the prefix token (BOS), so every token of a text is scored;
+    too-long sequences lose tokens from the left (at least one token of context stays).
     """
-    ctx = _encode(tokenizer, context, special=True) if context else []
-    bos = getattr(tokenizer, "bos_token_id", None)
-    cont = _encode(tokenizer, continuation, special=not context)
-    if not context:
-        if bos is not None and (not cont or cont[0] != bos):
-            cont = [bos, *cont]
-        ctx, cont = cont[:1], cont[1:]
-    if not ctx:
-        ctx = [bos if bos is not None else getattr(tokenizer, "eos_token_id", 0) or 0]
-    if not cont:
-        raise ValueError(f"nothing to score: the continuation {continuation[:40]!r} encodes to no tokens")
-    ids = ctx + cont
-    if len(ids) > max_length:
-        cut = min(len(ids) - max_length, len(ctx) - 1)
-        ids = ids[cut:]
-        ctx = ctx[cut:]
-        ids = ids[:max_length]
-    return ids, len(ctx)
+    ids, scored = request(tokenizer, context, continuation, max_length)
+    return ids, len(ids) - scored
 
 
 def pad_left(
@@ -99,10 +79,8 @@ def token_logprobs_parallel(
     info: ModelInfo | None = None,
     policies: Sequence[Policy] = (),
 ) -> Tensor:
-    """RoE log p(x_t | x_<t) [B, L] for every position (0 at position 0), clean cache, two forwards."""
-    logp = parallel_log_probs(model, ids, mask, config, info, policies)
-    lp = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0)) * mask.bool()
+    """RoE log p(x_t | x_<t) [B, L] for every position (0 at position 0), clean cache, without [K, L, V]."""
+    return parallel_token_logprobs(model, ids, mask, config, info, policies) * mask.bool()
 
 
 @torch.no_grad()
@@ -281,7 +259,7 @@ def _exact_match(model, tokenizer, items, config, batch_size, progress, info, st
     from moectl.roe.generate import generate
 
     assert all(isinstance(i, GenItem) for i in items)
-    longest = max(len(_encode(tokenizer, i.answer, special=False)) for i in items)
+    longest = max(len(encode(tokenizer, i.answer)) for i in items)
     outs = generate(
         model, tokenizer, [i.prompt for i in items], config,
         max_new_tokens=longest + 2, batch_size=batch_size, progress=progress, info=info,

@@ -6,6 +6,12 @@ For each MoE layer the trace holds ``probs`` [B, T, E] (router distribution p), 
 generated rather than given. Forward calls that continue a sequence (KV-cache offset > 0) append
 along T; a call at offset 0 starts a new segment; segments are stacked along B (padded with
 ``valid=False``). Metrics and plots read traces, never models. Saved as safetensors + JSON.
+
+Recording never waits for the device: a forward's records stay where the model computed them
+until the call is over; the next call (or the first read) moves them to the host in one go —
+on CUDA one ``non_blocking`` copy per dtype into pinned memory, followed by an event that reading
+waits on (PyTorch's rules: the copy is queued on the stream that produced the tensors, so the
+device buffers may be freed at once; the pinned destination is kept until read).
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from moectl.fileio import atomic_path
+
+
+@dataclass
+class _Call:
+    """One forward call's records, still on their device."""
+
+    segment: _Segment
+    valid: Tensor | None  # None once moved to the host
+    records: list[tuple[str, int, Tensor]] = field(default_factory=list)  # (what, layer, tensor)
 
 
 @dataclass
@@ -43,26 +58,59 @@ class RoutingTrace:
         self.probs_dtype = probs_dtype
         self._segments: list[_Segment] = []
         self._cache: dict[str, Any] = {}
+        self._call: _Call | None = None  # the latest forward's records, not yet on the host
+        self._copied: list[Any] = []  # CUDA events after the copies to the host not yet waited on
 
     # -- recording ---------------------------------------------------------------------------
     def begin_call(self, offset: int, valid: Tensor) -> None:
         """Start a forward call: a new segment at offset 0, else continue the current one."""
+        self.flush()
         if offset == 0 or not self._segments:
             self._segments.append(_Segment(prompt_len=valid.shape[1]))
-        self._segments[-1].valid.append(valid.detach().cpu())
+        self._call = _Call(self._segments[-1], valid.detach())
         self._cache.clear()
 
     def record(self, layer: int, probs: Tensor, chosen: Tensor, allowed: Tensor | None) -> None:
-        seg = self._segments[-1]
-        seg.probs.setdefault(layer, []).append(probs.detach().to("cpu", self.probs_dtype))
-        seg.chosen.setdefault(layer, []).append(
-            chosen.detach().to("cpu", torch.int16 if probs.shape[-1] < 2**15 else torch.int64)
-        )
+        """Keep one MoE layer's routing of the current call (on its device until ``flush``)."""
+        if self._call is None:
+            raise RuntimeError("RoutingTrace.record outside a forward call: call begin_call first")
+        index = torch.int16 if probs.shape[-1] < 2**15 else torch.int64
+        records = self._call.records
+        records.append(("probs", layer, probs.detach().to(self.probs_dtype)))
+        records.append(("chosen", layer, chosen.detach().to(index)))
         if allowed is not None:
-            seg.allowed.setdefault(layer, []).append(allowed.detach().cpu())
+            records.append(("allowed", layer, allowed.detach()))
+        self._cache.clear()
+
+    def flush(self) -> None:
+        """Move the current call's records so far to the host (asynchronously from CUDA; see the
+        module doc). The call stays open: later records of the same forward follow."""
+        call = self._call
+        if call is None or (call.valid is None and not call.records):
+            return
+        tensors = ([] if call.valid is None else [call.valid]) + [t for _, _, t in call.records]
+        host = _to_host(tensors)
+        for device in {t.device for t in tensors if t.is_cuda}:  # one event per device copied from
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._copied.append(event)
+        seg = call.segment
+        if call.valid is not None:
+            seg.valid.append(host.pop(0))
+        for (what, layer, _), tensor in zip(call.records, host, strict=True):
+            getattr(seg, what).setdefault(layer, []).append(tensor)
+        call.valid, call.records = None, []
+
+    def _ready(self) -> None:
+        """Records on the host and their copies complete (before any read)."""
+        self.flush()
+        for event in self._copied:
+            event.synchronize()
+        self._copied = []
 
     # -- reading -----------------------------------------------------------------------------
     def _stack(self, what: str) -> Any:
+        self._ready()
         if what in self._cache:
             return self._cache[what]
         if not self._segments:
@@ -158,6 +206,26 @@ class RoutingTrace:
         trace._segments = [_Segment()]  # non-empty: reading goes through the cache
         trace._cache = cache
         return trace
+
+
+def _to_host(tensors: list[Tensor]) -> list[Tensor]:
+    """Host copies of ``tensors``: CPU ones as they are; CUDA ones through one pinned buffer per
+    dtype, filled by a single ``non_blocking`` copy (valid once the stream has run it)."""
+    out: list[Tensor | None] = [t if not t.is_cuda else None for t in tensors]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.is_cuda:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), members in groups.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        pinned = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+        pinned.copy_(flat, non_blocking=True)
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            out[i] = pinned[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return [t for t in out if t is not None]
 
 
 def _pad_t(x: Tensor, t: int, fill: Any) -> Tensor:

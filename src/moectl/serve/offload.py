@@ -62,7 +62,21 @@ class OffloadedExperts(nn.Module):
         self.res = res
         self._runtime = [runtime]  # a list: not registered as a submodule
         self.last_probs: Tensor | None = None
-        self.forward_s = 0.0
+        self._forward_s = 0.0
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards not yet read
+
+    @property
+    def forward_s(self) -> float:
+        """Seconds in the experts forward: host wall time on CPU; on CUDA the compute stream's time
+        between events around it, counted once those events have completed (never waits)."""
+        pending = []
+        for start, end in self._timed:
+            if end.query():
+                self._forward_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._timed = pending
+        return self._forward_s
 
     @property
     def compute_s(self) -> float:
@@ -83,14 +97,21 @@ class OffloadedExperts(nn.Module):
             if predicted:
                 self.res.prefetch(predicted, protect=set(chosen[0].tolist()))
         self.res.in_forward = True
+        cuda = hidden_states.device.type == "cuda"
+        if cuda:  # timed by events on the compute stream: the host never waits for the experts
+            stream = torch.cuda.current_stream(hidden_states.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
         t0 = time.perf_counter()
         try:
             out = self.inner(hidden_states, *args, **kwargs)
-            if out.device.type == "cuda":  # the compute stream only: side-stream loads keep running
-                torch.cuda.current_stream(out.device).synchronize()
         finally:
             self.res.in_forward = False
-        self.forward_s += time.perf_counter() - t0
+        if cuda:
+            end.record(stream)
+            self._timed.append((start, end))
+        else:
+            self._forward_s += time.perf_counter() - t0
         self.policy.after(self.layer, self.res, chosen, probs)
         return out
 

@@ -1,14 +1,20 @@
-"""Calibration data for expert selection: the inputs of every MoE block on a few texts.
+"""Calibration for expert selection: what every MoE block sees on a few texts, streamed batch by batch.
 
-A forward pre-hook on each ``info.layers[i].block`` records the hidden states that enter the MoE
-block; padding positions are dropped, so every method sees only real tokens (EMO §4.2: padding
-excluded). ``capture`` also records the residual stream h_t entering the MoE sublayer (Easy-EP's
-h_t): the input of the decoder layer's norm whose output is the block input (pre-norm layers), or
-the block input itself where no norm precedes the block (post-norm layers such as FlexOlmo) or
-where the layer adds the block output to the normed stream (MiniMax: ``mlp_alpha_factor``).
-With ``keep`` given, the already-selected layers are routed under
+The texts run through the model ``batch_size`` rows at a time; a forward hook on each
+``info.layers[i].block`` reads the hidden states that entered the block, a read-only routing
+policy keeps the router logits the block computed from them, and each batch is reduced at once
+into the statistics the selection method needs (``stats.py``: running sums for router, frequency,
+Wanda and Easy-EP, a bounded token sample for reconstruction). Padding positions are dropped, so
+every method sees only real tokens (EMO §4.2: padding excluded). Memory: one batch's forward,
+plus per layer a few [E] / [H] sums or at most ``max_tokens`` sampled block inputs.
+
+The residual stream h_t entering the MoE sublayer (Easy-EP's h_t) is the input of the decoder
+layer's norm whose output is the block input (pre-norm layers), or the block input itself where no
+norm precedes the block (post-norm layers such as FlexOlmo) or where the layer adds the block
+output to the normed stream (MiniMax: ``mlp_alpha_factor``); it is looked up only for the
+methods that need it. With ``keep`` given, the already-selected layers are routed under
 ``ExpertMask(..., renorm="pruned")`` — the ``layerwise`` mode measures layer l+1 on the model
-with layers 0..l already pruned.
+with layers 0..l already pruned. ``capture`` keeps every token instead (for inspection and tests).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.routing import ExpertMask, route
+from moectl.routing.state import RoutingState
+from moectl.subsets.stats import LayerStats
 
 
 def tokenize(tokenizer, texts: Sequence[str], max_length: int | None = None) -> dict[str, Tensor]:
@@ -56,7 +64,6 @@ def block_inputs(
     return {index: inputs.x for index, inputs in captured.items()}
 
 
-@torch.no_grad()
 def capture(
     model: nn.Module,
     info: ModelInfo,
@@ -64,53 +71,135 @@ def capture(
     attention_mask: Tensor | None = None,
     keep: Mapping[int, Sequence[int]] | None = None,
     layers: Sequence[int] | None = None,
+    batch_size: int | None = None,
 ) -> dict[int, LayerInputs]:
-    """Block inputs and residual streams of the real tokens at the MoE layers ``layers`` (default all)."""
+    """Block inputs and residual streams (float32) of every real token at the MoE layers ``layers``."""
+    stats = collect(model, info, input_ids, attention_mask, {"inputs"}, keep, layers, batch_size)
+    out: dict[int, LayerInputs] = {}
+    for index, s in stats.items():
+        assert s.sample is not None and s.residual is not None
+        assert s.sample.x is not None and s.residual.x is not None
+        out[index] = LayerInputs(s.sample.x.float(), s.residual.x.float())
+    return out
+
+
+class _LogitsObserver:
+    """A routing policy that changes nothing and keeps each wanted layer's raw router logits."""
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self.layers = frozenset(layers)
+        self.logits: dict[int, Tensor] = {}
+
+    def bind(self, info: ModelInfo) -> None:
+        self.logits.clear()
+
+    def apply(self, state: RoutingState) -> None:
+        if state.layer in self.layers:
+            self.logits[state.layer] = state.logits
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b)
+
+
+@torch.no_grad()
+def collect(
+    model: nn.Module,
+    info: ModelInfo,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    needs: set[str] | frozenset[str] = frozenset(),
+    keep: Mapping[int, Sequence[int]] | None = None,
+    layers: Sequence[int] | None = None,
+    batch_size: int | None = 8,
+    max_tokens: int | None = None,
+    seed: int = 0,
+) -> dict[int, LayerStats]:
+    """``{layer: LayerStats}`` of the real tokens at MoE layers ``layers`` (default all), streamed.
+
+    ``needs``: the statistics to keep (``stats.NEEDS[method]``, or ``{"inputs"}`` for every token);
+    ``batch_size`` rows per forward (None: all at once); ``max_tokens`` bounds the token sample.
+    """
     wanted = list(range(info.num_moe_layers)) if layers is None else list(layers)
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    blocks: dict[int, Tensor] = {}
+    needs = frozenset(needs)
+    stats = {i: LayerStats(needs, max_tokens, seed) for i in wanted}
+    if not needs:
+        return stats
+    valid_all = (
+        torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    )
+    device = next(model.parameters()).device
+    observer = _LogitsObserver(wanted) if needs & {"probs", "counts", "easy_ep"} else None
     norms: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i in wanted}
+    batch: dict[str, Tensor] = {}
 
     def real(h: Tensor) -> Tensor:
-        h = h.reshape(valid.shape[0], valid.shape[1], -1)
-        return h[valid.to(h.device)].float().detach()
+        valid = batch["valid"]
+        return h.reshape(valid.shape[0], valid.shape[1], -1)[valid].detach()
 
     def block_hook(index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            blocks[index] = real(args[0] if args else kwargs["hidden_states"])
+        layer = info.layer(index)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            residual = None
+            if stats[index].wants_residual:
+                residual = next((inp for inp, out in norms[index] if _same(out, x)), None)
+            norms[index].clear()
+            logits = None if observer is None else observer.logits.pop(index, None)
+            if not bool(batch["any"]):
+                return
+            stats[index].update(
+                layer,
+                real(x),
+                None if logits is None else real(logits),
+                None if residual is None else real(residual),
+            )
 
         return hook
 
     def norm_hook(index: int):
         def hook(module: nn.Module, args: tuple, output) -> None:
             if isinstance(output, Tensor) and args and output.shape == args[0].shape:
-                norms[index].append((real(args[0]), real(output)))
+                norms[index].append((args[0], output))
 
         return hook
 
     handles = []
     for i in wanted:
         layer = info.layer(i)
-        handles.append(layer.block.register_forward_pre_hook(block_hook(i), with_kwargs=True))
-        for module in _decoder_norms(model, layer.name):
-            handles.append(module.register_forward_hook(norm_hook(i)))
-    policies = [ExpertMask.from_lists(info, dict(keep), renorm="pruned")] if keep else []
-    device = next(model.parameters()).device
+        handles.append(layer.block.register_forward_hook(block_hook(i), with_kwargs=True))
+        if stats[i].wants_residual:
+            for module in _decoder_norms(model, layer.name):
+                handles.append(module.register_forward_hook(norm_hook(i)))
+    policies: list = [ExpertMask.from_lists(info, dict(keep), renorm="pruned")] if keep else []
+    if observer is not None:
+        policies.append(observer)
+    rows = input_ids.shape[0] if batch_size is None else max(1, int(batch_size))
     try:
-        with route(model, policies):
-            model(
-                input_ids=input_ids.to(device),
-                attention_mask=None if attention_mask is None else attention_mask.to(device),
-            )
+        with route(model, policies, info=info):
+            for first in range(0, input_ids.shape[0], rows):  # batches of calibration texts
+                batch["valid"] = valid_all[first : first + rows].to(device)
+                batch["any"] = batch["valid"].any()
+                for pending in norms.values():
+                    pending.clear()
+                model(  # the LM head sees one position: calibration needs no [B, T, V] logits
+                    input_ids=input_ids[first : first + rows].to(device),
+                    attention_mask=None
+                    if attention_mask is None
+                    else attention_mask[first : first + rows].to(device),
+                    logits_to_keep=1,
+                )
     finally:
         for handle in handles:
             handle.remove()
-    out: dict[int, LayerInputs] = {}
-    for i in wanted:
-        x = blocks[i]
-        residual = next((inp for inp, o in norms[i] if torch.equal(o, x)), x)
-        out[i] = LayerInputs(x, residual)
-    return out
+        for pending in norms.values():
+            pending.clear()
+    return stats
 
 
 def _decoder_norms(model: nn.Module, router_name: str) -> list[nn.Module]:

@@ -35,16 +35,20 @@ def frequency_scores(layer: MoELayer, x: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def easy_ep_scores(layer: MoELayer, x: Tensor, residual: Tensor | None = None) -> Tensor:
+def easy_ep_scores(
+    layer: MoELayer, x: Tensor, residual: Tensor | None = None, logits: Tensor | None = None
+) -> Tensor:
     """Easy-EP: gate × output norm of the activated experts, weighted by the token's contribution.
 
     g_{i,t} is the combine weight of expert i for token t (0 when not activated) and E_i takes the
     block input x_t. As in the authors' code (RUCAIBox/EASYEP, ``pruning/model_new.py``), h_t is the
     residual stream entering the MoE sublayer (before its norm) and h̄_t the routed experts' output
     Σ_i g_{i,t}·E_i(x_t), shared experts excluded: s_t = max(1 − cos(h_t, h_t + h̄_t), 0).
-    ``residual`` defaults to ``x`` (for callers without the residual stream).
+    ``residual`` defaults to ``x`` (for callers without the residual stream). ``logits`` [N, E]:
+    the router's logits for ``x`` when already known (computed from ``x`` otherwise). A sum over
+    tokens: the scores of a calibration set are the sums of its batches' scores.
     """
-    weights, idx = select(layer, router_logits(layer, x))
+    weights, idx = select(layer, router_logits(layer, x) if logits is None else logits)
     gates = torch.zeros(x.shape[0], layer.num_experts, device=x.device).scatter_(1, idx, weights)
     h_bar = routed_output(layer, x, weights, idx)
     h = x if residual is None else residual
@@ -66,12 +70,20 @@ def wanda_scores(layer: MoELayer, x: Tensor) -> Tensor:
     receives). Only the input-side (gate/up) weights are scored: the down projection's inputs are
     each expert's intermediate activations, which the fused experts module does not expose.
     """
-    hidden = x.shape[-1]
-    norms = x.double().norm(dim=0)  # [H]
-    weight = _input_projection(layer, hidden).detach().double().abs()
-    if _transposed(layer):  # [E, H, 2I]: computed as x @ W (gpt-oss, Llama 4)
-        return (weight * norms[:, None]).sum((1, 2))
-    return (weight * norms).sum((1, 2))  # [E, 2I, H]: F.linear(x, W)
+    return wanda_from_norms(layer, x.double().norm(dim=0))
+
+
+@torch.no_grad()
+def wanda_from_norms(layer: MoELayer, norms: Tensor) -> Tensor:
+    """Wanda (structured) per expert from the input-channel norms ‖X_c‖₂ [H] (float64)."""
+    hidden = norms.shape[-1]
+    weight = _input_projection(layer, hidden).detach()
+    # [E, H, 2I]: computed as x @ W (gpt-oss, Llama 4); [E, 2I, H]: F.linear(x, W)
+    channel = norms[:, None] if _transposed(layer) else norms
+    scores = torch.empty(weight.shape[0], dtype=torch.float64)
+    for e in range(weight.shape[0]):  # one expert's float64 copy at a time, not the layer's
+        scores[e] = (weight[e].double().abs() * channel).sum()
+    return scores
 
 
 def random_scores(layer: MoELayer, x: Tensor, seed: int = 0) -> Tensor:
@@ -90,9 +102,11 @@ def _input_projection(layer: MoELayer, hidden: int) -> Tensor:
     weight = getattr(experts, "gate_up_proj", None)
     if weight is None and isinstance(experts, torch.nn.ModuleList) and hasattr(experts[0], "gate_proj"):
         # one module per expert (remote-code blocks, e.g. EMO): stack the routed experts' [2I, H]
-        ids = layer.router.routed_ids(experts[0].gate_proj.weight.device).tolist() if hasattr(
-            layer.router, "routed_ids"
-        ) else range(len(experts))
+        ids = (
+            layer.router.routed_ids(experts[0].gate_proj.weight.device).tolist()
+            if hasattr(layer.router, "routed_ids")
+            else range(len(experts))
+        )
         weight = torch.stack(
             [torch.cat([experts[i].gate_proj.weight, experts[i].up_proj.weight]) for i in ids]
         )

@@ -1,8 +1,11 @@
 """``select_subset``: run a selection method on a calibration set; per-layer kept-expert lists.
 
-``layerwise=True`` selects layer by layer: layer l+1's inputs are measured with layers 0..l
-already restricted to their kept experts (``ExpertMask``, ``renorm="pruned"``, what slicing
-gives). Otherwise every layer is measured on the full model in one forward pass.
+The calibration texts run in batches of ``batch_size`` rows and only the method's statistic is
+kept (``stats.py``: running sums; for reconstruction a sample of at most ``max_tokens`` block
+inputs per layer). ``layerwise=True`` selects layer by layer: layer l+1's statistics are
+measured with layers 0..l already restricted to their kept experts (``ExpertMask``,
+``renorm="pruned"``, what slicing gives). Otherwise every layer is measured on the full model
+in one pass over the calibration set.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
 from moectl.subsets import methods
-from moectl.subsets.calibrate import LayerInputs, capture
+from moectl.subsets.calibrate import LayerInputs, collect
 from moectl.subsets.reconstruction import reconstruction_keep
 from moectl.subsets.scores import check_k, top_experts
+from moectl.subsets.stats import NEEDS, LayerStats, scores_of
+
+MAX_TOKENS = 4096  # reconstruction's token sample per layer
 
 METHODS = ("router", "frequency", "easy_ep", "reconstruction", "wanda", "random")
 
@@ -48,6 +54,15 @@ def keep_for_layer(layer: MoELayer, inputs: LayerInputs, k: int, method: str, se
     return top_experts(layer, _SCORERS[method](layer, x), k)
 
 
+def keep_from_stats(layer: MoELayer, stats: LayerStats, k: int, method: str, seed: int = 0) -> list[int]:
+    """The ``k`` experts ``method`` keeps in ``layer`` given its streamed calibration statistics."""
+    method = method_name(method)
+    if method == "reconstruction":
+        assert stats.sample is not None and stats.sample.x is not None
+        return reconstruction_keep(layer, stats.sample.x.float(), k)[0]
+    return top_experts(layer, scores_of(layer, stats, method, seed), k)
+
+
 @torch.no_grad()
 def select_subset(
     model: nn.Module,
@@ -58,6 +73,8 @@ def select_subset(
     layerwise: bool = False,
     seed: int = 0,
     info: ModelInfo | None = None,
+    batch_size: int = 8,
+    max_tokens: int | None = MAX_TOKENS,
 ) -> dict[int, list[int]]:
     """Select ``k`` experts per MoE layer from calibration tokens; ``{moe_layer: sorted ids}``."""
     info = info or inspect(model)
@@ -66,13 +83,15 @@ def select_subset(
         check_k(layer, k)
     if attention_mask is not None and not bool(attention_mask.bool().any()):
         raise ValueError("the calibration batch has no real tokens (attention_mask is all zero)")
+    needs = NEEDS[method]
+    options = {"batch_size": batch_size, "max_tokens": max_tokens, "seed": seed}
     keep: dict[int, list[int]] = {}
     if not layerwise:
-        inputs = capture(model, info, input_ids, attention_mask)
-        for layer in info.layers:
-            keep[layer.index] = keep_for_layer(layer, inputs[layer.index], k, method, seed)
-        return keep
-    for layer in info.layers:
-        inputs = capture(model, info, input_ids, attention_mask, keep=keep, layers=[layer.index])
-        keep[layer.index] = keep_for_layer(layer, inputs[layer.index], k, method, seed)
+        stats = collect(model, info, input_ids, attention_mask, needs, **options)
+        return {
+            layer.index: keep_from_stats(layer, stats[layer.index], k, method, seed) for layer in info.layers
+        }
+    for layer in info.layers:  # layer l+1 measured with layers 0..l pruned: one pass per layer
+        stats = collect(model, info, input_ids, attention_mask, needs, keep, [layer.index], **options)
+        keep[layer.index] = keep_from_stats(layer, stats[layer.index], k, method, seed)
     return keep

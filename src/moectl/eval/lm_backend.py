@@ -1,0 +1,218 @@
+"""``MoectlLM``: moectl as an lm-eval model backend (``lm_eval --model moectl``), over moectl's own scorers.
+
+lm-eval's ``LM`` interface is three methods; each hands its requests to moectl:
+
+- ``loglikelihood`` → ``scoring.score_pairs`` (the one tokenisation of ``moectl.models.tokens``,
+  canonical batching, the LM head on chunks of positions);
+- ``loglikelihood_rolling`` → ``perplexity.document_nll`` (windows overlapping by one token);
+- ``generate_until`` → ``generation.generate_texts`` (routed KV-cache decoding, RoE's ``Ensemble``).
+
+Routing comes from a plan (``forward.RoutingPlan``) built once by
+``policy_file.setup_routing`` from ``policy=``, ``roe=`` and ``controller=``, exactly as
+``moectl eval`` builds it (``moectl eval`` runs the harness over this class), with randomness
+keyed by request, so results do not depend on lm-eval's batching or order.
+
+From lm-eval: ``--model moectl --model_args pretrained=MODEL,policy=FILE,roe=K=16,tau=0.3,...``
+(keys: ``moectl.eval.model_args.MODEL_ARGS``). In process:
+``MoectlLM(model, tokenizer, policies=[...] | plan=... | policy=..., batch_size=8)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from torch import nn
+
+from moectl.eval import model_args as margs
+from moectl.eval.forward import RoutingPlan, SwitchStats, static_plan
+from moectl.eval.generation import GenSettings, generate_texts
+from moectl.eval.perplexity import Document, document_nll
+from moectl.eval.policy_file import EvalRouting, check_routing_args, setup_routing
+from moectl.eval.scoring import score_pairs
+from moectl.routing.state import Policy
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+log = logging.getLogger(__name__)
+GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
+
+
+class MoectlLM(LM):
+    """An lm-eval model: a causal MoE LM scored and decoded by moectl under a routing plan.
+
+    ``pretrained`` is a spec (``tiny:FAMILY``, ``shape:…``, a folder, a hub id), loaded with
+    ``dtype`` on ``device``, or a live model (then give ``tokenizer``). Routing: ``policy``,
+    ``roe``, ``controller`` (as ``moectl eval --policy/--roe/--controller``), or in process a
+    ready ``routing`` (:class:`EvalRouting`), fixed ``policies`` or a per-request ``plan``.
+    ``switch_rate=True`` keeps a running switch rate in ``self.switch``.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | nn.Module,
+        tokenizer: Any = None,
+        *,
+        policy: Any = None,
+        roe: Any = None,
+        controller: str | os.PathLike | None = None,
+        device: str | None = None,
+        dtype: str = "auto",
+        batch_size: int = 8,
+        max_length: int | None = None,
+        seed: int = 1234,
+        routing: EvalRouting | None = None,
+        policies: Sequence[Policy] = (),
+        plan: RoutingPlan | None = None,
+        info: Any = None,
+        switch_rate: bool = False,
+        progress: bool = False,
+        max_gen_toks: int = 256,
+    ) -> None:
+        super().__init__()
+        given = [name for name, v in (("routing", routing), ("policies", policies), ("plan", plan)) if v]
+        if len(given) > 1 or (given and any(v is not None for v in (policy, roe, controller))):
+            raise ValueError("give one routing: policy/roe/controller, routing, policies or plan")
+        if isinstance(pretrained, str):
+            check_routing_args(roe, controller, seed)  # a wrong flag fails before the model loads
+            from moectl.models.load import load_model
+
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            model, loaded_tok = load_model(pretrained, dtype=dtype, device=device, seed=0)
+            tokenizer = tokenizer or loaded_tok
+            self.spec = pretrained
+        else:
+            if tokenizer is None:
+                raise ValueError("MoectlLM over a live model needs its tokenizer")
+            model = pretrained
+            self.spec = type(model).__name__
+        self.model, self.tokenizer = model, tokenizer
+        if routing is None and not policies and plan is None:
+            routing = setup_routing(model, policy, roe, controller, seed)
+        self.routing = routing
+        self.plan = plan or (routing.plan if routing is not None else static_plan(list(policies)))
+        from moectl.adapters.inspect import inspect
+
+        self.info = info or (routing.info if routing is not None else None) or inspect(model)
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or getattr(model.config, "max_position_embeddings", 2048) or 2048)
+        self.seed = int(seed)
+        self.max_gen_toks = int(max_gen_toks)
+        self.progress = progress
+        self.switch = SwitchStats() if switch_rate else None
+        self._device = next(model.parameters()).device
+
+    # -- construction from lm-eval's model_args -----------------------------------------------------
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MoectlLM:
+        """From ``pretrained=…,policy=…`` (``roe=K=16,tau=0.3`` kept whole); lm-eval's ``batch_size``
+        and ``device`` fill what model_args leave out."""
+        return cls(**margs.normalise(margs.parse(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> MoectlLM:
+        return cls(**margs.normalise(arg_dict, additional_config))
+
+    # -- lm-eval's interface --------------------------------------------------------------------------
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(summed log-probability, all tokens greedy) of each (context, continuation) request."""
+        if not requests:
+            return []
+        pairs = [tuple(req.args) for req in requests]
+        scored = score_pairs(
+            self.model, self.tokenizer, pairs, self.plan, self.info, self.batch_size, self.max_length,
+            self.switch, self.progress and not disable_tqdm, "loglikelihood",
+        )  # fmt: skip
+        out = [
+            (float(lp), bool(g))
+            for lp, g in zip(scored.logprob.tolist(), scored.greedy.tolist(), strict=True)
+        ]
+        for pair, result in zip(pairs, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood", pair, result)
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Log-probability of each whole string after the prefix token, in windows of ``max_length``."""
+        if not requests:
+            return []
+        docs = [Document(req.args[0]) for req in requests]
+        nll, _ = document_nll(
+            self.model, self.tokenizer, docs, self.plan, self.info, self.max_length, self.batch_size,
+            self.switch, self.progress and not disable_tqdm,
+        )  # fmt: skip
+        out = [-float(x) for x in nll]
+        for req, result in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", tuple(req.args), result)
+        return out
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Generated text per (context, gen_kwargs) request, grouped by identical gen_kwargs."""
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out: list[str] = [""] * len(requests)
+        for members in groups.values():
+            settings = self.gen_settings(requests[members[0]].args[1])
+            contexts = [requests[i].args[0] for i in members]
+            texts = generate_texts(
+                self.model, self.tokenizer, contexts, settings, self.plan, self.info, self.batch_size,
+                self.max_length, self.seed, self.switch,
+            )  # fmt: skip
+            for i, text in zip(members, texts, strict=True):
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", tuple(requests[i].args), text)
+        return out
+
+    def gen_settings(self, gen_kwargs: dict[str, Any]) -> GenSettings:
+        """lm-eval's generation kwargs as :class:`GenSettings` (EOS's text added to ``until``)."""
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+        ignored = sorted(set(kwargs) - set(GEN_KEYS))
+        if ignored:
+            log.warning("moectl: generation kwargs %s are not supported and ignored", ignored)
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if isinstance(eos, str) and eos and eos not in until:
+            until.append(eos)
+        sample = bool(kwargs.get("do_sample", False))
+        temperature = float(kwargs.get("temperature", 0.0) or 0.0) if sample else 0.0
+        return GenSettings(
+            tuple(until), int(kwargs["max_gen_toks"]), temperature, float(kwargs.get("top_p", 1.0) or 1.0)
+        )
+
+    # -- what lm-eval reads besides ----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) if chat_template else None
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"{self.spec}: the tokenizer has no chat template (--apply_chat_template needs one)"
+            )
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Added to lm-eval's results ``config``: the model spec and the routing."""
+        return {
+            "moectl_model": self.spec,
+            "moectl_routing": self.routing.label if self.routing is not None else "plan",
+        }

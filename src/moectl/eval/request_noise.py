@@ -1,0 +1,213 @@
+"""Routing randomness that belongs to a request, so a score does not depend on batching or order.
+
+``GumbelTopK`` and ``RandomOptions`` draw from one generator stream in call order: the noise a
+request gets would depend on which requests share its batch and where it sits. Evaluation needs
+each request to be routed the same wherever the harness puts it. Two mechanisms:
+
+- **keyed noise** (batched): :class:`KeyedGumbel` and :class:`KeyedRandomOptions` replace the
+  stream by a counter-based hash of (policy seed, request code, MoE layer, position in the
+  request, expert). The request code comes from the request's key (a hash of its real tokens,
+  :func:`moectl.eval.forward.request_keys`); the position counts the request's real tokens, carried
+  across decoding steps, so padding on either side and a KV cache change nothing.
+  :func:`keyed_policies` swaps them in (``static_plan`` does); the forward sets the codes of each
+  batch with :func:`set_request_codes`.
+- **one request per forward** (any other seeded policy, e.g. a sampling ``ControllerPolicy``,
+  whose draws cannot be keyed from outside): :func:`needs_isolation` says so and the evaluator
+  runs each request alone after :func:`reseed` gives the policy a seed derived from the request's
+  key and the policy's own seed.
+
+Uniforms use 24 bits of a 32-bit integer hash: u = (h + 0.5) / 2**24, strictly inside (0, 1).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moectl.routing.gumbel import GumbelTopK
+from moectl.routing.state import RouteContext, RoutingState
+
+_M32 = 0xFFFFFFFF
+_MULT = 0x45D9F3B  # < 2**27: x * _MULT stays below 2**59 for x < 2**32 (no int64 overflow)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (multiply-xorshift rounds) of int64 tensors holding values < 2**32."""
+    x = ((x >> 16) ^ x) * _MULT & _M32
+    x = ((x >> 16) ^ x) * _MULT & _M32
+    return (x >> 16) ^ x
+
+
+def _mix_int(x: int) -> int:
+    return int(_mix(torch.tensor(x & _M32, dtype=torch.int64)))
+
+
+def request_codes(keys: Sequence[str], salt: int = 0) -> Tensor:
+    """[B] int64: a 32-bit code per request key (hex digest), mixed with ``salt``."""
+    folded = [(int(k, 16) ^ (int(k, 16) >> 32)) & _M32 for k in keys]
+    return _mix(torch.tensor(folded, dtype=torch.int64) ^ _mix_int(salt))
+
+
+def hashed_uniform(code: Tensor, position: Tensor, salt: int, n: int) -> Tensor:
+    """[B, T, n] float32 uniforms in (0, 1) from the hash of (salt, code [B], position [B, T], index)."""
+    base = _mix(code.long() ^ _mix_int(salt))  # [B]
+    token = _mix(base[:, None] ^ (position.long() & _M32))  # [B, T]
+    index = torch.arange(n, dtype=torch.int64, device=code.device) * 0x61C88647 & _M32
+    h = _mix(token.unsqueeze(-1) ^ index)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def layer_salt(seed: int, layer: int) -> int:
+    """One 32-bit salt per (policy seed, MoE layer)."""
+    return _mix_int(_mix_int(seed ^ 0x9E3779B9) ^ (layer * 0x632BE5AB + 0x1B873593))
+
+
+class RequestRows:
+    """The request code of each row of the current forward calls, and each token's position in its request.
+
+    Positions count the row's real tokens (``RouteContext.valid``), from 0 at a call with KV-cache
+    offset 0, carried over later calls (decoding steps) of the same rows.
+    """
+
+    def __init__(self) -> None:
+        self.codes: Tensor | None = None
+        self._ctx: RouteContext | None = None
+        self._positions: Tensor | None = None
+        self._seen: Tensor | None = None
+
+    def set(self, codes: Tensor) -> None:
+        self.codes, self._ctx, self._positions, self._seen = codes, None, None, None
+
+    def positions(self, ctx: RouteContext, device: torch.device) -> Tensor:
+        """[B, T] position of each token of the call ``ctx`` within its request (once per call)."""
+        if ctx is self._ctx and self._positions is not None:
+            return self._positions
+        valid = ctx.valid_mask(device).long()
+        if ctx.offset == 0 or self._seen is None or self._seen.shape[0] != valid.shape[0]:
+            seen = torch.zeros(valid.shape[0], dtype=torch.long, device=device)
+        else:
+            seen = self._seen.to(device)
+        self._positions = (seen[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+        self._seen = seen + valid.sum(1)
+        self._ctx = ctx
+        return self._positions
+
+    def uniforms(self, state: RoutingState, seed: int) -> Tensor:
+        """[B, T, E] uniforms for ``state``'s layer, keyed by (seed, layer, request, position, expert)."""
+        if self.codes is None:
+            raise RuntimeError("request-keyed routing used without request codes (set_request_codes)")
+        b, _, e = state.logits.shape
+        codes = self.codes.to(state.logits.device)
+        if codes.shape[0] != b:
+            raise RuntimeError(f"{codes.shape[0]} request codes for a batch of {b} rows")
+        positions = self.positions(state.ctx, state.logits.device)
+        return hashed_uniform(codes, positions, layer_salt(seed, state.layer), e)
+
+
+class KeyedGumbel(GumbelTopK):
+    """``GumbelTopK`` whose noise is keyed by request and position instead of drawn from a stream."""
+
+    def __init__(self, source: GumbelTopK) -> None:
+        super().__init__(source.tau_spec, seed=source.seed, row_scale=source.row_scale)
+        self.request_rows = RequestRows()
+
+    def apply(self, state: RoutingState) -> None:
+        tau = self.tau.get(state.layer, 0.0)
+        if tau == 0.0:
+            return
+        u = self.request_rows.uniforms(state, self.seed)
+        noise = (-torch.log(-torch.log(u))).to(state.logits.dtype) * tau
+        if self.row_scale is not None:
+            noise = noise * self.row_scale.to(noise)[:, None, None]
+        state.add_noise(noise)
+
+
+@cache
+def _keyed_random_options() -> type | None:
+    """``KeyedRandomOptions``, defined on first use (``moectl.options`` loads only when needed)."""
+    try:
+        from moectl.options.random_options import RandomOptions
+    except ImportError:  # pragma: no cover - moectl.options ships with moectl
+        return None
+
+    class KeyedRandomOptions(RandomOptions):
+        """``RandomOptions`` whose random k-hat sets are keyed by request and position."""
+
+        def __init__(self, source: RandomOptions) -> None:
+            super().__init__(source.k_hat, seed=source.seed, renorm=source.renorm)
+            self.request_rows = RequestRows()
+
+        def apply(self, state: RoutingState) -> None:
+            groups = self._groups.get(state.layer)
+            if groups is None:
+                raise RuntimeError("RandomOptions used before bind(): install it with moectl.route(...)")
+            b, t, e = state.logits.shape
+            u = self.request_rows.uniforms(state, self.seed).view(b, t, groups, e // groups)
+            idx = u.topk(self.k_hat // groups, dim=-1).indices
+            allowed = torch.zeros_like(u, dtype=torch.bool).scatter_(-1, idx, True).view(b, t, e)
+            state.restrict(allowed, self.renorm)
+
+    return KeyedRandomOptions
+
+
+def keyed_policies(policies: Sequence[Any]) -> list[Any]:
+    """``policies`` with ``GumbelTopK`` and ``RandomOptions`` (exactly those classes) keyed by request."""
+    out: list[Any] = []
+    for policy in policies:
+        name = type(policy).__name__
+        if type(policy) is GumbelTopK:
+            out.append(KeyedGumbel(policy))
+        elif name == "RandomOptions" and type(policy).__module__ == "moectl.options.random_options":
+            keyed = _keyed_random_options()
+            out.append(policy if keyed is None else keyed(policy))
+        else:
+            out.append(policy)
+    return out
+
+
+def set_request_codes(policies: Sequence[Any], keys: Sequence[str], copies: int = 1) -> None:
+    """Give the keyed policies the codes of a batch's rows (``copies`` routed copies per request, request-major)."""
+    keyed = [p.request_rows for p in policies if isinstance(getattr(p, "request_rows", None), RequestRows)]
+    if not keyed:
+        return
+    codes = request_codes(keys)
+    if copies > 1:  # copy c of a request: its own draws
+        copy = torch.arange(copies, dtype=torch.int64).repeat(len(keys)) * 0x2545F491 & _M32
+        codes = _mix(codes.repeat_interleave(copies) ^ copy)
+    for rows in keyed:
+        rows.set(codes)
+
+
+def needs_isolation(policy: Any) -> bool:
+    """True for a seeded policy whose draws are a stream (not keyed): run one request per forward."""
+    if isinstance(getattr(policy, "request_rows", None), RequestRows):
+        return False
+    if getattr(policy, "mode", None) == "greedy":  # a greedy controller draws nothing
+        return False
+    return isinstance(getattr(policy, "seed", None), int)
+
+
+_BASE_SEEDS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def reseed(policies: Sequence[Any], key: str) -> None:
+    """Seed each isolated policy from (its own seed, the request ``key``) before the request runs.
+
+    The policy's seed when first reseeded is remembered as its own; ``reset(seed=)`` is used where
+    the policy has one (controllers: it also forgets the options), else ``seed`` is set and
+    ``route()``'s ``bind`` reseeds.
+    """
+    for policy in policies:
+        if not needs_isolation(policy):
+            continue
+        base = _BASE_SEEDS.setdefault(policy, int(policy.seed))
+        seed = (_mix_int(base) << 31 ^ int(key, 16)) & ((1 << 63) - 1)
+        if hasattr(policy, "reset"):
+            policy.reset(seed=seed)
+        else:
+            policy.seed = seed

@@ -1,0 +1,91 @@
+"""The LM head on a few final hidden states at a time, reduced as the logits come (DESIGN: memory by design).
+
+Scoring a token needs log p(x) = logit_x − log Σ_v exp(logit_v): one number per token, not the
+[tokens, V] logits. :func:`target_logprobs` runs the head on chunks of ``rows`` tokens and keeps
+only the target's log-probability; :func:`add_log_probs` folds one sample's next-token
+distributions into a running [B, P, V] accumulator (probability or log-probability sums over
+the K samples of RoE, §3.1) for the callers that need a whole distribution (greedy checks, an
+evaluation harness). The vocabulary-wide float buffers of one call are at most ``rows`` · V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+HEAD_BYTES = 1 << 27  # float32 logits (and their temporaries) of one head call
+
+Head = Callable[[Tensor], Tensor]
+
+
+def output_head(model: nn.Module) -> Head:
+    """hidden [..., H] (after the final norm) → logits [..., V], as the model's own forward computes them.
+
+    The output embedding, then what some families apply after it: Granite-MoE divides by
+    ``logits_scaling``, soft-capping models cap with tanh (``final_logit_softcapping``).
+    """
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (LM head) to score with")
+    scaling = getattr(model.config, "logits_scaling", None)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def head(hidden: Tensor) -> Tensor:
+        logits = lm_head(hidden)
+        if scaling is not None and scaling != 1:
+            logits = logits / scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return head
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for a float64 model (the reduction never loses the model's precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def head_rows(vocab: int, budget: int = HEAD_BYTES) -> int:
+    """Tokens per head call so that its float buffers (logits, a copy, a temporary) fit ``budget``."""
+    return max(1, budget // max(1, 3 * 4 * vocab))
+
+
+def target_logprobs(head: Head, hidden: Tensor, targets: Tensor, rows: int) -> Tensor:
+    """log softmax(head(hidden))[target] for hidden [N, H], targets [N]: [N] in the compute dtype."""
+    dtype = compute_dtype(hidden.dtype)
+    out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+    for first in range(0, hidden.shape[0], rows):  # chunks of tokens, a few per sequence
+        logits = head(hidden[first : first + rows]).to(dtype)
+        target = logits.gather(-1, targets[first : first + rows, None]).squeeze(-1)
+        out[first : first + rows] = target - torch.logsumexp(logits, dim=-1)
+        del logits
+    return out
+
+
+def add_log_probs(head: Head, hidden: Tensor, acc: Tensor | None, how: str, rows: int) -> Tensor:
+    """Fold one sample's next-token log-probabilities at hidden [B, P, H] into ``acc`` [B, P, V].
+
+    ``how="prob_mean"``: acc = log Σ_k p_k (log-add-exp); ``"logprob_mean"``: acc = Σ_k log p_k.
+    ``acc`` None starts the sums. Positions go through the head ``rows`` tokens at a time.
+    """
+    b, p = hidden.shape[:2]
+    step = max(1, rows // max(1, b))
+    dtype = compute_dtype(hidden.dtype)
+    fresh = acc is None
+    for first in range(0, p, step):  # chunks of positions, a few per sequence
+        logp = torch.log_softmax(head(hidden[:, first : first + step]).to(dtype), dim=-1)
+        if acc is None:
+            acc = torch.empty((b, p, logp.shape[-1]), dtype=dtype, device=hidden.device)
+        part = acc[:, first : first + step]
+        if fresh:
+            part.copy_(logp)
+        elif how == "prob_mean":
+            torch.logaddexp(part, logp, out=part)
+        else:
+            part += logp
+        del logp
+    assert acc is not None
+    return acc
