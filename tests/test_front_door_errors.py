@@ -59,3 +59,21 @@ def test_written_files_get_the_usual_mode(tmp_path):
     session.trace.save(tmp_path / "trace")
     for file in tmp_path.glob("trace*"):
         assert stat.S_IMODE(file.stat().st_mode) == default_mode(), file
+
+
+def test_the_switch_column_shows_the_policy_rate_not_the_router_rate():
+    from moectl.eval.report import policy_switch_rate
+
+    controller = {"mean": 0.937, "allowed_mean": 0.04, "sequences": 8}
+    assert policy_switch_rate(controller) == 0.04  # the controller's ω, as TE-MoE reports it
+    assert policy_switch_rate({"mean": 0.5, "allowed_mean": None, "sequences": 8}) == 0.5
+    assert policy_switch_rate(None) is None
+
+
+def test_a_zero_budget_names_top_k_as_the_minimum():
+    import pytest
+
+    from moectl.serve.offload import BudgetError, resolve_budget
+
+    with pytest.raises(BudgetError, match="at least top-k experts"):
+        resolve_budget(0, 8)

@@ -115,21 +115,24 @@ def eval_command(
     except (ValueError, OSError) as err:
         fail(err)
     table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")
+    from moectl.eval.report import policy_switch_rate
+
     for col in ("task", "n", "metric", "value", "95% interval", "switch %"):
         table.add_column(col, justify="left" if col in ("task", "metric") else "right")
     for name, task in doc["tasks"].items():
         for i, (mname, m) in enumerate(task["metrics"].items()):
             ci = m["ci95"]
-            sr = task.get("switch_rate") if i == 0 else None
+            rate = policy_switch_rate(task.get("switch_rate")) if i == 0 else None
             table.add_row(
                 name if i == 0 else "",
                 str(task["n"]) if i == 0 else "",
                 mname,
                 f"{m['value']:.4f}",
                 "–" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]",
-                "" if not sr or sr.get("mean") is None else f"{100 * sr['mean']:.1f}",
+                "" if rate is None else f"{100 * rate:.1f}",
             )
     console.print(table)
+    console.print("[dim]switch %: the policy's own mask ω where it records one (controller, subset), else the router's[/dim]")
     if out is not None:
         from moectl.eval.results import save_results
 

@@ -69,8 +69,9 @@ def build_rows(
             ci = m.get("ci95") or [None, None]
             acc["cells"][name] = Cell(m["value"], ci[0], ci[1], _percent(task["primary"]))
             sr = task.get("switch_rate")
-            if sr and sr.get("mean") is not None and sr.get("sequences"):
-                acc["sw"] += sr["mean"] * sr["sequences"]
+            rate = policy_switch_rate(sr)
+            if rate is not None and sr.get("sequences"):
+                acc["sw"] += rate * sr["sequences"]
                 acc["n"] += sr["sequences"]
     rows = [
         Row(model, routing, acc["experts"], acc["cells"], acc["sw"] / acc["n"] if acc["n"] else None)
@@ -200,3 +201,11 @@ def report(
         for r in rows
     ]
     return out
+
+
+def policy_switch_rate(sr: dict | None) -> float | None:
+    """The switch rate a reader means: the policy's own mask ω where it recorded one (a controller,
+    a subset: ``allowed_mean``), else the router treated as an option policy (``mean``)."""
+    if not sr:
+        return None
+    return sr["allowed_mean"] if sr.get("allowed_mean") is not None else sr.get("mean")

@@ -123,7 +123,9 @@ def resolve_budget(budget: float | int, num_experts: int) -> int:
             raise BudgetError(f"a fractional budget must be in (0, 1], got {budget}")
         return int(budget * num_experts + 1e-9)
     if int(budget) < 1:
-        raise BudgetError(f"the budget must be at least 1 expert per layer, got {budget}")
+        raise BudgetError(
+            f"the budget must be a count of at least top-k experts per layer (or a fraction in (0, 1]), got {budget}"
+        )
     return min(int(budget), num_experts)
 
 
