@@ -77,7 +77,9 @@ class Trainer:
         self, config: TrainConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
     ) -> None:
         from accelerate import Accelerator
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars: ours shows progress
         self.config = config
         self.out = Path(config.out)
         self.progress = progress
