@@ -15,9 +15,9 @@ from moectl.cli.serve import serve_app
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
-from moectl.serve import ExpertStoreError, offload
+from moectl.serve import ExpertStoreError, OffloadConfig, offload
 from moectl.serve.cuda_loader import CudaStreamLoader
-from moectl.serve.loader import LoadTotals, SyncLoader, ThreadLoader, Ticket, Wait, make_loader
+from moectl.serve.loader import ExpertRead, LoadTotals, SyncLoader, ThreadLoader, Ticket, Wait, make_loader
 from moectl.serve.policies import ControllerResidency
 from moectl.serve.prefetch import PrefetchConfig, option_prediction
 from moectl.serve.runner import serve_offload
@@ -229,14 +229,28 @@ def test_stall_is_the_overlap_of_waits_with_busy_loads():
     assert totals.stall_s <= totals.load_s
 
 
+class _CallStore:
+    """An expert store whose load(layer, expert) calls a function (one expert per read)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def load(self, layer: int, expert: int) -> dict:
+        return self.fn()
+
+
+def _read(fn) -> ExpertRead:
+    return ExpertRead(_CallStore(fn), 0, 0)
+
+
 def test_thread_loader_orders_copies_and_reports_errors():
     loader = make_loader(torch.device("cpu"), True)
     assert isinstance(loader, ThreadLoader)
     assert isinstance(make_loader(torch.device("cpu"), False), SyncLoader)
     dst = {"w": torch.zeros(3)}
     first, second = Ticket(0, 0), Ticket(0, 1)
-    loader.submit(first, lambda: {"w": torch.ones(3)}, dst)
-    loader.submit(second, lambda: {"w": torch.full((3,), 2.0)}, dst)  # same slot: lands second
+    loader.submit(first, _read(lambda: {"w": torch.ones(3)}), dst)
+    loader.submit(second, _read(lambda: {"w": torch.full((3,), 2.0)}), dst)  # same slot: lands second
     wait = loader.wait(second, in_forward=False)
     assert torch.equal(dst["w"], torch.full((3,), 2.0))
     assert wait.tickets == [first, second] and loader.wait(first, False).tickets == []
@@ -246,11 +260,11 @@ def test_thread_loader_orders_copies_and_reports_errors():
         raise ExpertStoreError("checksum mismatch")
 
     bad = Ticket(0, 2)
-    loader.submit(bad, broken, dst)
+    loader.submit(bad, _read(broken), dst)
     with pytest.raises(ExpertStoreError):
         loader.wait(bad, False)
     loader.drain()  # already reported at the wait
-    loader.submit(Ticket(0, 3), broken, dst)  # never waited on: reported by drain
+    loader.submit(Ticket(0, 3), _read(broken), dst)  # never waited on: reported by drain
     with pytest.raises(ExpertStoreError):
         loader.drain()
     loader.close()
@@ -273,7 +287,12 @@ def test_async_loads_from_a_corrupted_store_raise(tmp_path):
 def test_serve_offload_and_cli_report_stall_and_prefetch(tmp_path):
     model, tok = load_model("tiny:olmoe")
     r = serve_offload(
-        model, tok, ["hello world"], 5, "option:3", "host", 6, progress=False, async_loads=True, prefetch=True
+        model,
+        tok,
+        ["hello world"],
+        OffloadConfig(5, "option:3", "host", async_loads=True, prefetch=True),
+        6,
+        progress=False,
     )
     json.dumps(r)
     assert r["loader"] == "thread" and r["async_loads"] and r["prefetch"]

@@ -91,7 +91,7 @@ def test_option_residency_follows_router_option_masks():
         for i, m in enumerate(rt.modules):
             m.register_forward_hook(hook(i))
         greedy(model, ids)
-        loads = rt.totals()["loads"]
+        loads, switches = rt.totals()["loads"], rt.totals()["switches"]
     total_switches = 0
     for layer in range(len(resident)):
         masks = router_option_masks(
@@ -101,6 +101,7 @@ def test_option_residency_follows_router_option_masks():
         assert resident[layer] == expected
         total_switches += int((masks[p:] != masks[p - 1 : -1]).any(-1).sum())
     assert total_switches > 0
+    assert switches == total_switches  # the runtime's count of ω changes is the metric's
     assert loads >= total_switches  # each switch loads at least the activated expert outside the option
 
 

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from moectl.cli.serve import serve_app
 from moectl.models.load import load_model
+from moectl.serve.config import OffloadConfig
 from moectl.serve.runner import serve_offload
 
 torch.set_num_threads(1)
@@ -17,7 +18,13 @@ torch.set_num_threads(1)
 def test_serve_offload_reports_measured_figures(tmp_path):
     model, tok = load_model("tiny:olmoe")
     r = serve_offload(
-        model, tok, ["hello world", "def f(x):"], 0.25, "lru", "host", 6, plot=tmp_path, progress=False
+        model,
+        tok,
+        ["hello world", "def f(x):"],
+        OffloadConfig(0.25, "lru", "host"),
+        6,
+        plot=tmp_path,
+        progress=False,
     )
     json.dumps(r)  # JSON-ready
     expert = (192 * 64 + 64 * 96) * 4

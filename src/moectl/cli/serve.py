@@ -41,6 +41,29 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _rate(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:.3f} s"
+
+
+def _preflight(folder: str, dtype: str, budget: float | int, policy: str) -> None:
+    """Refuse a budget below the policy's minimum, or one the memory limit cannot hold, before any
+    weight is read (the model built on meta; a policy that needs the loaded model is checked later)."""
+    from moectl.models.meta_model import build_meta, load_config
+    from moectl.serve.plan import preflight
+    from moectl.serve.policies import parse_policy
+
+    meta = build_meta(load_config(folder), None if dtype == "auto" else dtype)
+    try:
+        residency = parse_policy(policy, meta)
+    except Exception:  # e.g. a controller folder: it merges adapters into a loaded model
+        residency = None
+    preflight(meta, budget, residency)
+
+
 @serve_app.command("serve-offload")
 def serve_offload_command(
     model: OptionalModelArg = None,
@@ -55,7 +78,20 @@ def serve_offload_command(
             "(`moectl.load_policy`: a subset file or expert mask is served static, a controller folder as controller)."
         ),
     ] = "lru",
-    store: Annotated[str, typer.Option(help="Where non-resident experts live: disk | host.")] = "disk",
+    store: Annotated[
+        str,
+        typer.Option(
+            help="Where non-resident experts live: disk (a checkpoint folder's own shards, read on demand; "
+            "a temporary store for tiny:/shape: models) | checkpoint (the shards, required) | host (RAM)."
+        ),
+    ] = "disk",
+    read_method: Annotated[
+        str,
+        typer.Option(
+            "--read-method",
+            help="How checkpoint shards are read: direct (O_DIRECT, the page cache stays empty) | fadvise | plain.",
+        ),
+    ] = "direct",
     store_dir: Annotated[
         Path | None,
         typer.Option("--store-dir", help="Directory for the disk store (default: a temporary one)."),
@@ -102,17 +138,38 @@ def serve_offload_command(
     import torch
 
     from moectl.generate import load_prompts
+    from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
+    from moectl.serve.config import STORES, OffloadConfig
     from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
     from moectl.serve.runner import serve_offload
 
     spec = model_spec(model, tiny)
-    if store not in ("disk", "host"):
-        raise typer.BadParameter(f"--store must be disk or host, got {store!r}")
+    if store not in STORES:
+        raise typer.BadParameter(f"--store must be one of {', '.join(STORES)}, got {store!r}")
+    if read_method not in ("direct", "fadvise", "plain"):
+        raise typer.BadParameter(f"--read-method must be direct, fadvise or plain, got {read_method!r}")
     torch.manual_seed(seed)
+    reader = None
     try:
-        prefetch_config = PrefetchConfig(prefetch_lookahead, prefetch_beta)
-        net, tokenizer = load(spec, device, dtype, seed=seed)
+        config = OffloadConfig(
+            budget=parse_budget(budget),
+            store=store,
+            store_dir=store_dir,
+            async_loads=async_loads,
+            prefetch=prefetch,
+            prefetch_config=PrefetchConfig(prefetch_lookahead, prefetch_beta),
+            read_method=read_method,
+        )
+        if store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
+            _preflight(spec, dtype, config.budget, policy)
+            net, tokenizer, reader = load_lazy(spec, dtype, device, method=read_method)
+        elif store == "checkpoint":
+            raise ValueError(
+                f"--store checkpoint needs a checkpoint folder with safetensors shards, got {spec!r}"
+            )
+        else:
+            net, tokenizer = load(spec, device, dtype, seed=seed)
         residency = parse_policy(policy, net)  # a controller's adapters and routers merge into net
         if isinstance(residency, ControllerResidency):
             residency = ControllerResidency(residency.route_policy, seed=seed)
@@ -120,19 +177,17 @@ def serve_offload_command(
             net,
             tokenizer,
             load_prompts(prompts),
-            parse_budget(budget),
-            residency,
-            store,
+            config.with_(policy=residency),
             max_new_tokens,
-            store_dir=store_dir,
             plot=plot,
-            async_loads=async_loads,
-            prefetch=prefetch,
-            prefetch_config=prefetch_config,
+            reader=reader,
         )
-    except (ValueError, OSError, RuntimeError) as err:
+    except (ValueError, OSError, RuntimeError, MemoryError) as err:
         fail(err)
-    table = Table(title=f"serve-offload: policy {result['policy']}, store {store}")
+    finally:
+        if reader is not None:
+            reader.close()
+    table = Table(title=f"serve-offload: policy {result['policy']}, store {result['store']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [
@@ -144,6 +199,11 @@ def serve_offload_command(
         ("total expert memory", _mib(result["total_expert_bytes"])),
         ("non-expert memory", _mib(result["non_expert_bytes"])),
         ("peak process RSS", _mib(result["peak_rss_bytes"])),
+        ("time to first token", _seconds(result["time_to_first_token_s"])),
+        (
+            "disk bytes read / generated token",
+            "-" if result["disk_read_bytes_per_token"] is None else _mib(result["disk_read_bytes_per_token"]),
+        ),
         ("loads / generated token", f"{result['loads_per_token']:.3f}"),
         ("bytes moved / generated token", _mib(result["bytes_moved_per_token"])),
         ("hit rate", "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"),
@@ -154,7 +214,7 @@ def serve_offload_command(
             f"{result['prefetch_hits']} / {result['prefetch_loads']}" if result["prefetch"] else "-",
         ),
         ("expert compute time", f"{result['expert_compute_s']:.3f} s"),
-        ("tokens/s", f"{result['tokens_per_s']:.1f}"),
+        ("tokens/s (decode only)", f"{result['tokens_per_s']:.2f} ({_rate(result['decode_tokens_per_s'])})"),
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
         ("deliberation cost η", f"{result['eta']['value']:.4f}"),
     ]

@@ -197,6 +197,10 @@ class ShardReader:
         """The expert-store interface of ``moectl.serve``: a fresh copy of one expert."""
         return self.read_expert(layer, expert)
 
+    def read_into(self, layer: int, expert: int, dst: dict[str, Tensor]) -> None:
+        """The store interface's in-place read: fill ``dst`` (a resident slot) with the expert."""
+        self.read_expert(layer, expert, out=dst)
+
     def read_tensor(self, name: str, out: Tensor | None = None) -> Tensor:
         """Model tensor ``name`` (any parameter or persistent buffer; fused experts whole), read
         into ``out`` when given (any dtype/device: cast on the way) or a new CPU tensor."""

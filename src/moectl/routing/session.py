@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, UnsupportedModelError, inspect
+from moectl.routing.kv_cache import cache_in
 from moectl.routing.loader import routing_policies
 from moectl.routing.state import Policy, RouteContext, RoutingState
 from moectl.routing.trace import RoutingTrace
@@ -94,7 +95,7 @@ class RoutingSession:
         if x is None:
             raise ValueError("routing needs input_ids or inputs_embeds to know the batch shape")
         b, t = int(x.shape[0]), int(x.shape[1])
-        cache = kwargs.get("past_key_values")
+        cache = cache_in(kwargs)
         offset = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         mask = kwargs.get("attention_mask")
         valid = mask[:, -t:].bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None

@@ -1,5 +1,6 @@
 """Expert-offloading runtime: serve an MoE with only a budget of experts per layer resident."""
 
+from moectl.serve.config import OffloadConfig
 from moectl.serve.offload import OffloadedExperts, OffloadRuntime, offload
 from moectl.serve.policies import parse_policy
 from moectl.serve.prefetch import PrefetchConfig
@@ -9,6 +10,7 @@ __all__ = [
     "DiskStore",
     "ExpertStoreError",
     "HostStore",
+    "OffloadConfig",
     "OffloadRuntime",
     "OffloadedExperts",
     "PrefetchConfig",

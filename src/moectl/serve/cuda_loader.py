@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moectl.serve.loader import Fetch, FifoQueue, Ticket, Wait
+from moectl.serve.loader import ExpertRead, FifoQueue, Ticket, Wait
 
 
 def _timed(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -61,9 +61,9 @@ class CudaStreamLoader:
     def _t(self, event: torch.cuda.Event) -> float:
         return self._origin.elapsed_time(event) / 1e3
 
-    def submit(self, ticket: Ticket, fetch: Fetch, dst: dict[str, Tensor]) -> None:
+    def submit(self, ticket: Ticket, read: ExpertRead, dst: dict[str, Tensor]) -> None:
         t0 = time.perf_counter()
-        weights = {name: _pinned(w) for name, w in fetch().items()}
+        weights = {name: _pinned(w) for name, w in read.fetch().items()}
         ticket.host_s = time.perf_counter() - t0
         compute = torch.cuda.current_stream(self.device)
         queued = torch.cuda.Event()

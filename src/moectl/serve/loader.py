@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,7 +39,32 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-Fetch = Callable[[], dict[str, Tensor]]
+
+@dataclass(frozen=True)
+class ExpertRead:
+    """One expert of one MoE layer, to be read from ``store`` into its resident slot.
+
+    ``into(dst)`` fills ``dst`` (the slot's views) in place: stores that can read straight into a
+    caller's buffer (``read_into``: the checkpoint's shards) do so, with no intermediate copy of
+    the expert; others return the expert (``load``) and it is copied. ``fetch()`` returns it as
+    host tensors (the CUDA loader pins those, then copies on its side stream).
+    """
+
+    store: Any
+    layer: int
+    expert: int
+
+    def fetch(self) -> dict[str, Tensor]:
+        return self.store.load(self.layer, self.expert)
+
+    def into(self, dst: dict[str, Tensor]) -> None:
+        read_into = getattr(self.store, "read_into", None)
+        if read_into is not None and all(d.device.type == "cpu" for d in dst.values()):
+            read_into(self.layer, self.expert, dst)
+            return
+        weights = self.fetch()
+        for name, d in dst.items():
+            d.copy_(weights[name], non_blocking=True)
 
 
 @dataclass(eq=False)
@@ -115,8 +139,8 @@ class LoadTotals:
 class Loader(Protocol):
     name: str
 
-    def submit(self, ticket: Ticket, fetch: Fetch, dst: dict[str, Tensor]) -> None:
-        """Start copying ``fetch()`` into ``dst`` (views of the resident slot)."""
+    def submit(self, ticket: Ticket, read: ExpertRead, dst: dict[str, Tensor]) -> None:
+        """Start copying ``read`` into ``dst`` (views of the resident slot)."""
 
     def wait(self, ticket: Ticket, in_forward: bool) -> Wait | None:
         """Hold compute back until ``ticket``'s copy has landed (raises its load's error)."""
@@ -130,20 +154,14 @@ class Loader(Protocol):
     def close(self) -> None: ...
 
 
-def _copy(fetch: Fetch, dst: dict[str, Tensor]) -> None:
-    weights = fetch()
-    for name, d in dst.items():
-        d.copy_(weights[name], non_blocking=True)
-
-
 class SyncLoader:
     """The load runs inside ``submit``: compute is held back for all of it."""
 
     name = "sync"
 
-    def submit(self, ticket: Ticket, fetch: Fetch, dst: dict[str, Tensor]) -> None:
+    def submit(self, ticket: Ticket, read: ExpertRead, dst: dict[str, Tensor]) -> None:
         t0 = time.perf_counter()
-        _copy(fetch, dst)
+        read.into(dst)
         d = next(iter(dst.values()))
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
@@ -196,18 +214,18 @@ class ThreadLoader:
         self._queue = FifoQueue()
         self._errors: list[BaseException] = []
 
-    def _run(self, ticket: Ticket, fetch: Fetch, dst: dict[str, Tensor]) -> None:
+    def _run(self, ticket: Ticket, read: ExpertRead, dst: dict[str, Tensor]) -> None:
         ticket.start = time.perf_counter()
         try:
-            _copy(fetch, dst)
+            read.into(dst)
         except BaseException as err:
             self._errors.append(err)
             raise
         finally:
             ticket.end = time.perf_counter()
 
-    def submit(self, ticket: Ticket, fetch: Fetch, dst: dict[str, Tensor]) -> None:
-        ticket.handle = self._pool.submit(self._run, ticket, fetch, dst)
+    def submit(self, ticket: Ticket, read: ExpertRead, dst: dict[str, Tensor]) -> None:
+        ticket.handle = self._pool.submit(self._run, ticket, read, dst)
         self._queue.append(ticket)
 
     def wait(self, ticket: Ticket, in_forward: bool) -> Wait:

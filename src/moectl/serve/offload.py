@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters import inspect
+from moectl.serve.config import OffloadConfig
 from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
 from moectl.serve.prefetch import PrefetchConfig
@@ -62,6 +63,7 @@ class OffloadedExperts(nn.Module):
         self.res = res
         self._runtime = [runtime]  # a list: not registered as a submodule
         self.last_probs: Tensor | None = None
+        self.switches = 0  # decoding steps at which the policy's pinned option changed (TE-MoE §2.2)
         self._forward_s = 0.0
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards not yet read
 
@@ -91,7 +93,10 @@ class OffloadedExperts(nn.Module):
         probs = None if self.last_probs is None else self.last_probs.reshape(chosen.shape[0], -1)
         runtime = self._runtime[0]
         self.res.begin_step(runtime.step)
+        option = frozenset(self.res.pinned)
         self.policy.before(self.layer, self.res, chosen, probs)
+        if chosen.shape[0] == 1 and option and self.res.pinned != option:  # a decoding step changed ω
+            self.switches += 1
         if runtime.prefetch and chosen.shape[0] == 1:  # a decoding step: start the predicted switch's loads
             predicted = self.policy.predict(self.layer, self.res, chosen, probs, runtime.prefetch_config)
             if predicted:
@@ -130,39 +135,37 @@ def resolve_budget(budget: float | int, num_experts: int) -> int:
 
 
 class OffloadRuntime:
-    """Installed by ``offload``; holds the store, the resident sets and the counters."""
+    """Installed by ``offload``; holds the store, the resident sets and the counters.
 
-    def __init__(
-        self,
-        model: nn.Module,
-        budget: float | int,
-        policy="lru",
-        store: str = "disk",
-        store_dir: str | Path | None = None,
-        verify: bool = True,
-        async_loads: bool | None = None,
-        prefetch: bool | None = None,
-        prefetch_config: PrefetchConfig | None = None,
-    ) -> None:
-        self.model = model
-        self.async_spec, self.prefetch_spec = async_loads, prefetch
-        self.prefetch_config = prefetch_config or PrefetchConfig()
+    ``reader``: the ``ShardReader`` of the checkpoint the model was loaded from (``moectl.serve.
+    lazy.load_lazy`` returns one). With it, or with ``store="checkpoint"``, non-resident experts
+    are read from the checkpoint's own shards, straight into the resident slots. A model whose
+    experts were never loaded (left on the meta device) needs it: such a model is served without
+    the experts ever being in memory, and leaving the block puts them back on meta.
+    """
+
+    def __init__(self, model: nn.Module, config: OffloadConfig, reader=None) -> None:
+        self.model, self.config, self.reader = model, config, reader
+        self.async_spec, self.prefetch_spec = config.async_loads, config.prefetch
+        self.prefetch_config = config.prefetch_config
         self.async_loads = self.prefetch = False
         self.loaders: dict[torch.device, Loader] = {}
+        policy = config.policy
         self.policy = LRUPolicy() if policy is None else parse_policy(policy, model)  # any policy spec
-        self.budget_spec, self.store_kind, self.verify = budget, store, verify
-        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.budget_spec, self.verify = config.budget, config.verify
+        self.store_dir = config.store_dir
+        self.store_kind = config.store
         self.step = 0
         self.step_tokens: list[int] = []
+        self.step_times: list[float] = []  # perf_counter at the start of each forward
         self.modules: list[OffloadedExperts] = []
         self._hooks: list = []
         self._restore: list = []
         self._tmp: str | None = None
+        self._own_reader = False
 
     # -- install / restore ---------------------------------------------------------------------
-    def __enter__(self) -> OffloadRuntime:
-        info = inspect(self.model)
-        self.info = info
+    def _experts_params(self, info) -> tuple[list[dict[str, Tensor]], list[nn.Module]]:
         layers, experts_modules = [], []
         for layer in info.layers:
             experts = layer.block.experts
@@ -183,6 +186,40 @@ class OffloadRuntime:
                 raise BudgetError(f"MoE layer {layer.index}: the experts module holds no [E, ...] parameters")
             layers.append({n: p.data for n, p in params.items()})
             experts_modules.append(experts)
+        return layers, experts_modules
+
+    def _checkpoint_reader(self, experts_modules: list[nn.Module]):
+        """The checkpoint's shard reader, its MoE layers checked against the model's."""
+        from moectl.models.shards import ShardReader
+
+        reader = self.reader
+        if reader is None:
+            folder = Path(str(getattr(getattr(self.model, "config", None), "name_or_path", "") or ""))
+            if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+                raise BudgetError(
+                    "store 'checkpoint' needs the model's checkpoint folder (safetensors shards); this model "
+                    "was not loaded from one: use store 'disk' or 'host'"
+                )
+            reader = ShardReader(folder, self.model, method=self.config.read_method)
+            self.reader, self._own_reader = reader, True
+        names = {id(m): n for n, m in self.model.named_modules()}
+        if len(reader.layers) != len(experts_modules):
+            raise BudgetError(
+                f"the checkpoint has {len(reader.layers)} MoE layers of experts, the model {len(experts_modules)}"
+            )
+        for layer, module in zip(reader.layers, experts_modules, strict=True):
+            if not names.get(id(module), "").endswith(layer.module.removeprefix("model.")):
+                raise BudgetError(
+                    f"MoE layer {layer.index}: the checkpoint's experts are {layer.module}, the model's "
+                    f"{names.get(id(module))}: the reader was made for another model"
+                )
+        return reader
+
+    def __enter__(self) -> OffloadRuntime:
+        info = inspect(self.model)
+        self.info = info
+        layers, experts_modules = self._experts_params(info)
+        self.lazy = any(t.is_meta for params in layers for t in params.values())
         self.budget = [resolve_budget(self.budget_spec, layer.num_experts) for layer in info.layers]
         for layer, b in zip(info.layers, self.budget, strict=True):
             need = self.policy.min_budget(layer.index, layer.top_k)
@@ -191,15 +228,26 @@ class OffloadRuntime:
                     f"MoE layer {layer.index}: a budget of {b} resident experts is too small: the policy "
                     f"{self.policy.name} needs at least {need} (top-k = {layer.top_k}, {layer.num_experts} experts)"
                 )
-        if self.store_kind == "host":
+        kind = self.store_kind
+        if kind == "disk" and (self.reader is not None or self.lazy):
+            kind = "checkpoint"  # loaded from a checkpoint folder: its own shards are the disk store
+        if self.lazy and kind != "checkpoint":
+            raise BudgetError(
+                f"the model's experts were never loaded (meta device): they can only be read from its "
+                f"checkpoint, not a {kind!r} store"
+            )
+        self.store_kind = kind
+        if kind == "checkpoint":
+            self.store = self._checkpoint_reader(experts_modules)
+        elif kind == "host":
             self.store = HostStore(layers)
-        elif self.store_kind == "disk":
+        else:
             if self.store_dir is None:
                 self._tmp = tempfile.mkdtemp(prefix="moectl-experts-")
             self.store = DiskStore.write(self.store_dir or self._tmp, layers, verify=self.verify)
-        else:
-            raise ValueError(f"store must be 'disk' or 'host', got {self.store_kind!r}")
-        devices = [next(iter(params.values())).device for params in layers]
+        devices = [
+            self._device_of(experts, params) for experts, params in zip(experts_modules, layers, strict=True)
+        ]
         cuda = any(d.type == "cuda" for d in devices)
         self.async_loads = cuda if self.async_spec is None else bool(self.async_spec)
         self.prefetch = self.async_loads if self.prefetch_spec is None else bool(self.prefetch_spec)
@@ -210,7 +258,9 @@ class OffloadRuntime:
             info.layers, experts_modules, layers, self.budget, devices, strict=True
         ):
             res = ResidentSet(layer.index, self.store, b, params, device, self.loaders[device])
-            meta = {n: experts._parameters[n].requires_grad for n in params}
+            meta = {
+                n: (experts._parameters[n].requires_grad, tuple(p.shape), p.dtype) for n, p in params.items()
+            }
             for name in params:
                 del experts._parameters[name]
                 object.__setattr__(experts, name, _ExpertView(res, name, layer.num_experts))
@@ -224,6 +274,18 @@ class OffloadRuntime:
         base = getattr(self.model, "base_model", self.model)
         self._hooks.append(base.register_forward_pre_hook(self._count_step, with_kwargs=True))
         return self
+
+    def _device_of(self, experts: nn.Module, params: dict[str, Tensor]) -> torch.device:
+        """Where the slots go: the experts' device, or for experts on meta the device of the
+        layer's other weights (the router's, the attention's)."""
+        device = next(iter(params.values())).device
+        if device.type != "meta":
+            return device
+        for module in (experts, self.model):
+            for t in module.parameters():
+                if not t.is_meta:
+                    return t.device
+        return torch.device("cpu")
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -242,14 +304,20 @@ class OffloadRuntime:
                 loader.close()
         self.loaders.clear()
         for (layer, experts, meta, device), wrapper in zip(self._restore, self.modules, strict=True):
-            for name, requires_grad in meta.items():
-                full = torch.stack([self.store.load(layer.index, e)[name] for e in range(layer.num_experts)])
+            for name, (requires_grad, shape, dtype) in meta.items():
+                if self.lazy:  # never loaded: back on meta, as the model came
+                    full = torch.empty(shape, dtype=dtype, device="meta")
+                else:
+                    full = torch.stack(
+                        [self.store.load(layer.index, e)[name] for e in range(layer.num_experts)]
+                    )
+                    full = full.to(device=device, dtype=dtype)
                 del experts.__dict__[name]
-                experts.register_parameter(name, nn.Parameter(full.to(device), requires_grad=requires_grad))
+                experts.register_parameter(name, nn.Parameter(full, requires_grad=requires_grad))
             layer.block.experts = experts
             wrapper.res.slots.clear()
         self._restore.clear()
-        if hasattr(self.store, "close"):
+        if hasattr(self.store, "close") and (self.store is not self.reader or self._own_reader):
             self.store.close()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -268,6 +336,7 @@ class OffloadRuntime:
         if x is None:
             x = kwargs.get("inputs_embeds")
         self.step += 1
+        self.step_times.append(time.perf_counter())
         self.step_tokens.append(int(x.shape[0] * x.shape[1]) if x is not None else 0)
 
     # -- counters ------------------------------------------------------------------------------
@@ -297,6 +366,7 @@ class OffloadRuntime:
             "prefetch_wasted": sum(r.prefetch_wasted for r in sets),
             "prefetch_unused": sum(len(r.prefetched) for r in sets),
             "compute_s": sum(m.compute_s for m in self.modules),
+            "switches": sum(m.switches for m in self.modules),
             "resident_expert_bytes": sum(r.slot_bytes for r in sets),
             "expert_bytes": [r.expert_bytes for r in sets],
         }
@@ -308,7 +378,7 @@ class OffloadRuntime:
 
 def offload(
     model: nn.Module,
-    budget: float | int,
+    budget: float | int | OffloadConfig = 0.25,
     policy="lru",
     store: str = "disk",
     store_dir: str | Path | None = None,
@@ -316,8 +386,24 @@ def offload(
     async_loads: bool | None = None,
     prefetch: bool | None = None,
     prefetch_config: PrefetchConfig | None = None,
+    reader=None,
 ) -> OffloadRuntime:
-    """``with offload(model, 0.25, "option:4", store="disk") as rt:`` — generate, read ``rt.totals()``."""
-    return OffloadRuntime(
-        model, budget, policy, store, store_dir, verify, async_loads, prefetch, prefetch_config
-    )
+    """``with offload(model, OffloadConfig(0.25, "option:4")) as rt:`` — generate, read ``rt.totals()``.
+
+    The settings may also be given one by one (``offload(model, 0.25, "option:4", store="host")``).
+    ``reader``: the checkpoint's ``ShardReader`` (see ``OffloadRuntime``).
+    """
+    if isinstance(budget, OffloadConfig):
+        config = budget
+    else:
+        config = OffloadConfig(
+            budget=budget,
+            policy=policy,
+            store=store,
+            store_dir=None if store_dir is None else Path(store_dir),
+            verify=verify,
+            async_loads=async_loads,
+            prefetch=prefetch,
+            prefetch_config=prefetch_config or PrefetchConfig(),
+        )
+    return OffloadRuntime(model, config, reader=reader)

@@ -101,7 +101,9 @@ class StaticPolicy(LRUPolicy):
             from moectl.routing.mask import ExpertMask
 
             if info is None:
-                raise ValueError("a static residency with 'everywhere' needs the model: load_policy(spec, model)")
+                raise ValueError(
+                    "a static residency with 'everywhere' needs the model: load_policy(spec, model)"
+                )
             return cls(ExpertMask.from_dict(data, info).expert_lists())
         return cls(expert_lists_of(data[forms[0]], forms[0]))
 

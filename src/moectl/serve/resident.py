@@ -16,12 +16,11 @@ access to an expert that was resident before the current step and was not (re)lo
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import partial
 
 import torch
 from torch import Tensor
 
-from moectl.serve.loader import Loader, LoadTotals, SyncLoader, Ticket
+from moectl.serve.loader import ExpertRead, Loader, LoadTotals, SyncLoader, Ticket
 
 
 class ResidentSet:
@@ -153,7 +152,7 @@ class ResidentSet:
     def _load(self, expert: int, slot: int, prefetch: bool) -> None:
         ticket = Ticket(self.layer, expert, prefetch=prefetch, in_forward=self.in_forward)
         dst = {name: t[slot] for name, t in self.slots.items()}
-        self.loader.submit(ticket, partial(self.store.load, self.layer, expert), dst)
+        self.loader.submit(ticket, ExpertRead(self.store, self.layer, expert), dst)
         self.where[expert] = slot
         self._pending[expert] = ticket
         self.timing.unsettled.append(ticket)

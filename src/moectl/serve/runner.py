@@ -6,15 +6,15 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from moectl.generate import Prompt, generate
 from moectl.routing import route
+from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
 from moectl.serve.offload import offload
-from moectl.serve.prefetch import PrefetchConfig
+from moectl.serve.policies import LRUPolicy
 
 
 def _peak_rss_bytes() -> dict:
@@ -31,10 +31,35 @@ def _peak_rss_bytes() -> dict:
     return out
 
 
+def _io_bytes() -> int | None:
+    """Bytes this process has read from storage (Linux ``/proc/self/io`` read_bytes; None elsewhere)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _first_token_s(step_times: list[float], step_tokens: list[int]) -> float | None:
+    """Mean seconds of the prompts' prefill steps (each ends with its first new token):
+    ``step_times`` holds each forward's start and, last, the end of generation."""
+    spans = [step_times[i + 1] - step_times[i] for i, n in enumerate(step_tokens) if n > 1]
+    return sum(spans) / len(spans) if spans else None
+
+
+def _decode_s(step_times: list[float], step_tokens: list[int]) -> float:
+    """Seconds of the one-token (decoding) steps, each from its start to the next forward's."""
+    return sum(step_times[i + 1] - step_times[i] for i, n in enumerate(step_tokens) if n == 1)
+
+
 def _tensor_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers that hold memory (shared ones once, meta none)."""
     seen = {}
     for t in [*model.parameters(), *model.buffers()]:
-        seen[t.data_ptr()] = t.numel() * t.element_size()
+        if not t.is_meta:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -42,21 +67,19 @@ def serve_offload(
     model,
     tokenizer,
     prompts: list[Prompt] | list[str],
-    budget: float | int,
-    policy: Any = "lru",
-    store: str = "disk",
+    config: OffloadConfig,
     max_new_tokens: int = 64,
-    store_dir: str | Path | None = None,
+    *,
     plot: str | Path | None = None,
     progress: bool = True,
-    async_loads: bool | None = None,
-    prefetch: bool | None = None,
-    prefetch_config: PrefetchConfig | None = None,
+    reader=None,
 ) -> dict:
     """Generate ``max_new_tokens`` per prompt (greedy, one prompt at a time) with offloaded experts.
 
+    ``config``: the budget, residency policy, store and loader settings (``OffloadConfig``).
+    ``reader``: the checkpoint's shard reader when the model was loaded lazily
+    (``moectl.models.load_lazy``): its experts are then read from the checkpoint's own shards.
     Returns the generated texts and the measured figures; ``plot`` writes the load timeline PNG.
-    ``async_loads`` / ``prefetch``: see ``moectl.serve.offload`` (None: on with CUDA, off without).
     ``load_s`` is the loads' own time, ``stall_s`` the part of it compute waited for (equal when
     loads are synchronous; ``loader.py``); ``load_overlap`` = 1 - stall_s / load_s.
     """
@@ -65,21 +88,20 @@ def serve_offload(
     if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # offloading runs the experts' own eager forward
     total_params = _tensor_bytes(model)
-    with offload(
-        model,
-        budget,
-        policy,
-        store=store,
-        store_dir=store_dir,
-        async_loads=async_loads,
-        prefetch=prefetch,
-        prefetch_config=prefetch_config,
-    ) as rt:
+    io0 = _io_bytes()
+    with offload(model, config, reader=reader) as rt:
         non_expert_bytes = _tensor_bytes(model)
         with route(model, rt.policy.routing(rt.info)):
             t0, c0 = time.perf_counter(), time.process_time()
             texts = generate(model, tokenizer, prompts, max_new_tokens, batch_size=1, progress=progress)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            t1 = time.perf_counter()
+            wall, cpu = t1 - t0, time.process_time() - c0
+        io1 = _io_bytes()
+        read_stats = getattr(getattr(rt.store, "io", None), "stats", None)
+        shard_bytes = None if read_stats is None else read_stats.file_bytes
+        shard_gbps = None if read_stats is None else read_stats.gb_per_s
+        ttft = _first_token_s([*rt.step_times, t1], list(rt.step_tokens))
+        decode_s = _decode_s([*rt.step_times, t1], list(rt.step_tokens))
         totals = rt.totals()
         events = rt.events()
         step_tokens = list(rt.step_tokens)
@@ -87,6 +109,8 @@ def serve_offload(
         info = rt.info
         budget_experts = rt.budget
         loader, async_on, prefetch_on = rt.loader_name, rt.async_loads, rt.prefetch
+        store = rt.store_kind
+        read_method = rt.store.method if store == "checkpoint" else None
     if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(impl)
     generated = len(prompts) * max_new_tokens
@@ -101,9 +125,12 @@ def serve_offload(
     load_s = totals["load_s"] / max(totals["loads"], 1)
     stall_per_load = totals["stall_s"] / max(totals["loads"], 1)
     k_hat = getattr(rt.policy, "k_hat", info.top_k)
+    pinned = type(rt.policy).before is not LRUPolicy.before  # keeps an option resident: switches count
     result = {
         "policy": rt.policy.name,
         "store": store,
+        "read_method": read_method,
+        "config": config.describe(),
         "experts_implementation": "eager" if impl in (None, "eager") else f"eager (switched from {impl})",
         "budget_experts_per_layer": budget_experts,
         "num_experts": [layer.num_experts for layer in info.layers],
@@ -126,6 +153,10 @@ def serve_offload(
         "hits": totals["hits"],
         "misses": totals["misses"],
         "hit_rate": totals["hits"] / accesses if accesses else None,
+        "switches": totals["switches"],
+        "switch_rate": (
+            totals["switches"] / (len(decode_steps) * len(info.layers)) if pinned and decode_steps else None
+        ),
         "loader": loader,
         "async_loads": async_on,
         "load_s": totals["load_s"],
@@ -157,6 +188,12 @@ def serve_offload(
             "stall_value": deliberation_cost(stall_per_load, token_s, k_hat),
             "stall_s_per_load": stall_per_load,
         },
+        "time_to_first_token_s": ttft,
+        "decode_tokens_per_s": len(decode_steps) / decode_s if decode_s > 0 else None,
+        "disk_read_bytes": None if io0 is None or io1 is None else io1 - io0,
+        "disk_read_bytes_per_token": None if io0 is None or io1 is None else (io1 - io0) / max(generated, 1),
+        "shard_read_bytes": shard_bytes,
+        "shard_read_gb_per_s": shard_gbps,
         "timeline": {"steps": len(step_tokens), "loads": [list(e) for e in events]},
     }
     if plot is not None:

@@ -1,0 +1,161 @@
+"""Serve a checkpoint larger than the memory it is given: moectl and llama.cpp under memory caps.
+
+Issue 18. Each row runs one system in a fresh process under ``shared/tools/memcap`` (a memory
+cgroup that counts the page cache, started cold) at a cap that is a fraction of the checkpoint's
+bytes, or uncapped, and records: decode tokens/s, time to first token, the cgroup's peak, the
+process's peak RSS, bytes read from disk per generated token, the hit rate, the switch rate of an
+option policy, and the exact command. Rows that die for memory are kept, marked ``killed``.
+
+    moectl checkpoint make shape:olmoe-1b-7b --out /work/ckpt/olmoe-1b-7b          # 13.8 GB, random bf16
+    python benchmarks/offload_capped.py --checkpoint /work/ckpt/olmoe-1b-7b \\
+        --caps none,0.60,0.45,0.35 --policies lru,option:8 --budget 0.25 --tokens 16 \\
+        [--gguf /work/ckpt/olmoe-1b-7b.gguf] --json benchmarks/results/offload_capped.json
+
+Random weights route unlike a trained model (near-uniform expert use, switch rates near 1): the
+residency policies' hit rates here are a floor, not what a trained model gets. The same table on
+moectl's own reference models is ``--checkpoint models/moectl-small-standard``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMCAP = ROOT.parent / "shared" / "tools" / "memcap"
+PEAK = re.compile(r"memcap: cap \S+, peak (\d+) MiB, hit the cap (\d+) times, exit (-?\d+)")
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def _run(cmd: list[str], cap: int | None, out: Path, timeout: int) -> dict:
+    """Run ``cmd`` (which writes its JSON to ``out``) under the cap; the row's measured figures."""
+    full = [str(MEMCAP), str(cap), "--", *cmd] if cap is not None else cmd
+    if cap is None:  # uncapped rows start cold too, like memcap's
+        subprocess.run(["sync"], check=False)
+        if os.access("/proc/sys/vm/drop_caches", os.W_OK):
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout, check=False)
+        rc, stderr = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc, stderr = 124, (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+    row: dict = {"command": shlex.join(full), "exit": rc, "wall_s": time.perf_counter() - t0}
+    match = PEAK.search(stderr)
+    if match:
+        row["cgroup_peak_bytes"] = int(match.group(1)) * 2**20
+        row["cap_hits"] = int(match.group(2))
+    if rc == 0 and out.exists():
+        row.update(json.loads(out.read_text()))
+    else:
+        row["status"] = "killed (out of memory)" if rc in (137, -9) else f"failed (exit {rc})"
+        row["stderr_tail"] = stderr.strip().splitlines()[-3:]
+    row.pop("texts", None)
+    row.pop("timeline", None)
+    return row
+
+
+def moectl_cmd(args, policy: str, out: Path, prompts: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "moectl.cli", "serve-offload", str(args.checkpoint),
+        "--budget", str(args.budget), "--policy", policy, "--store", "disk",
+        "--read-method", args.read_method, "--max-new-tokens", str(args.tokens),
+        "--prompts", str(prompts), "--json", str(out),
+    ]  # fmt: skip
+
+
+def llama_cmd(args, out: Path) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "benchmarks" / "llama_decode.py"), "--gguf", str(args.gguf),
+        "--tokens", str(args.tokens), "--threads", str(args.threads), "--prompt", args.prompt, "--json", str(out),
+    ]  # fmt: skip
+
+
+def _fmt(row: dict) -> str:
+    def g(key, scale=1.0, digits=2):
+        v = row.get(key)
+        return "-" if v is None else f"{v / scale:.{digits}f}"
+
+    cap = "none" if row["cap_fraction"] is None else f"{row['cap_fraction']:.0%} ({row['cap_bytes'] / 2**30:.1f} GiB)"
+    return (
+        f"| {row['system']} | {row.get('policy_label', '-')} | {cap} | {row.get('status', 'ok')} | "
+        f"{g('decode_tokens_per_s')} | {g('time_to_first_token_s')} | {g('cgroup_peak_bytes', 2**30)} | "
+        f"{g('peak_rss_bytes', 2**30)} | {g('disk_read_bytes_per_token', 2**20, 1)} | {g('hit_rate', 1, 3)} | "
+        f"{g('switch_rate', 1, 3)} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path, help="llama.cpp rows from this GGUF (its converter's output)")
+    ap.add_argument("--caps", default="none,0.60,0.45,0.35", help="fractions of the checkpoint's bytes, or none")
+    ap.add_argument("--policies", default="lru,option:8")
+    ap.add_argument("--budget", default="0.25")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--read-method", default="direct", choices=["direct", "fadvise", "plain"])
+    ap.add_argument("--prompt", default="The history of the city begins with")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per row")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if not MEMCAP.exists():
+        print(f"error: {MEMCAP} not found (the memory-cap tool beside the project)", file=sys.stderr)
+        return 2
+    total = checkpoint_bytes(args.checkpoint)
+    if total == 0:
+        print(f"error: {args.checkpoint} holds no *.safetensors", file=sys.stderr)
+        return 2
+    caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
+    rows = []
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    with tempfile.TemporaryDirectory(prefix="moectl-capped-") as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text(json.dumps({"prompt": args.prompt}) + "\n")
+        systems = [("moectl", p) for p in args.policies.split(",")]
+        if args.gguf is not None:
+            systems.insert(0, ("llama.cpp", "mmap"))
+        for fraction in caps:
+            cap = None if fraction is None else int(fraction * total)
+            for system, policy in systems:
+                out = Path(tmp) / f"{system}-{policy}-{fraction}.json".replace(":", "_")
+                cmd = llama_cmd(args, out) if system == "llama.cpp" else moectl_cmd(args, policy, out, prompts)
+                print(f"[{system} {policy} cap={fraction}] running ...", flush=True)
+                row = _run(cmd, cap, out, args.timeout)
+                row.update(
+                    system=system,
+                    policy_label=policy if system == "moectl" else "mmap",
+                    budget=args.budget if system == "moectl" else None,
+                    cap_fraction=fraction,
+                    cap_bytes=cap,
+                    checkpoint_bytes=total,
+                )
+                rows.append(row)
+                print(_fmt(row), flush=True)
+    header = (
+        "| system | policy | cap | status | decode tok/s | TTFT s | cgroup peak GiB | peak RSS GiB | "
+        "disk MiB/token | hit rate | switch rate |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    print(f"\ncheckpoint {args.checkpoint} ({total / 1e9:.2f} GB), budget {args.budget}, {args.tokens} tokens")
+    print(header)
+    for row in rows:
+        print(_fmt(row))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"checkpoint": str(args.checkpoint), "bytes": total, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""What the offloading runtime needs besides the model: one dataclass instead of fifteen parameters.
+
+``OffloadConfig`` is what ``moectl serve-offload`` parses its options into, what ``offload()``
+installs and what ``serve_offload()`` reports, so a run's settings travel as one value::
+
+    from moectl.serve import OffloadConfig, offload
+    with offload(model, OffloadConfig(budget=0.25, policy="option:8")) as rt:
+        ...
+
+Stores (where the experts that are not resident live):
+
+- ``"disk"``: read from disk. A model loaded from a checkpoint folder is served from that
+  checkpoint's own safetensors shards (``moectl.models.shards.ShardReader``, no second copy; its
+  experts need never be in memory at all, see ``moectl.serve.lazy``); a model built in memory
+  (``tiny:``, ``shape:``) has its experts written once to a temporary store (``store.DiskStore``).
+- ``"checkpoint"``: the checkpoint's own shards, and an error if the model has no checkpoint folder.
+- ``"host"``: every expert in host memory (pinned with CUDA); only the compute device is budgeted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
+from moectl.serve.prefetch import PrefetchConfig
+
+STORES = ("disk", "checkpoint", "host")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Settings of one offloaded run (TE-MoE §3.2: only the active experts need be resident).
+
+    ``budget``: resident experts per MoE layer, a fraction in (0, 1] of the layer's experts or a
+    count (at least the policy's minimum, top-k for lru). ``policy``: any residency policy spec
+    or object (``moectl.serve.policies.parse_policy``). ``async_loads`` / ``prefetch``: ``None``
+    is on with CUDA, off without (``offload.py``). ``read_method``: how checkpoint shards are read
+    (``moectl.models.range_read``: ``direct`` keeps the page cache out of the memory budget).
+    ``verify``: CRC-check experts read from a written disk store.
+    """
+
+    budget: float | int = 0.25
+    policy: Any = "lru"
+    store: str = "disk"
+    store_dir: Path | None = None
+    verify: bool = True
+    async_loads: bool | None = None
+    prefetch: bool | None = None
+    prefetch_config: PrefetchConfig = field(default_factory=PrefetchConfig)
+    read_method: str = DEFAULT_READ_METHOD
+
+    def __post_init__(self) -> None:
+        if self.store not in STORES:
+            raise ValueError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
+        if self.read_method not in READ_METHODS:
+            raise ValueError(
+                f"read method must be one of {', '.join(READ_METHODS)}, got {self.read_method!r}"
+            )
+        if self.store_dir is not None and not isinstance(self.store_dir, Path):
+            object.__setattr__(self, "store_dir", Path(self.store_dir))
+
+    def with_(self, **changes: Any) -> OffloadConfig:
+        """A copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready settings (the policy by its name)."""
+        policy = (
+            self.policy
+            if isinstance(self.policy, str)
+            else getattr(self.policy, "name", type(self.policy).__name__)
+        )
+        return {
+            "budget": self.budget,
+            "policy": policy,
+            "store": self.store,
+            "async_loads": self.async_loads,
+            "prefetch": self.prefetch,
+            "read_method": self.read_method,
+        }
