@@ -8,7 +8,8 @@ weight bytes it reads per second, all in one run so the ratios hold on a busy ma
 
 - bf16 ``F.linear`` per expert (transformers' eager experts loop today);
 - fp32 ``F.linear`` per expert (twice the bytes; the slots would hold fp32);
-- bf16 weights, fp32 activations via ``torch.mv`` after an on-the-fly cast (no extra memory);
+- bf16 ``F.linear`` with the token's row repeated to 16 rows (the GEMM path instead of GEMV);
+- bf16 weights cast to fp32 on the fly, then fp32 ``F.linear`` (no extra resident memory);
 - one batched matmul over the stacked selected experts (bf16 and fp32), as a grouped GEMM would;
 - int8 weight-only (``aten._weight_int8pack_mm``, per-row scales): half the bytes of bf16, not exact.
 
@@ -73,6 +74,18 @@ def main(argv: list[str] | None = None) -> int:
             F.linear(x, gu32[e])
             F.linear(y, d32[e])
 
+    xb16, yb16 = xb.expand(16, h).contiguous(), yb.expand(16, i).contiguous()
+
+    def bf16_linear_m16():
+        for e in range(n):
+            F.linear(xb16, gate_up[e])
+            F.linear(yb16, down[e])
+
+    def bf16_to_fp32_linear():
+        for e in range(n):
+            F.linear(x, gate_up[e].float())
+            F.linear(y, down[e].float())
+
     def bf16_bmm():
         torch.bmm(gate_up, xb.expand(n, h)[:, :, None])
         torch.bmm(down, yb.expand(n, i)[:, :, None])
@@ -88,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     candidates = {
         "bf16 F.linear per expert": (bf16_linear, 2),
+        "bf16 F.linear, row padded to 16": (bf16_linear_m16, 2),
+        "bf16 cast to fp32, F.linear": (bf16_to_fp32_linear, 2),
         "fp32 F.linear per expert": (fp32_linear, 4),
         "bf16 bmm over stacked experts": (bf16_bmm, 2),
         "fp32 bmm over stacked experts": (fp32_bmm, 4),

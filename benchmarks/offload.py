@@ -19,8 +19,13 @@ resident tokens/s with experts in host memory. Also printed: what each policy's 
 per token per layer would cost per token on gpt-oss-20b, OLMoE-1B-7B and Mixtral-8x7B at the
 measured host-memory bandwidth (a CPU RAM copy here; on a GPU host the PCIe bandwidth applies).
 
+With ``--llama-cpp`` (``pip install 'moectl[llama]'``), every checkpoint-folder model is also
+exported to GGUF (``moectl export gguf``) and decoded by llama.cpp on the same prompt tokens, same
+greedy length, same thread count (``--threads``): fully resident and memory-mapped
+(``llama_peer.py``), printed beside the offloading rows relative to the same resident baseline.
+
     python benchmarks/offload.py [--model tiny:olmoe --model runs/standard-small/checkpoints/step-000199]
-        [--max-new-tokens 32] [--disk] [--json out/offload.json]
+        [--max-new-tokens 32] [--disk] [--llama-cpp] [--threads 1] [--json out/offload.json]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 import moectl
 from moectl.generate import generate, load_prompts
 from moectl.models.load import load_model
+from moectl.serve.config import OffloadConfig
 from moectl.serve.runner import serve_offload
 
 # (MoE layers, top-k, experts, bytes of one expert in bf16): from the public configs
@@ -109,18 +115,8 @@ def bench_model(spec: str, max_new_tokens: int, stores: list[str], controllers: 
                         from moectl.serve.policies import ControllerResidency
 
                         policy = ControllerResidency(policy, seed=0)
-                    r = serve_offload(
-                        net,
-                        tok,
-                        prompts,
-                        frac,
-                        policy,
-                        store,
-                        max_new_tokens,
-                        progress=False,
-                        async_loads=async_loads,
-                        prefetch=async_loads,
-                    )
+                    config = OffloadConfig(frac, policy, store, async_loads=async_loads, prefetch=async_loads)
+                    r = serve_offload(net, tok, prompts, config, max_new_tokens, progress=False)
                     base.append(_resident_tokens_per_s(model, tok, prompts, max_new_tokens))
                     rows.append(
                         {
@@ -192,6 +188,19 @@ def real_model_costs(rows: list[dict], top_k: int, bandwidth: float) -> list[dic
     return out
 
 
+def _llama_rows(spec: str, max_new_tokens: int, threads: int, resident: float) -> list[dict]:
+    """llama.cpp on the same prompts and token count (``llama_peer.py``), relative to ``resident``."""
+    from transformers import AutoTokenizer
+
+    from llama_peer import llama_cpp_rows
+
+    tok = AutoTokenizer.from_pretrained(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        texts = [p.text for p in load_prompts(None)]
+        rows = llama_cpp_rows(spec, tok, texts, max_new_tokens, threads, Path(tmp))
+    return [{**r, "relative_tokens_per_s": r["tokens_per_s"] / resident} for r in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="tiny:FAMILY or a checkpoint (repeatable)")
@@ -202,8 +211,10 @@ def main() -> None:
         "--controller", type=Path, action="append", default=[],
         help="a `moectl options train` folder for the (last) --model; run where its k-hat fits the budget",
     )  # fmt: skip
+    parser.add_argument("--llama-cpp", action="store_true", help="also decode with llama.cpp (llama_peer.py)")
+    parser.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     stores = ["host", "disk"] if args.disk else ["host"]
     results = []
     specs = args.model or ["tiny:olmoe"]
@@ -213,6 +224,8 @@ def main() -> None:
         bandwidth = sorted(r["bandwidth_bytes_per_s"] for r in host)[len(host) // 2]
         res["host_bandwidth_bytes_per_s"] = bandwidth
         res["real_models"] = real_model_costs(host, res["top_k"], bandwidth)
+        if args.llama_cpp and Path(spec).is_dir():
+            res["llama_cpp"] = _llama_rows(spec, args.max_new_tokens, args.threads, res["resident_tokens_per_s"])
         results.append(res)
         print(
             f"\n{spec}: {res['experts']} experts, top-{res['top_k']}, resident "
@@ -250,6 +263,12 @@ def main() -> None:
         for c in res["real_models"]:
             print(
                 f"  {c['model']:>13} {c['policy']:>28} @{c['budget']}: {c['load_s_per_token'] * 1e3:8.2f} ms/token"
+            )
+        for r in res.get("llama_cpp", []):
+            decode = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}"
+            print(
+                f"llama.cpp {r['setting']:>8} ({r['outtype']}, {r['threads']} threads): {r['tokens_per_s']:.1f} tok/s "
+                f"= {r['relative_tokens_per_s']:.2f}x resident transformers; decode steps alone {decode} tok/s"
             )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -81,10 +81,10 @@ def _roe(K: int, tau: float = 0.3):
 def roe_score(K: int) -> Callable:
     def run(model, tokenizer, info, sizes: Sizes) -> dict:
         """RoE clean-cache scoring of T tokens (roe.parallel.parallel_token_logprobs, RoE §2.3)."""
-        from moectl.roe.parallel import parallel_token_logprobs
+        from moectl.roe.parallel import RoEScoringInputs, parallel_token_logprobs
 
         ids = _ids(model, sizes["roe_tokens"])
-        lp = parallel_token_logprobs(model, ids, torch.ones_like(ids), _roe(K), info)
+        lp = parallel_token_logprobs(RoEScoringInputs(model, ids, torch.ones_like(ids), _roe(K), info))
         return {"nll_per_token": float(-lp[:, 1:].mean())}
 
     return run

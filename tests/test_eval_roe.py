@@ -21,7 +21,7 @@ from moectl.eval.lm_tasks import run_lm_eval
 from moectl.eval.tokenizer import byte_tokenizer
 from moectl.roe.config import RoEConfig
 from moectl.roe.config import parse_roe_spec as roe_config
-from moectl.roe.parallel import _stepwise_log_probs, ensemble_log_probs
+from moectl.roe.parallel import RoEScoringInputs, _stepwise_log_probs, ensemble_log_probs
 from moectl.roe.score import token_logprobs_parallel
 
 runner = CliRunner()
@@ -57,13 +57,13 @@ def test_full_distributions_agree_with_token_scores_and_the_stepwise_definition(
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     for config in (NOISY, NOISY.with_(aggregation="logprob_mean")):
-        full = ensemble_log_probs(model, ids, mask, config, info)
+        full = ensemble_log_probs(RoEScoringInputs(model, ids, mask, config, info))
         assert full.shape == (2, 9, 259)
         torch.testing.assert_close(full.exp().sum(-1)[mask.bool()], torch.ones(15), atol=1e-4, rtol=0)
         gathered = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
         per_token = token_logprobs_parallel(model, ids, mask, config, info)[:, 1:]
         torch.testing.assert_close(gathered, per_token, atol=1e-4, rtol=0)
-        stepwise = _stepwise_log_probs(model, ids, mask, config, info, ())
+        stepwise = _stepwise_log_probs(RoEScoringInputs(model, ids, mask, config, info))
         real = mask.bool()
         torch.testing.assert_close(full[real], stepwise[real], atol=1e-4, rtol=0)
 

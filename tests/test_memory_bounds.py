@@ -22,12 +22,14 @@ from moectl.roe.masks import attention_kinds, teacher_forced_masks
 from moectl.roe.noise import NoiseLayout, SampleGumbel, hashed_gumbel, layer_gumbel, layer_keys
 from moectl.roe.parallel import (
     Budget,
+    RoEScoringInputs,
     ensemble_token_scores,
     parallel_log_probs,
     parallel_token_logprobs,
     parallel_token_scores,
 )
 from moectl.routing import route
+from moectl.routing.kv_cache import cache_out, with_cache
 from moectl.routing.state import RouteContext, RoutingState
 from moectl.subsets import select_subset
 from moectl.subsets.calibrate import capture, collect
@@ -62,16 +64,16 @@ def unchunked_roe_log_probs(model, ids, mask, config: RoEConfig, info) -> torch.
     samples = []
     with route(model, [noise], info=info):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position,
-                    past_key_values=DynamicCache(), use_cache=True)  # fmt: skip
+                    **with_cache(DynamicCache()), use_cache=True)  # fmt: skip
         samples.append(out.logits.double())
         masks = teacher_forced_masks(kinds, as_dict, valid, left_pad, dtype)
         for k in range(1, config.K):
             cache = DynamicCache()
-            for i, layer in enumerate(out.past_key_values.layers):
+            for i, layer in enumerate(cache_out(out).layers):
                 cache.update(layer.keys.clone(), layer.values.clone(), i)
             noise.layout = NoiseLayout(torch.tensor([[k]]), position, torch.ones(1, 1, dtype=torch.bool))
             logits = model(input_ids=ids, attention_mask=masks, position_ids=position,
-                           past_key_values=cache, use_cache=True).logits  # fmt: skip
+                           **with_cache(cache), use_cache=True).logits  # fmt: skip
             noise.layout = None
             samples.append(logits.double())
     logp = torch.log_softmax(torch.stack(samples, 1), dim=-1)  # [B, K, T, V]
@@ -102,11 +104,12 @@ def test_span_scoring_equals_the_unchunked_reference(family, aggregation, dtype,
     target = torch.nn.functional.pad(ref[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0)) * valid
     greedy = torch.nn.functional.pad(ref[:, :-1].argmax(-1) == ids[:, 1:], (1, 0), value=True) | ~valid
     for budget in BUDGETS:  # one span and one head call; a position or token at a time; in between
-        full = parallel_log_probs(model, ids, mask, config, info, budget=budget)
+        inputs = RoEScoringInputs(model, ids, mask, config, info)
+        full = parallel_log_probs(inputs, budget=budget)
         torch.testing.assert_close(full[valid].double(), ref[valid], rtol=0, atol=atol)
-        lp = parallel_token_logprobs(model, ids, mask, config, info, budget=budget)
+        lp = parallel_token_logprobs(inputs, budget=budget)
         torch.testing.assert_close(lp.double(), target, rtol=0, atol=atol)
-        scores = parallel_token_scores(model, ids, mask, config, info, budget=budget)
+        scores = parallel_token_scores(inputs, budget=budget)
         torch.testing.assert_close(scores.logprob.double(), target, rtol=0, atol=atol)
         assert torch.equal(scores.greedy, greedy)
     # with tau > 0 the samples really differ: the ensemble is not the clean model
@@ -120,8 +123,8 @@ def test_stepwise_token_scores_agree_with_the_span_path():
     info = moectl.inspect(model)
     ids, mask = _batch(length=7, pad=False)
     config = RoEConfig(K=3, tau=0.5, seed=1)
-    spans = ensemble_token_scores(model, ids, mask, config, info)
-    steps = ensemble_token_scores(model, ids, mask, config.with_(cache="none"), info)
+    spans = ensemble_token_scores(RoEScoringInputs(model, ids, mask, config, info))
+    steps = ensemble_token_scores(RoEScoringInputs(model, ids, mask, config.with_(cache="none"), info))
     torch.testing.assert_close(steps.logprob.double(), spans.logprob.double(), rtol=0, atol=1e-6)
     assert torch.equal(steps.greedy, spans.greedy)
 
@@ -139,7 +142,8 @@ def test_roe_scoring_memory_does_not_grow_with_K_T_V():
     for length in (64, 256):
         ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))
         with TensorMemory() as mem:
-            parallel_token_logprobs(model, ids, torch.ones_like(ids), config, info, budget=budget)
+            inputs = RoEScoringInputs(model, ids, torch.ones_like(ids), config, info)
+            parallel_token_logprobs(inputs, budget=budget)
         peaks[length], largest[length] = mem.peak, mem.largest
     ktv = {t: K * t * vocab * 4 for t in peaks}  # float32 logits of all samples
     assert largest[256] <= budget.head_bytes, largest

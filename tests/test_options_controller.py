@@ -13,6 +13,7 @@ from moectl.options.controller import OptionController, build_controller, contro
 from moectl.options.plackett_luce import mask_of, pl_log_prob, pl_sample
 from moectl.options.policy import ControllerPolicy
 from moectl.options.returns import discounted_cumsum, gae, monte_carlo_returns, rms_normalise, standardise
+from moectl.routing.kv_cache import cache_out, with_cache
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
@@ -63,10 +64,10 @@ def test_decoding_carries_the_option_across_calls():
     stepwise = ControllerPolicy(ctrl, mode="greedy", record=True)
     with moectl.route(model, stepwise):
         out = model(ids[:, :8], use_cache=True)
-        cache = out.past_key_values
+        cache = cache_out(out)
         for t in range(8, 12):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(ids[:, t : t + 1], **with_cache(cache), use_cache=True)
+            cache = cache_out(out)
     for layer in range(info.num_moe_layers):
         a, b = whole.layer_records()[layer], stepwise.layer_records()[layer]
         assert torch.equal(a.option, b.option) and torch.equal(a.switch, b.switch)

@@ -13,6 +13,7 @@ from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.trainer import OptionsConfig, train_options
+from moectl.routing.kv_cache import cache_out, with_cache
 from moectl.serve import offload
 from moectl.serve.policies import ControllerResidency
 
@@ -20,10 +21,10 @@ from moectl.serve.policies import ControllerResidency
 @torch.no_grad()
 def _greedy(model, ids: torch.Tensor, steps: int = 8) -> torch.Tensor:
     out = model(input_ids=ids, use_cache=True)
-    cache, tokens = out.past_key_values, [out.logits[:, -1].argmax(-1)]
+    cache, tokens = cache_out(out), [out.logits[:, -1].argmax(-1)]
     for _ in range(steps - 1):
-        out = model(input_ids=tokens[-1][:, None], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=tokens[-1][:, None], **with_cache(cache), use_cache=True)
+        cache = cache_out(out)
         tokens.append(out.logits[:, -1].argmax(-1))
     return torch.stack(tokens, 1)
 

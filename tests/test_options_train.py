@@ -201,3 +201,25 @@ def test_cli_train_generate_eval(tmp_path):
         app, ["options", "train", "tiny:olmoe", "--k-hat", "4", "--tau", "2", "--out", str(tmp_path / "y")]
     )
     assert bad.exit_code == 2 and "tau=2.0" in bad.output
+
+
+def test_the_trainer_step_is_the_controller_loss_of_its_rollout(tmp_path):
+    """train_step spells out Algorithm 2's per-layer terms; their sum is losses.controller_loss's."""
+    import copy
+
+    from moectl.options.losses import controller_loss
+
+    model, tok = load_model("tiny:olmoe")
+    cfg = OptionsConfig(
+        k_hat=4, eta=0.3, steps=1, batch_size=3, max_new_tokens=6, intra=False, cross_layer=True
+    )
+    trainer = OptionsTrainer(model, tok, PROMPTS, cfg, tmp_path)
+    before = copy.deepcopy(trainer.controller)
+    rolls = []
+    roll_out = trainer.roll_out
+    trainer.roll_out = lambda *args: rolls.append(roll_out(*args)) or rolls[-1]
+    row = trainer.train_step()
+    loss, stats = controller_loss(before, rolls[0], cfg.eta, cfg.gamma, cfg.lam, cfg.value_coef)
+    assert row["controller_loss"] == float(loss)
+    assert row["switch_rate_per_layer"] == stats["switch_rate_per_layer"]
+    assert row["switch_prob_p95"] == stats["beta_p95"] and row["value_loss"] == stats["value_loss"]

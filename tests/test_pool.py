@@ -9,6 +9,7 @@ import moectl
 from conftest import random_ids
 from moectl.adapters.rules import RouterRule
 from moectl.routing import DocumentPool, route
+from moectl.routing.kv_cache import cache_out, with_cache
 from moectl.routing.state import RouteContext, RoutingState
 
 RULE = RouterRule(kind="softmax_topk", top_k=2, num_experts=8)
@@ -62,10 +63,10 @@ def test_causal_pool_in_generation_equals_one_forward(olmoe):
         olmoe(ids)
     with route(olmoe, DocumentPool(3, "causal"), record=True) as stepwise:
         out = olmoe(ids[:, :6], use_cache=True)
-        cache = out.past_key_values
+        cache = cache_out(out)
         for pos in range(6, 10):
-            out = olmoe(ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = olmoe(ids[:, pos : pos + 1], **with_cache(cache), use_cache=True)
+            cache = cache_out(out)
     for layer in range(3):
         assert torch.equal(whole.trace.allowed[layer], stepwise.trace.allowed[layer])
         assert torch.equal(whole.trace.chosen[layer], stepwise.trace.chosen[layer])

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionC
 import moectl
 from moectl.roe import Ensemble, RoEConfig
 from moectl.roe.cache import cache_bytes, cache_tokens
+from moectl.routing.kv_cache import cache_out
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,7 +39,7 @@ def _plain_cache(model, ids, mask, tokens: torch.Tensor):
     """The plain model's cache after the prompt and the given continuation [B, n] (last token not fed)."""
     full = torch.cat([ids, tokens[:, :-1]], 1)
     out = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=True)
-    return out.past_key_values
+    return cache_out(out)
 
 
 def _logical_bytes(cache) -> int:
@@ -156,3 +157,13 @@ def test_a_clean_step_does_not_materialise_k_copies_of_the_prefix():
     prefix_per_layer = kv // len(model.model.layers)
     assert many - one < 8 * prefix_per_layer  # K = 32 copies would be 31 × prefix_per_layer more
     assert separate > 10 * many
+
+
+def test_names_moved_out_of_the_cache_module_still_import_from_it():
+    from moectl.roe import cache, variant_clean, variants
+
+    assert cache.make_variant is variants.make_variant
+    assert cache.CleanCacheVariant is variant_clean.CleanCacheVariant
+    assert set(cache.VARIANTS) == {"clean", "separate", "none"}
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        cache.nothing  # noqa: B018

@@ -9,6 +9,7 @@ import torch
 
 import moectl
 from moectl.roe import Ensemble, RoEConfig
+from moectl.routing.kv_cache import cache_out, with_cache
 
 REQUIRED = ("olmoe", "qwen3_moe", "mixtral", "deepseek_v3", "qwen3_next")
 
@@ -40,7 +41,7 @@ def plain_greedy(model, ids, mask, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain model's greedy tokens [B, n] and log-probs [B, n, V], decoded with transformers' own cache."""
     position = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
-    cache, tokens, logps = out.past_key_values, [], []
+    cache, tokens, logps = cache_out(out), [], []
     for _ in range(n):
         logp = torch.log_softmax(out.logits[:, -1].float(), -1)
         token = logp.argmax(-1)
@@ -49,7 +50,7 @@ def plain_greedy(model, ids, mask, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         position = position[:, -1:] + 1
         out = model(
-            input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache
+            input_ids=token[:, None], attention_mask=mask, position_ids=position, **with_cache(cache)
         )
     return torch.stack(tokens, 1), torch.stack(logps, 1)
 

@@ -55,7 +55,7 @@ def reference(ckpt) -> torch.Tensor:
     ("budget", "policy", "async_loads"), [(8, "lru", False), (12, "lru", True), (16, "option:12", False)]
 )
 def test_lazy_model_served_from_shards_equals_the_loaded_model(ckpt, reference, budget, policy, async_loads):
-    model, tok, reader = load_lazy(ckpt)
+    model, _, reader = load_lazy(ckpt)
     _eager(model)
     assert is_checkpoint_folder(ckpt) and _experts_on_meta(model)
     before = reader.stats.bytes

@@ -11,10 +11,12 @@ import typer
 
 from moectl.cli import (
     baselines,
+    card,
     checkpoint,
     corpus,
     demo,
     eval,
+    export,
     inspect,
     options,
     pretrain,
@@ -32,6 +34,7 @@ app.command("demo")(demo.demo_cmd)
 app.add_typer(corpus.corpus_app, name="corpus", help="Build the offline multi-domain corpus.")
 app.add_typer(corpus.tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
 app.command("pretrain")(pretrain.pretrain_command)
+app.command("card")(card.card_command)
 app.command("eval")(eval.eval_command)
 app.command("report")(eval.report_command)
 app.command("serve-offload")(serve.serve_offload_command)
@@ -46,6 +49,7 @@ app.add_typer(
 )
 app.command("baselines")(baselines.baselines_command)
 app.add_typer(checkpoint.checkpoint_app, name="checkpoint", help="Write checkpoints of real models' shapes.")
+app.add_typer(export.export_app, name="export", help="Write a model in another engine's format (GGUF for llama.cpp).")
 
 
 def main() -> None:

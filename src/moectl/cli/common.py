@@ -32,18 +32,55 @@ JsonOpt = Annotated[
         "--json", help="Also write the results to this JSON file.", callback=lambda p: check_json_path(p)
     ),
 ]
-DeviceOpt = Annotated[str, typer.Option("--device", help="Where the model runs: cpu, cuda, cuda:1, ...")]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        "--device-map",
+        help="Where the model runs: cpu, cuda, cuda:1, ...; auto or balanced spread a model larger than "
+        "one device over every visible device (accelerate's device_map; one process).",
+    ),
+]
 DtypeOpt = Annotated[
     str,
     typer.Option("--dtype", help="Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."),
 ]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")]
+
+# -- Roster of Experts (RoE §2): the ensemble's knobs, one spelling for every verb that takes them
+RoEKOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--k", help="Routing samples per token K (sample 0 is clean); default: the profile's, else 16."
+    ),
+]
+RoETemperaturesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--temperatures",
+        "--tau",
+        help="Tau profile JSON, one tau for all MoE layers, or a comma list per layer.",
+    ),
+]
+RoECacheOpt = Annotated[str, typer.Option("--cache", help="clean (RoE §2.3) | separate | none.")]
+RoEAggregationOpt = Annotated[
+    str, typer.Option("--aggregation", help="prob_mean (the paper's) | logprob_mean.")
+]
+RoESeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing noise.")]
 
 
 def load(spec: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, with_tokenizer: bool = True):
     """``(model, tokenizer)`` for a model spec (``moectl.models.load.load_model``), imported here so
-    that ``--help`` never loads transformers."""
+    that ``--help`` never loads transformers. ``device`` auto or balanced is a device map (the
+    model spread over every visible device); under ``accelerate launch``, ``cuda`` is each
+    process's own GPU (:func:`moectl.distributed.process_device`)."""
+    from moectl.distributed import launched_world_size
     from moectl.models.load import load_model
 
+    if launched_world_size() > 1:
+        from moectl.distributed import process_device, ranks
+
+        device = process_device(device, ranks())
     return load_model(spec, dtype=dtype, device=device, seed=seed, with_tokenizer=with_tokenizer)
 
 

@@ -16,13 +16,18 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, console, fail, write_json
+from moectl.cli.common import DeviceOpt, DtypeOpt, ModelArg, console, fail, write_json
 
 __all__ = ["data_app", "eval_app", "report_app"]
 
 eval_app = typer.Typer(help="Evaluate a (routed) model on benchmarks or a corpus.")
 data_app = typer.Typer(help="Offline evaluation sets.", no_args_is_help=True)
 report_app = typer.Typer(help="Render results files as the papers' tables and a plot.")
+
+
+EvalsCacheOpt = Annotated[
+    Path | None, typer.Option("--cache", help="Evaluation set cache (default $MOECTL_EVALS).")
+]
 
 
 def _write_json(path: Path | None, data: Any) -> None:
@@ -36,7 +41,7 @@ def _split_list(value: str | None) -> list[str]:
 # -- moectl eval ---------------------------------------------------------------------------------
 @eval_app.callback(invoke_without_command=True, context_settings={"allow_interspersed_args": True})
 def eval_command(
-    model: Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")],
+    model: ModelArg,
     tasks: Annotated[
         str | None,
         typer.Option("--tasks", help="Comma-separated tasks or groups (see `moectl data list-evals`)."),
@@ -71,7 +76,7 @@ def eval_command(
     switch_rate: Annotated[
         bool | None, typer.Option("--switch-rate/--no-switch-rate", help="Default: on with a policy.")
     ] = None,
-    cache: Annotated[Path | None, typer.Option(help="Evaluation set cache (default $MOECTL_EVALS).")] = None,
+    cache: EvalsCacheOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     label: Annotated[str | None, typer.Option(help="Row name in reports (default: MODEL).")] = None,
@@ -114,6 +119,8 @@ def eval_command(
         )
     except (ValueError, OSError) as err:
         fail(err)
+    if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
+        return
     table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")
     from moectl.eval.report import policy_switch_rate
 
@@ -206,7 +213,7 @@ def fetch_evals_command(
 
 @data_app.command("list-evals")
 def list_evals_command(
-    cache: Annotated[Path | None, typer.Option(help="Evaluation set cache (default $MOECTL_EVALS).")] = None,
+    cache: EvalsCacheOpt = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.")] = None,
 ) -> None:
     """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""

@@ -10,12 +10,28 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    MaxNewTokensOpt,
+    ModelArg,
+    console,
+    fail,
+    load,
+    write_json,
+)
 
 options_app = typer.Typer(no_args_is_help=True, help="Learn and use per-layer option controllers (TE-MoE).")
 
 ControllerOpt = Annotated[
     Path, typer.Option("--controller", help="Folder written by `moectl options train` (its final/).")
+]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
+]
+TemperatureOpt = Annotated[
+    float, typer.Option("--temperature", help="Sampling temperature of generation (0: greedy).")
 ]
 
 
@@ -42,9 +58,7 @@ def train_cmd(
     ] = None,
     steps: Annotated[int, typer.Option("--steps", help="Training steps.")] = 300,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per step.")] = 16,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
-    ] = 64,
+    max_new_tokens: MaxNewTokensOpt = 64,
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", help="Prompt tokens kept (the last ones).")
     ] = 128,
@@ -75,33 +89,23 @@ def train_cmd(
         ),
     ] = 0,
     save_every: Annotated[int, typer.Option("--save-every", help="Steps between checkpoints.")] = 50,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
-    ] = 0,
+    seed: SeedOpt = 0,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore checkpoints in --out.")] = False,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     json_path: JsonOpt = None,
 ) -> None:
-    """Train per-layer option controllers with a deliberation cost (TE-MoE Algorithm 2)."""
+    """Train per-layer option controllers with a deliberation cost (TE-MoE Algorithm 2).
+
+    Data parallel: ``accelerate launch --multi_gpu --num_processes N -m moectl options train …``
+    (each process rolls out batch_size / N prompts; gradients summed over the processes)."""
     from moectl.adapters.inspect import inspect
+    from moectl.distributed import check_divides, launched_world_size, ranks
     from moectl.options.data import read_prompts
-    from moectl.options.trainer import OptionsConfig, train_options
+    from moectl.options.trainer import OptionsConfig, check_resume, train_options
 
-    try:
-        prompts = read_prompts(data)
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        latency = None
-        if eta_from_latency is not None:
-            from moectl.options.latency import measure_switch_cost
-
-            latency = measure_switch_cost(lm, inspect(lm), k_hat, eta_from_latency)
-            eta = latency["eta"]
-            console.print(
-                f"η from latency: one expert {latency['expert_bytes']} B in {latency['load_s'] * 1e6:.0f} µs, "
-                f"decode step {latency['token_s'] * 1e3:.2f} ms → η = {eta:.4f}"
-            )
-        config = OptionsConfig(
+    def settings(eta: float) -> OptionsConfig:
+        return OptionsConfig(
             k_hat=k_hat,
             eta=eta,
             steps=steps,
@@ -120,12 +124,35 @@ def train_cmd(
             value_head=value_head,
             critic_warmup=critic_warmup,
         )
-        result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume)
+
+    try:  # every check that needs no model first: a wrong world size or checkpoint costs nothing
+        config = settings(eta)
+        check_divides(batch_size, launched_world_size(), "prompts per step")
+        if not no_resume and eta_from_latency is None:
+            check_resume(out, config)
+        processes = ranks()
+        prompts = read_prompts(data)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
+        latency = None
+        if eta_from_latency is not None:
+            from moectl.options.latency import measure_switch_cost
+
+            latency = measure_switch_cost(lm, inspect(lm), k_hat, eta_from_latency)
+            eta = latency["eta"]
+            if processes.is_main:
+                console.print(
+                    f"η from latency: one expert {latency['expert_bytes']} B in {latency['load_s'] * 1e6:.0f} µs, "
+                    f"decode step {latency['token_s'] * 1e3:.2f} ms → η = {eta:.4f}"
+                )
+            config = settings(processes.broadcast_object(eta))  # one η for every process
+        result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume, processes=processes)
     except (ValueError, FileNotFoundError) as err:
         fail(err)
+    if not processes.is_main:
+        return  # rank 0 prints and writes the results
     log = result["log"]
     first, last = log[0], log[-1]
-    table = Table(title=f"options training, k̂={k_hat}, η={eta:.4f}")
+    table = Table(title=f"options training, k̂={k_hat}, η={config.eta:.4f}")
     for col in ("", "reward", "switch rate", "switch prob P95", "value loss", "teacher ppl"):
         table.add_column(col)
     for name, row in (("first step", first), ("last step", last)):
@@ -158,12 +185,8 @@ def generate_cmd(
     model: ModelArg,
     controller: ControllerOpt,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
-    ] = 64,
-    temperature: Annotated[
-        float, typer.Option("--temperature", help="Sampling temperature of generation (0: greedy).")
-    ] = 0.5,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    temperature: TemperatureOpt = 0.5,
     greedy_controller: Annotated[
         bool,
         typer.Option("--greedy-controller", help="Switch when β > 1/2 and take the top-k̂ (no sampling)."),
@@ -171,9 +194,7 @@ def generate_cmd(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Write the options over positions (Fig. 6) here.")
     ] = None,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
-    ] = 0,
+    seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     json_path: JsonOpt = None,
@@ -238,15 +259,9 @@ def eval_cmd(
     ] = None,
     max_docs: Annotated[int, typer.Option("--max-docs", help="Documents per domain.")] = 16,
     max_length: Annotated[int, typer.Option("--max-length", help="Tokens per held-out document.")] = 256,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
-    ] = 128,
-    temperature: Annotated[
-        float, typer.Option("--temperature", help="Sampling temperature of generation (0: greedy).")
-    ] = 0.5,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Seed of sampling, training and a tiny model's weights.")
-    ] = 0,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    temperature: TemperatureOpt = 0.5,
+    seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     json_path: JsonOpt = None,

@@ -23,7 +23,13 @@ from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    MaxNewTokensOpt,
     OptionalModelArg,
+    RoEAggregationOpt,
+    RoECacheOpt,
+    RoEKOpt,
+    RoESeedOpt,
+    RoETemperaturesOpt,
     TinyOpt,
     console,
     fail,
@@ -35,30 +41,14 @@ from moectl.cli.common import (
 roe_app = typer.Typer(help="Roster of Experts: K-sample routing ensembles with a clean KV cache (RoE §2).",
                       no_args_is_help=True)  # fmt: skip
 
-KOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--k", help="Routing samples per token K (sample 0 is clean); default: the profile's, else 16."
-    ),
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")]
+MaxLengthOpt = Annotated[
+    int, typer.Option("--max-length", help="Tokens per sequence (context cut on the left).")
 ]
-TempsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--temperatures",
-        "--tau",
-        help="Tau profile JSON, one tau for all MoE layers, or a comma list per layer.",
-    ),
-]
-CacheOpt = Annotated[str, typer.Option("--cache", help="clean (RoE §2.3) | separate | none.")]
-AggOpt = Annotated[str, typer.Option("--aggregation", help="prob_mean (the paper's) | logprob_mean.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing noise.")]
+LimitOpt = Annotated[int | None, typer.Option("--limit", help="Use only the first N items of --data.")]
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _load(spec: str, device: str, dtype: str):
-    return load(spec, device, dtype)
-
-
 def _config(k: int | None, temperatures: str | None, cache: str, aggregation: str, seed: int):
     """RoEConfig from the CLI options (``moectl.roe.config.config_from_options``)."""
     from moectl.roe.config import config_from_options
@@ -83,17 +73,15 @@ def _taus_text(taus: list[float]) -> str:
 def generate_cmd(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,
-    k: KOpt = None,
-    temperatures: TempsOpt = None,
+    k: RoEKOpt = None,
+    temperatures: RoETemperaturesOpt = None,
     prompt: Annotated[
         list[str] | None, typer.Option("--prompt", help="A prompt (repeat for a batch).")
     ] = None,
     prompts: Annotated[
         Path | None, typer.Option("--prompts", help="JSONL with 'prompt' (or 'text') per line.")
     ] = None,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
-    ] = 128,
+    max_new_tokens: MaxNewTokensOpt = 128,
     sampling_temperature: Annotated[
         float, typer.Option("--sampling-temperature", help="0 = greedy (the paper's setting); > 0 samples.")
     ] = 0.0,
@@ -106,10 +94,10 @@ def generate_cmd(
         float | None,
         typer.Option("--adaptive", help="Adaptive K: noisy samples only where clean entropy > this (nats)."),
     ] = None,
-    cache: CacheOpt = "clean",
-    aggregation: AggOpt = "prob_mean",
-    seed: SeedOpt = 0,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 8,
+    cache: RoECacheOpt = "clean",
+    aggregation: RoEAggregationOpt = "prob_mean",
+    seed: RoESeedOpt = 0,
+    batch_size: BatchSizeOpt = 8,
     stream: Annotated[
         bool, typer.Option("--stream/--no-stream", help="Print tokens as they come (one prompt).")
     ] = True,
@@ -131,7 +119,7 @@ def generate_cmd(
             texts += [p.text for p in load_prompts(str(prompts))]
         if not texts:
             raise ValueError("give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-        lm, tokenizer = _load(spec, device, dtype)
+        lm, tokenizer = load(spec, device, dtype)
         info = inspect(lm)
         taus = config.taus(info.num_moe_layers)
         streaming = stream and len(texts) == 1
@@ -181,16 +169,14 @@ def generate_cmd(
 def score_cmd(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,
-    k: KOpt = None,
-    temperatures: TempsOpt = None,
+    k: RoEKOpt = None,
+    temperatures: RoETemperaturesOpt = None,
     data: Annotated[
         Path | None, typer.Option("--data", help="JSONL(.gz): text | prompt+continuation | choices.")
     ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Score only the first N items.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 8,
-    max_length: Annotated[
-        int, typer.Option("--max-length", help="Tokens per sequence (context cut on the left).")
-    ] = 512,
+    limit: LimitOpt = None,
+    batch_size: BatchSizeOpt = 8,
+    max_length: MaxLengthOpt = 512,
     method: Annotated[str, typer.Option("--method", help="auto | parallel | stepwise.")] = "auto",
     baseline: Annotated[
         bool, typer.Option("--baseline/--no-baseline", help="Also score the plain model.")
@@ -201,9 +187,9 @@ def score_cmd(
             "--adaptive", help="Adaptive-K trade-off: entropy thresholds (comma list, nats) or 'auto'."
         ),
     ] = None,
-    cache: CacheOpt = "clean",
-    aggregation: AggOpt = "prob_mean",
-    seed: SeedOpt = 0,
+    cache: RoECacheOpt = "clean",
+    aggregation: RoEAggregationOpt = "prob_mean",
+    seed: RoESeedOpt = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     json_path: JsonOpt = None,
@@ -220,7 +206,7 @@ def score_cmd(
             raise ValueError("give --data FILE.jsonl (see `moectl.roe.data` for the accepted lines)")
         config = _config(k, temperatures, cache, aggregation, seed)
         items = load_items(data, limit)
-        lm, tokenizer = _load(spec, device, dtype)
+        lm, tokenizer = load(spec, device, dtype)
         info = inspect(lm)
         taus = config.taus(info.num_moe_layers)
         runs = [("RoE", config)]
@@ -271,7 +257,7 @@ def score_cmd(
 def tune_cmd(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,
-    k: KOpt = None,
+    k: RoEKOpt = None,
     data: Annotated[Path | None, typer.Option("--data", help="Validation JSONL(.gz).")] = None,
     objective: Annotated[
         str, typer.Option("--objective", help="ppl (validation perplexity) | acc (accuracy).")
@@ -294,7 +280,10 @@ def tune_cmd(
     out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path("out/roe/profile.json"),
     storage: Annotated[
         Path | None,
-        typer.Option("--storage", help="Optuna SQLite file (default: next to --out); reruns resume."),
+        typer.Option(
+            "--storage",
+            help="Optuna study file: SQLite, or FILE.journal (several processes); default next to --out. Reruns resume.",
+        ),
     ] = None,
     study_name: Annotated[
         str | None,
@@ -303,39 +292,45 @@ def tune_cmd(
     plot_dir: Annotated[
         Path | None, typer.Option("--plot-dir", help="Where the PNGs go (default: --out's folder).")
     ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Use the first N validation items.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 8,
-    max_length: Annotated[
-        int, typer.Option("--max-length", help="Tokens per sequence (context cut on the left).")
-    ] = 256,
-    aggregation: AggOpt = "prob_mean",
-    seed: SeedOpt = 0,
+    limit: LimitOpt = None,
+    max_docs: Annotated[
+        int | None,
+        typer.Option("--max-docs", min=1, help="Score a fixed slice: N items spread evenly over --data."),
+    ] = None,
+    batch_size: BatchSizeOpt = 8,
+    max_length: MaxLengthOpt = 256,
+    aggregation: RoEAggregationOpt = "prob_mean",
+    seed: RoESeedOpt = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     json_path: JsonOpt = None,
 ) -> None:
     """Tune per-layer tau with Optuna TPE (RoE §2.2); writes a profile JSON and a heatmap PNG."""
     from moectl.adapters.inspect import inspect
+    from moectl.distributed import launched_world_size, ranks
     from moectl.roe.tune import tune
 
+    several = launched_world_size() > 1  # `accelerate launch -m moectl roe tune`: one shared study
     try:
         spec = model_spec(model, tiny)
         if data is None:
             raise ValueError("give --data FILE.jsonl (validation items)")
-        lm, tokenizer = _load(spec, device, dtype)
+        lm, tokenizer = load(spec, device, dtype)
         info = inspect(lm)
         k = 16 if k is None else k
         result = tune(
             lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau, skip_layers=skip_layers,
             seed=seed, aggregation=aggregation, uniform=uniform, uniform_step=uniform_step,
-            storage=storage or out.with_suffix(".optuna.db"), study_name=study_name, out=out,
+            storage=storage or out.with_suffix(".optuna.journal" if several else ".optuna.db"), study_name=study_name, out=out,
             plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
-            info=info, model_name=spec,
+            info=info, model_name=spec, max_docs=max_docs,
         )  # fmt: skip
     except _ERRORS as err:
         fail(err)
     except ImportError as err:
         fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
+    if several and not ranks().is_main:
+        return  # rank 0 reports the study every process added to
     label = "validation perplexity" if objective == "ppl" else "validation accuracy"
     table = Table(title=f"RoE tune {spec}: K={k}, {label}, {result.trials} trials ({result.info['mode']})")
     table.add_column("MoE layer", justify="right")
@@ -346,7 +341,11 @@ def tune_cmd(
         table.add_row(str(i), str(info.layers[i].layer_idx), f"{tau:.4f}" + (" (held)" if held else ""))
     console.print(table)
     base = "" if result.baseline is None else f" (tau = 0: {result.baseline:.6g})"
-    console.print(f"best {label}: {result.value:.6g}{base}; {result.seconds:.1f} s this run")
+    import statistics
+
+    per_trial = [h["seconds"] for h in result.history if h.get("seconds") is not None]
+    median = f", median {statistics.median(per_trial):.1f} s a trial" if per_trial else ""
+    console.print(f"best {label}: {result.value:.6g}{base}; {result.seconds:.1f} s this run{median}")
     for path in [result.profile, *result.figures]:
         console.print(f"[dim]wrote {path}[/dim]")
     write_json(json_path, {
@@ -394,7 +393,7 @@ def bench_cmd(
         if threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-        lm, tokenizer = _load(spec, device, dtype)
+        lm, tokenizer = load(spec, device, dtype)
         vocab = int(getattr(tokenizer, "vocab_size", lm.config.vocab_size))
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(

@@ -18,7 +18,6 @@ prints a rich table and writes its results with ``--json``.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +25,7 @@ import typer
 from rich.table import Table
 
 from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
+from moectl.fileio import write_text_atomic
 
 subset_app = typer.Typer(
     help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",
@@ -41,7 +41,8 @@ DataOpt = Annotated[
     ),
 ]
 MaxDocsOpt = Annotated[int | None, typer.Option("--max-docs", help="Documents per domain.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights (and k-means).")]
+MaxLengthOpt = Annotated[int, typer.Option("--max-length", help="Tokens per document (the last ones).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights.")]
 
 
 @subset_app.command("select")
@@ -57,9 +58,7 @@ def select_cmd(
         bool, typer.Option("--layerwise", help="Prune layer l before measuring layer l+1.")
     ] = False,
     max_docs: Annotated[int | None, typer.Option("--max-docs", help="Use the first N documents.")] = None,
-    max_length: Annotated[
-        int, typer.Option("--max-length", help="Tokens per document (the last ones).")
-    ] = 512,
+    max_length: MaxLengthOpt = 512,
     seed: Annotated[int, typer.Option("--seed", help="Seed (random method; tiny model weights).")] = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
@@ -108,16 +107,30 @@ def export_cmd(
     model: ModelArg,
     subset: Annotated[Path, typer.Option("--subset", help="Subset file from `moectl subset select`.")],
     out: Annotated[Path, typer.Option("--out", help="Directory for the smaller checkpoint.")],
-    seed: Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights.")] = 0,
+    seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    stream: Annotated[
+        bool | None,
+        typer.Option(
+            "--stream/--no-stream",
+            help="Read and write a checkpoint folder shard by shard, never loading the model (default: on "
+            "for a checkpoint folder; --dtype and --device then do not apply: tensors are copied as stored).",
+        ),
+    ] = None,
 ) -> None:
     """Slice the unselected experts out and save a checkpoint plain transformers loads."""
     from moectl.adapters import inspect
+    from moectl.models.load_lazy import is_checkpoint_folder
     from moectl.subsets.export import export_subset
     from moectl.subsets.files import load_subset
 
+    if stream is None:
+        stream = is_checkpoint_folder(model) and dtype == "auto"
+    if stream:
+        _export_streamed(model, subset, out, json_path)
+        return
     try:
         try:
             lm, tokenizer = load(model, device, dtype, seed=seed)
@@ -136,7 +149,14 @@ def export_cmd(
         report = export_subset(lm, chosen.keep, out, tokenizer, info, metadata, source, in_place=True)
     except _ERRORS as err:
         fail(err)
-    table = Table(title=f"exported {out}: {report['experts_after']} experts per MoE layer")
+    _print_export(out, report)
+    write_json(json_path, report)
+
+
+def _print_export(out: Path, report: dict, how: str = "") -> None:
+    """The before/after table of an export."""
+    title = f"exported {out}: {report['experts_after']} experts per MoE layer" + (f", {how}" if how else "")
+    table = Table(title=title)
     for column in ("", "before", "after", "after / before"):
         table.add_column(column, justify="right")
     before, after = report["before"], report["after"]
@@ -150,23 +170,36 @@ def export_cmd(
         else:
             table.add_row(label, "-", f"{after[key]:,}", "-")
     console.print(table)
+
+
+def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None) -> None:
+    """``subset export`` of a checkpoint folder, shard by shard (``moectl.subsets.export_stream``)."""
+    from moectl.adapters import inspect
+    from moectl.models.load_lazy import is_checkpoint_folder
+    from moectl.models.meta_model import build_meta, load_config
+    from moectl.subsets.export_stream import export_checkpoint_subset
+    from moectl.subsets.files import load_subset
+
+    try:
+        if not is_checkpoint_folder(model):
+            raise ValueError(f"--stream needs a checkpoint folder with safetensors shards, got {model!r}")
+        chosen = load_subset(subset, inspect(build_meta(load_config(model))))
+        metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
+                    "calibration": chosen.calibration}  # fmt: skip
+        report = export_checkpoint_subset(model, chosen.keep, out, metadata)
+    except _ERRORS as err:
+        fail(err)
+    _print_export(out, report, "streamed shard by shard")
     write_json(json_path, report)
 
 
 def modularity_cmd(
     model: ModelArg,
-    data: Annotated[
-        Path,
-        typer.Option(
-            "--data", help="Directory of DOMAIN.jsonl files ('text' per line), or a moectl corpus folder."
-        ),
-    ],
+    data: DataOpt,
     out: Annotated[Path, typer.Option("--out", help="Directory for the heatmap PNGs and similarity.json.")],
-    max_docs: Annotated[int | None, typer.Option("--max-docs", help="Documents per domain.")] = None,
-    max_length: Annotated[
-        int, typer.Option("--max-length", help="Tokens per document (the last ones).")
-    ] = 512,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights.")] = 0,
+    max_docs: MaxDocsOpt = None,
+    max_length: MaxLengthOpt = 512,
+    seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
@@ -174,43 +207,23 @@ def modularity_cmd(
     """Domain similarity of expert use per MoE layer (EMO §5.3, Figure 6): heatmaps and a table."""
     from moectl.adapters import inspect
     from moectl.data.domains import texts_by_domain
-    from moectl.subsets.similarity import domain_similarity, domain_vectors, plot_similarity
+    from moectl.subsets.similarity import modularity_report
 
     try:
         texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
         lm, tokenizer = load(model, device, dtype, seed=seed)
-        info = inspect(lm)
-        similarity = domain_similarity(domain_vectors(lm, tokenizer, texts, info, max_length))
+        report = modularity_report(lm, tokenizer, texts, out, inspect(lm), max_length)
     except _ERRORS as err:
         fail(err)
-    import torch
-
-    domains = list(texts)
-    paths = plot_similarity(similarity, domains, out)
-    off_diagonal = ~torch.eye(len(domains), dtype=torch.bool)  # torch: loaded with the model above
-    table = Table(title=f"domain similarity of expert use ({len(domains)} domains)")
+    table = Table(title=f"domain similarity of expert use ({len(report['domains'])} domains)")
     for column in ("MoE layer", "mean off-diagonal", "min", "max"):
         table.add_column(column, justify="right")
-    summary = {}
-    for index, matrix in sorted(similarity.items()):
-        values = matrix[off_diagonal]
-        summary[index] = {
-            "mean": float(values.mean()),
-            "min": float(values.min()),
-            "max": float(values.max()),
-        }
-        table.add_row(str(index), *(f"{summary[index][key]:.3f}" for key in ("mean", "min", "max")))
+    for index, summary in report["summary"].items():
+        table.add_row(index, *(f"{summary[key]:.3f}" for key in ("mean", "min", "max")))
     console.print(table)
-    result = {
-        "model": model,
-        "domains": domains,
-        "documents": {name: len(docs) for name, docs in texts.items()},
-        "similarity": {str(index): matrix.tolist() for index, matrix in similarity.items()},
-        "summary": {str(index): values for index, values in summary.items()},
-        "plots": [str(p) for p in paths],
-    }
-    (out / "similarity.json").write_text(json.dumps(result, indent=2) + "\n")
-    console.print(f"[dim]wrote {out}/similarity.json and {len(paths)} heatmaps[/dim]")
+    result = {"model": model, **report}
+    write_text_atomic(out / "similarity.json", json.dumps(result, indent=2) + "\n")
+    console.print(f"[dim]wrote {out}/similarity.json and {len(report['plots'])} heatmaps[/dim]")
     write_json(json_path, result)
 
 
@@ -224,9 +237,7 @@ def gate_cmd(
         typer.Option("--domain", help="The subset's own domain (default: its calibration file's name)."),
     ] = None,
     max_docs: MaxDocsOpt = None,
-    max_length: Annotated[
-        int, typer.Option("--max-length", help="Tokens per document (the last ones).")
-    ] = 512,
+    max_length: MaxLengthOpt = 512,
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
@@ -236,27 +247,21 @@ def gate_cmd(
     from moectl.adapters import inspect
     from moectl.data.domains import texts_by_domain
     from moectl.subsets.files import load_subset
-    from moectl.subsets.gating import block_mask, domain_losses
+    from moectl.subsets.gating import gate_report
 
     try:
         texts = texts_by_domain(data, "validation", max_docs)
         lm, tokenizer = load(model, device, dtype, seed=seed)
         info = inspect(lm)
         chosen = load_subset(subset, info)
-        mask = block_mask(info, chosen.keep)
-        full = domain_losses(lm, tokenizer, texts, max_length=max_length)
-        blocked = domain_losses(lm, tokenizer, texts, [mask], max_length=max_length)
+        own = domain or Path(str(chosen.calibration.get("data", ""))).stem
+        report = gate_report(lm, tokenizer, texts, chosen.keep, info, own, max_length)
     except _ERRORS as err:
         fail(err)
-    own = domain or Path(str(chosen.calibration.get("data", ""))).stem
-    own = own if own in texts else None
-    rows = {
-        name: {"full": full[name], "blocked": blocked[name], "increase": blocked[name] - full[name],
-               "relative": blocked[name] / full[name] - 1}
-        for name in texts
-    }  # fmt: skip
-    kept = len(next(iter(chosen.keep.values())))
-    table = Table(title=f"blocking {subset.name}: {kept} of {info.num_experts} experts per MoE layer")
+    own, rows = report["domain"], report["domains"]
+    table = Table(
+        title=f"blocking {subset.name}: {report['blocked_experts']} of {info.num_experts} experts per MoE layer"
+    )
     for column in ("domain", "loss", "blocked", "increase", "relative"):
         table.add_column(column, justify="right")
     for name, row in rows.items():
@@ -264,15 +269,13 @@ def gate_cmd(
         table.add_row(label, f"{row['full']:.4f}", f"{row['blocked']:.4f}", f"{row['increase']:+.4f}",
                       f"{row['relative']:+.1%}")  # fmt: skip
     console.print(table)
-    result = {"model": model, "subset": str(subset), "blocked_experts": kept, "domain": own, "domains": rows}
-    others = [row["increase"] for name, row in rows.items() if name != own]
-    if own is not None and others:
-        result["selectivity"] = rows[own]["increase"] - sum(others) / len(others)
+    if "selectivity" in report:
+        mine, selectivity = rows[own]["increase"], report["selectivity"]
         console.print(
-            f"{own} (*) loses {rows[own]['increase']:+.4f}; the other domains {sum(others) / len(others):+.4f} "
-            f"on average; selectivity {result['selectivity']:+.4f}"
+            f"{own} (*) loses {mine:+.4f}; the other domains {mine - selectivity:+.4f} "
+            f"on average; selectivity {selectivity:+.4f}"
         )
-    write_json(json_path, result)
+    write_json(json_path, {"model": model, "subset": str(subset), **report})
 
 
 @subset_app.command("clusters")
@@ -288,14 +291,14 @@ def clusters_cmd(
     variance: Annotated[float, typer.Option("--variance", help="PCA variance kept (EMO: 0.95).")] = 0.95,
     top: Annotated[int, typer.Option("--top", help="Most frequent tokens listed per cluster.")] = 10,
     max_docs: MaxDocsOpt = None,
-    seed: SeedOpt = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of a tiny model's weights and of k-means.")] = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Cluster tokens by their routing (EMO §5.3, appendix D): frequent tokens, document purity."""
     from moectl.data.domains import texts_by_domain
-    from moectl.subsets.clusters import cluster_tokens
+    from moectl.subsets.clusters import cluster_report, cluster_tokens
 
     try:
         if not 0 < variance <= 1:
@@ -308,20 +311,7 @@ def clusters_cmd(
         result = cluster_tokens(lm, tokenizer, [t for _, t in docs], clusters, first, variance, seed, top)
     except _ERRORS as err:
         fail(err)
-    doc_domain = [name for name, _ in docs]
-    report = []
-    for c, frequent in sorted(result.top_tokens.items()):
-        members = result.labels == c
-        domains = Counter(doc_domain[int(d)] for d in result.doc_ids[members])
-        major, count = domains.most_common(1)[0]
-        report.append({
-            "cluster": c,
-            "tokens": int(members.sum()),
-            "documents": len(set(result.doc_ids[members].tolist())),
-            "top_domain": major,
-            "top_domain_share": count / int(members.sum()),
-            "frequent_tokens": [{"id": t, "text": _decode(tokenizer, t), "count": n} for t, n in frequent],
-        })  # fmt: skip
+    report = cluster_report(result, [name for name, _ in docs], tokenizer)
     table = Table(
         title=f"{len(report)} token clusters ({result.components} PCA dims); purity {result.purity:.3f}"
     )
@@ -337,17 +327,9 @@ def clusters_cmd(
         "clusters": clusters, "first": first, "variance": variance, "components": result.components,
         "purity": result.purity, "report": report,
     }  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "clusters.json").write_text(json.dumps(data_out, indent=2) + "\n")
+    write_text_atomic(out / "clusters.json", json.dumps(data_out, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/clusters.json[/dim]")
     write_json(json_path, data_out)
-
-
-def _decode(tokenizer, token: int) -> str:
-    try:
-        return tokenizer.decode([token])
-    except Exception:  # a tokenizer that cannot decode a lone id: show the id
-        return f"<{token}>"
 
 
 # finetune and merge register themselves on ``subset_app`` (their own file keeps this one short).

@@ -61,7 +61,11 @@ def finetune_cmd(
     device: DeviceOpt = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="float32 (default), bfloat16, auto.")] = "float32",
 ) -> None:
-    """Fine-tune a subset checkpoint, prompt tokens masked (EMO appendix C); saves it atomically."""
+    """Fine-tune a subset checkpoint, prompt tokens masked (EMO appendix C); saves it atomically.
+
+    Data parallel: ``accelerate launch --multi_gpu --num_processes N -m moectl subset finetune …``
+    (each process takes batch_size / N examples of every step; gradients summed over the processes)."""
+    from moectl.distributed import check_divides, launched_world_size, ranks
     from moectl.subsets.checkpoint_files import check_out, load_tokenizer, subset_metadata
     from moectl.subsets.finetune import FinetuneConfig, finetune_subset, save_finetuned
     from moectl.subsets.finetune_data import read_examples
@@ -73,18 +77,23 @@ def finetune_cmd(
             max_length=max_length, schedule=schedule, warmup_ratio=warmup_ratio,
             weight_decay=weight_decay, lora=lora, max_steps=max_steps, seed=seed,
         )  # fmt: skip
+        check_divides(batch_size, launched_world_size(), "examples per optimiser step")
         examples = read_examples(data, max_examples)
+        processes = ranks()
         source = Path(checkpoint) if Path(checkpoint).is_dir() else None
         metadata = subset_metadata(source) if source else {}
         model, _ = load(checkpoint, device, dtype, seed=seed, with_tokenizer=False)
         tok, note = load_tokenizer(checkpoint, tokenizer, metadata)
-        if note:
+        if note and processes.is_main:
             console.print(f"[dim]{note}[/dim]")
-        log = finetune_subset(model, tok, examples, config, progress=progress)
-        log.update(checkpoint=checkpoint, data=str(data))
-        path = save_finetuned(model, tok, out, log, source, overwrite=overwrite)
+        log = finetune_subset(model, tok, examples, config, progress=progress, processes=processes)
+        log.update(checkpoint=checkpoint, data=str(data), processes=processes.world)
+        path = save_finetuned(model, tok, out, log, source, overwrite=overwrite) if processes.is_main else out
+        processes.barrier()  # the others end once rank 0 has written the checkpoint
     except _ERRORS as err:
         fail(err)
+    if not processes.is_main:
+        return
     steps = log["steps"]
     table = Table(title=f"fine-tuned {checkpoint} → {path}")
     for column in ("examples", "output tokens", "steps", "first loss", "final loss", "seconds"):

@@ -195,12 +195,12 @@ def to_left_padding(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def _roe_log_probs(model: nn.Module, batch: RequestBatch, routing: BatchRouting, info: ModelInfo) -> Tensor:
     """RoE next-token log-probabilities [B, T, V] of a batch padded on either side (RoE §2.3)."""
-    from moectl.roe.parallel import ensemble_log_probs
+    from moectl.roe.parallel import RoEScoringInputs, ensemble_log_probs
 
     there, back = to_left_padding(batch.attention_mask)
     ids, mask = batch.input_ids.gather(1, there), batch.attention_mask.gather(1, there)
     assert routing.roe is not None
-    logp = ensemble_log_probs(model, ids, mask, routing.roe, info, routing.policies)
+    logp = ensemble_log_probs(RoEScoringInputs(model, ids, mask, routing.roe, info, routing.policies))
     return logp.gather(1, back[:, :, None].expand_as(logp))
 
 

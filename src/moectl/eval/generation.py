@@ -37,6 +37,7 @@ from moectl.eval.request_noise import (
     set_request_codes,
 )
 from moectl.models.tokens import encode, prefix_token
+from moectl.routing.kv_cache import cache_out, with_cache
 from moectl.routing.session import route
 
 Step = Callable[[Tensor], Tensor]  # next token [B] -> next-token log-probabilities [B, V]
@@ -127,10 +128,10 @@ def routed_steps(
         nonlocal past
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         out = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+            input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(past),
             use_cache=True, logits_to_keep=1,
         )  # fmt: skip
-        past = out.past_key_values
+        past = cache_out(out)
         logp = F.log_softmax(out.logits[:, -1].float(), dim=-1).view(b, k, -1)
         return logp[:, 0] if k == 1 else torch.logsumexp(logp, dim=1) - math.log(k)
 

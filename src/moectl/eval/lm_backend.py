@@ -15,6 +15,12 @@ keyed by request, so results do not depend on lm-eval's batching or order.
 From lm-eval: ``--model moectl --model_args pretrained=MODEL,policy=FILE,roe=K=16,tau=0.3,...``
 (keys: ``moectl.eval.model_args.MODEL_ARGS``). In process:
 ``MoectlLM(model, tokenizer, policies=[...] | plan=... | policy=..., batch_size=8)``.
+
+Data parallel: under ``accelerate launch`` (``-m moectl eval`` or ``-m lm_eval --model moectl``)
+the backend reports its ``rank`` and ``world_size`` and gathers with lm-eval's primitives
+(``all_gather``, ``gather_object``, ``barrier``), so lm-eval splits the documents over the
+processes and joins the metrics on rank 0 (:mod:`moectl.eval.distributed`); each process runs
+on its own device (``cuda:LOCAL_RANK``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import torch
 from lm_eval.api.model import LM
 from torch import nn
 
+from moectl.distributed import Ranks, process_device, ranks
 from moectl.eval import model_args as margs
+from moectl.eval.distributed import lm_eval_padding
 from moectl.eval.forward import RoutingPlan, SwitchStats, static_plan
 from moectl.eval.generation import GenSettings, generate_texts
 from moectl.eval.perplexity import Document, document_nll
@@ -73,8 +81,11 @@ class MoectlLM(LM):
         switch_rate: bool = False,
         progress: bool = False,
         max_gen_toks: int = 256,
+        processes: Ranks | None = None,
     ) -> None:
         super().__init__()
+        self.processes = processes if processes is not None else ranks()
+        self._rank, self._world_size = self.processes.rank, self.processes.world
         given = [name for name, v in (("routing", routing), ("policies", policies), ("plan", plan)) if v]
         if len(given) > 1 or (given and any(v is not None for v in (policy, roe, controller))):
             raise ValueError("give one routing: policy/roe/controller, routing, policies or plan")
@@ -82,7 +93,9 @@ class MoectlLM(LM):
             check_routing_args(roe, controller, seed)  # a wrong flag fails before the model loads
             from moectl.models.load import load_model
 
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            device = process_device(
+                device or ("cuda" if torch.cuda.is_available() else "cpu"), self.processes
+            )
             model, loaded_tok = load_model(pretrained, dtype=dtype, device=device, seed=0)
             tokenizer = tokenizer or loaded_tok
             self.spec = pretrained
@@ -123,6 +136,8 @@ class MoectlLM(LM):
         """(summed log-probability, all tokens greedy) of each (context, continuation) request."""
         if not requests:
             return []
+        pad = lm_eval_padding(requests, self.world_size)  # copies of the last: answered, not scored
+        requests = requests[: len(requests) - pad]
         pairs = [tuple(req.args) for req in requests]
         scored = score_pairs(
             self.model, self.tokenizer, pairs, self.plan, self.info, self.batch_size, self.max_length,
@@ -134,12 +149,14 @@ class MoectlLM(LM):
         ]
         for pair, result in zip(pairs, out, strict=True):
             self.cache_hook.add_partial("loglikelihood", pair, result)
-        return out
+        return out + out[-1:] * pad
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Log-probability of each whole string after the prefix token, in windows of ``max_length``."""
         if not requests:
             return []
+        pad = lm_eval_padding(requests, self.world_size)
+        requests = requests[: len(requests) - pad]
         docs = [Document(req.args[0]) for req in requests]
         nll, _ = document_nll(
             self.model, self.tokenizer, docs, self.plan, self.info, self.max_length, self.batch_size,
@@ -148,10 +165,12 @@ class MoectlLM(LM):
         out = [-float(x) for x in nll]
         for req, result in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", tuple(req.args), result)
-        return out
+        return out + out[-1:] * pad
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Generated text per (context, gen_kwargs) request, grouped by identical gen_kwargs."""
+        pad = lm_eval_padding(requests, self.world_size)
+        requests = requests[: len(requests) - pad]
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
@@ -166,7 +185,7 @@ class MoectlLM(LM):
             for i, text in zip(members, texts, strict=True):
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", tuple(requests[i].args), text)
-        return out
+        return out + out[-1:] * pad
 
     def gen_settings(self, gen_kwargs: dict[str, Any]) -> GenSettings:
         """lm-eval's generation kwargs as :class:`GenSettings` (EOS's text added to ``until``)."""
@@ -186,6 +205,22 @@ class MoectlLM(LM):
         return GenSettings(
             tuple(until), int(kwargs["max_gen_toks"]), temperature, float(kwargs.get("top_p", 1.0) or 1.0)
         )
+
+    # -- lm-eval's data-parallel primitives ---------------------------------------------------------
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` of every process joined along dim 0 in rank order (a scalar per process: stacked)."""
+        if self.world_size <= 1:
+            return tensor
+        parts = self.processes.gather_objects(tensor.detach().cpu())
+        return (torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)).to(tensor.device)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every process's ``obj`` (rank order) on ``dst``; None on the others."""
+        gathered = self.processes.gather_objects(obj)
+        return gathered if self.rank == dst else None
+
+    def barrier(self) -> None:
+        self.processes.barrier()
 
     # -- what lm-eval reads besides ----------------------------------------------------------------
     @property

@@ -16,7 +16,8 @@ each request to be routed the same wherever the harness puts it. Two mechanisms:
   runs each request alone after :func:`reseed` gives the policy a seed derived from the request's
   key and the policy's own seed.
 
-Uniforms use 24 bits of a 32-bit integer hash: u = (h + 0.5) / 2**24, strictly inside (0, 1).
+The hash and its uniforms (24 bits: u = (h + 0.5) / 2**24, strictly inside (0, 1)) are
+``moectl.routing.keyed_hash``'s, shared with RoE's per-layer noise.
 """
 
 from __future__ import annotations
@@ -30,41 +31,25 @@ import torch
 from torch import Tensor
 
 from moectl.routing.gumbel import GumbelTopK
+from moectl.routing.keyed_hash import M32, layer_word, mix, mix_int, seed_key, uniforms
 from moectl.routing.state import RouteContext, RoutingState
-
-_M32 = 0xFFFFFFFF
-_MULT = 0x45D9F3B  # < 2**27: x * _MULT stays below 2**59 for x < 2**32 (no int64 overflow)
-
-
-def _mix(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (multiply-xorshift rounds) of int64 tensors holding values < 2**32."""
-    x = ((x >> 16) ^ x) * _MULT & _M32
-    x = ((x >> 16) ^ x) * _MULT & _M32
-    return (x >> 16) ^ x
-
-
-def _mix_int(x: int) -> int:
-    return int(_mix(torch.tensor(x & _M32, dtype=torch.int64)))
 
 
 def request_codes(keys: Sequence[str], salt: int = 0) -> Tensor:
     """[B] int64: a 32-bit code per request key (hex digest), mixed with ``salt``."""
-    folded = [(int(k, 16) ^ (int(k, 16) >> 32)) & _M32 for k in keys]
-    return _mix(torch.tensor(folded, dtype=torch.int64) ^ _mix_int(salt))
+    folded = [(int(k, 16) ^ (int(k, 16) >> 32)) & M32 for k in keys]
+    return mix(torch.tensor(folded, dtype=torch.int64) ^ mix_int(salt))
 
 
 def hashed_uniform(code: Tensor, position: Tensor, salt: int, n: int) -> Tensor:
     """[B, T, n] float32 uniforms in (0, 1) from the hash of (salt, code [B], position [B, T], index)."""
-    base = _mix(code.long() ^ _mix_int(salt))  # [B]
-    token = _mix(base[:, None] ^ (position.long() & _M32))  # [B, T]
-    index = torch.arange(n, dtype=torch.int64, device=code.device) * 0x61C88647 & _M32
-    h = _mix(token.unsqueeze(-1) ^ index)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    base = mix(code.long() ^ mix_int(salt))  # [B]
+    return uniforms(mix(base[:, None] ^ (position.long() & M32)), n)  # per token [B, T], then index
 
 
 def layer_salt(seed: int, layer: int) -> int:
     """One 32-bit salt per (policy seed, MoE layer)."""
-    return _mix_int(_mix_int(seed ^ 0x9E3779B9) ^ (layer * 0x632BE5AB + 0x1B873593))
+    return mix_int(seed_key(seed) ^ layer_word(layer))
 
 
 class RequestRows:
@@ -177,8 +162,8 @@ def set_request_codes(policies: Sequence[Any], keys: Sequence[str], copies: int 
         return
     codes = request_codes(keys)
     if copies > 1:  # copy c of a request: its own draws
-        copy = torch.arange(copies, dtype=torch.int64).repeat(len(keys)) * 0x2545F491 & _M32
-        codes = _mix(codes.repeat_interleave(copies) ^ copy)
+        copy = torch.arange(copies, dtype=torch.int64).repeat(len(keys)) * 0x2545F491 & M32
+        codes = mix(codes.repeat_interleave(copies) ^ copy)
     for rows in keyed:
         rows.set(codes)
 
@@ -206,7 +191,7 @@ def reseed(policies: Sequence[Any], key: str) -> None:
         if not needs_isolation(policy):
             continue
         base = _BASE_SEEDS.setdefault(policy, int(policy.seed))
-        seed = (_mix_int(base) << 31 ^ int(key, 16)) & ((1 << 63) - 1)
+        seed = (mix_int(base) << 31 ^ int(key, 16)) & ((1 << 63) - 1)
         if hasattr(policy, "reset"):
             policy.reset(seed=seed)
         else:

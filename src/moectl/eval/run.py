@@ -1,4 +1,8 @@
-"""The work behind ``moectl eval``: load a model, set up its routing, run tasks, fill one results document."""
+"""The work behind ``moectl eval``: load a model, set up its routing, run tasks, fill one results document.
+
+Under ``accelerate launch`` the requests are split over the processes and the results gathered on
+rank 0 (:mod:`moectl.eval.distributed`), which alone returns the document.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 import torch
 
+from moectl.distributed import launched_world_size, process_device, ranks
 from moectl.eval.forward import SwitchStats
 from moectl.eval.policy_file import EvalRouting, check_routing_args, experts_allowed, setup_routing
 from moectl.eval.results import new_results
@@ -46,8 +51,9 @@ def evaluate(
     progress: bool = True,
     model_and_tokenizer: tuple[Any, Any] | None = None,
     allow_code_exec: bool = False,
-) -> dict[str, Any]:
-    """Evaluate ``model_spec`` (``tiny:FAMILY``, a checkpoint folder or hub id); returns a results document.
+) -> dict[str, Any] | None:
+    """Evaluate ``model_spec`` (``tiny:FAMILY``, a checkpoint folder or hub id); returns a results
+    document (on rank 0; None on the other processes of a launched run).
 
     ``switch`` (default: on when a policy is given) records the switch rate per task.
     ``model_and_tokenizer`` skips loading (for callers that hold a model already).
@@ -60,6 +66,12 @@ def evaluate(
         raise ValueError("nothing to evaluate: give --tasks and/or --perplexity CORPUS")
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
+    if launched_world_size() > 1 and tasks and engine == "moectl":
+        raise ValueError(
+            f"--engine moectl scores in one process; with {launched_world_size()} processes use --engine "
+            "lm-eval (the default: the same scores, the documents split over the processes)"
+        )
+    processes = ranks()
     # the arguments first, then the data: a wrong flag is named even where no set is fetched yet
     check_routing_args(roe, controller, seed)
     if tasks:
@@ -74,7 +86,9 @@ def evaluate(
     if model_and_tokenizer is None:
         from moectl.models.load import load_model
 
-        model, tokenizer = load_model(model_spec, dtype=dtype, device=device, seed=0)
+        model, tokenizer = load_model(
+            model_spec, dtype=dtype, device=process_device(device, processes), seed=0
+        )
     else:
         model, tokenizer = model_and_tokenizer
     # --policy: any file load_policy reads; --controller: a controller folder (TE-MoE: adapters and
@@ -135,24 +149,28 @@ def evaluate(
                     max_length,
                     seed,
                     switch,
-                    progress,
+                    progress and processes.is_main,
+                    processes,
                 )
             )
     if perplexity is not None:
+        from moectl.eval.distributed import merged_switch, shared_document_nll
         from moectl.eval.multiple_choice import switch_summary
-        from moectl.eval.perplexity import document_nll, perplexity_results, read_corpus
+        from moectl.eval.perplexity import perplexity_results, read_corpus
 
         docs = read_corpus(perplexity, split=split, limit=limit)
         stats = SwitchStats() if switch else None
-        nll, counts = document_nll(
-            model, tokenizer, docs, plan, info, max_length, batch_size, stats, progress
-        )
+        nll, counts = shared_document_nll(
+            processes, model, tokenizer, docs, plan, info, max_length, batch_size, stats,
+            progress and processes.is_main,
+        )  # fmt: skip
+        stats = merged_switch(stats, processes)
         entries = perplexity_results(docs, nll, counts, by_domain=by_domain, seed=seed)
         entries["perplexity/all"]["switch_rate"] = switch_summary(stats, seed)
         for entry in entries.values():
             entry["split"] = split
         doc["tasks"].update(entries)
-    return doc
+    return doc if processes.is_main else None
 
 
 def _run_tasks(
@@ -170,8 +188,10 @@ def _run_tasks(
     seed: int,
     switch: bool,
     progress: bool,
+    processes: Any = None,
 ) -> dict[str, Any]:
-    """Evaluate each task with the chosen engine; returns results-schema task entries.
+    """Evaluate each task with the chosen engine; returns results-schema task entries (on rank 0
+    of a launched run: lm-eval splits the documents over ``processes`` and gathers the metrics).
 
     Both engines score through moectl's scorers: ``moectl`` runs multiple-choice items in
     process; ``lm-eval`` runs lm-eval's harness over :class:`moectl.eval.lm_backend.MoectlLM`
@@ -200,8 +220,11 @@ def _run_tasks(
             entry.pop("per_item")
             out[task] = entry
         return out
+    from moectl.eval.distributed import merged_switch
     from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
+
+    processes = processes if processes is not None else ranks()
 
     lm = MoectlLM(
         model,
@@ -211,14 +234,18 @@ def _run_tasks(
         max_length=max_length,
         seed=seed,
         progress=progress,
+        processes=processes,
     )
     for task in tasks:  # one harness run per task, so each gets its own switch rate
         lm.switch = SwitchStats() if switch else None
         gen = {"max_gen_toks": max_gen_toks} if max_gen_toks else None
         raw = run_lm_eval(lm, [task], cache, limit, num_fewshot, seed, gen_kwargs=gen)
+        stats = merged_switch(lm.switch, processes)  # every process's sequences, order-free
+        if raw is None:  # not rank 0: lm-eval gathered the metrics there
+            continue
         entries = tasks_from_lm_eval(raw)
         if task in entries:
-            entries[task]["switch_rate"] = switch_summary(lm.switch, seed)
+            entries[task]["switch_rate"] = switch_summary(stats, seed)
         for name, entry in entries.items():  # a group's members do not replace a task run on its own
             if name == task or name not in out:
                 out[name] = entry

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, to_left_padding
 from moectl.eval.request_noise import needs_isolation, reseed, set_request_codes
-from moectl.roe.head import HEAD_BYTES, Head, compute_dtype, head_rows, output_head
+from moectl.roe.head import HEAD_BYTES, Head, compute_dtype, head_rows, output_head, vocab_size
 from moectl.routing.session import route
 
 
@@ -100,8 +100,7 @@ def _routed_scores(
     row, col = scored[:, 1:].nonzero(as_tuple=True)  # position col predicts token col + 1
     targets = batch.input_ids[row, col + 1]
     head = output_head(model)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    lp, greedy = head_scores(head, hidden[row, :, col], targets, head_rows(vocab, head_bytes))
+    lp, greedy = head_scores(head, hidden[row, :, col], targets, head_rows(vocab_size(model), head_bytes))
     out = TokenScores(
         torch.zeros(b, t, dtype=lp.dtype, device=lp.device),
         torch.ones(b, t, dtype=torch.bool, device=lp.device),
@@ -115,13 +114,14 @@ def _roe_scores(
     model: nn.Module, batch: RequestBatch, routing: BatchRouting, info: ModelInfo, scored: Tensor
 ) -> TokenScores:
     """RoE scores (RoE §2.3, clean cache) of a batch padded on either side, via a left-padded copy."""
-    from moectl.roe.parallel import ensemble_token_scores
+    from moectl.roe.parallel import RoEScoringInputs, ensemble_token_scores
 
     assert routing.roe is not None
     set_request_codes(routing.policies, batch.keys)  # a keyed policy composed with RoE
     there, back = to_left_padding(batch.attention_mask)
     ids, mask = batch.input_ids.gather(1, there), batch.attention_mask.gather(1, there)
-    result = ensemble_token_scores(model, ids, mask, routing.roe, info, routing.policies, greedy=True)
+    inputs = RoEScoringInputs(model, ids, mask, routing.roe, info, routing.policies)
+    result = ensemble_token_scores(inputs, greedy=True)
     assert result.greedy is not None
     logprob, greedy = result.logprob.gather(1, back), result.greedy.gather(1, back)
     return TokenScores(logprob * scored, greedy | ~scored)

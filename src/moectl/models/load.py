@@ -68,8 +68,44 @@ def check_model_folder(folder: Path) -> None:
         check_checkpoint(folder)  # ValueError naming a missing or truncated file
 
 
+DEVICE_MAPS = ("auto", "balanced")
+
+
+def check_device_map(device_map: str | None) -> None:
+    """``ValueError`` naming the allowed values for anything but None, auto or balanced."""
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise ValueError(
+            f"--device-map {device_map!r} is not known: give auto (fill the devices in order) or "
+            "balanced (the same share on each), or leave it out for --device"
+        )
+
+
+def place(model: PreTrainedModel, device: str, device_map: str | None) -> PreTrainedModel:
+    """``model`` on ``device``, or with ``device_map`` spread over every visible device by
+    accelerate (``infer_auto_device_map`` + ``dispatch_model``; decoder layers are never split).
+
+    The layers then sit on different devices; accelerate's hooks move activations between them,
+    and moectl's routing moves each policy's masks to its router's device."""
+    if device_map is None:
+        return model.to(device)
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    memory = (
+        get_balanced_memory(model, no_split_module_classes=no_split) if device_map == "balanced" else None
+    )
+    placement = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    return dispatch_model(model, placement)
+
+
 def load_model(
-    spec: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, with_tokenizer: bool = True
+    spec: str,
+    dtype: str = "auto",
+    device: str = "cpu",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    device_map: str | None = None,
 ) -> tuple[PreTrainedModel, object]:
     """``spec`` is ``tiny:FAMILY`` (offline random model), ``shape:NAME[@LAYERS][~wWIDTH]`` (a real
     model's shape with random bf16 weights, see ``moectl.models.shapes``), a checkpoint directory or
@@ -77,17 +113,26 @@ def load_model(
 
     Returns (model in eval mode, tokenizer padding on the left); the tokenizer is None when
     ``with_tokenizer`` is False. Shapes and checkpoints written from them have no tokenizer of
-    their own: they come with the byte tokenizer over the model's vocabulary.
+    their own: they come with the byte tokenizer over the model's vocabulary. ``device_map``
+    (``auto`` | ``balanced``) spreads the model over every visible device instead of ``device``
+    (a checkpoint: transformers' ``from_pretrained(device_map=...)``, loaded straight there);
+    ``device`` auto or balanced means the same (the CLI's ``--device-map``).
     """
+    if device in DEVICE_MAPS:
+        device_map, device = device, "cpu"
+    check_device_map(device_map)
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
-        model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size).to(device)
+        model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size)
         if dtype != "auto":
             model = model.to(getattr(torch, dtype))
-        return model, ByteTokenizer()
+        return place(model, device, device_map), ByteTokenizer()
     if spec.startswith(SPEC_PREFIX):
         shape_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
-        model = build_shape(spec, dtype=shape_dtype, device=device, seed=seed)
+        model = build_shape(
+            spec, dtype=shape_dtype, device=device if device_map is None else "cpu", seed=seed
+        )
+        model = place(model, device, device_map) if device_map else model
         return model, byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,17 +147,19 @@ def load_model(
     _quiet_transformers()
     if local.exists():
         check_model_folder(local)
+    placed = {"device_map": device_map} if device_map else {}
     if (local / MARKER).is_file():  # written by moectl.models.shapes: check shards, no tokenizer
         check_checkpoint(local)
-        model = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch_dtype, **placed)
         tokenizer = byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
-        return model.to(device).eval(), tokenizer
+        return (model if device_map else model.to(device)).eval(), tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(local) if local.exists() else spec, dtype=torch_dtype
+            str(local) if local.exists() else spec, dtype=torch_dtype, **placed
         )
+        model = model if device_map else model.to(device)
         if not with_tokenizer:
-            return model.to(device).eval(), None
+            return model.eval(), None
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)
     except OSError as err:
         raise OSError(
@@ -121,4 +168,4 @@ def load_model(
     if getattr(tokenizer, "pad_token_id", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer

@@ -131,10 +131,13 @@ class CheckpointIndex:
                 weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{index_path}: unreadable index ({err!r})") from err
-            self.files = [root / name for name in sorted(set(weight_map.values()))]
-            for file in self.files:
+            by_file: dict[str, set[str]] = {}
+            for key, name in weight_map.items():
+                by_file.setdefault(name, set()).add(key)
+            self.files = [root / name for name in sorted(by_file)]
+            for name, wanted in sorted(by_file.items()):
+                file = root / name
                 entries = read_header(file)
-                wanted = {key for key, name in weight_map.items() if root / name == file}
                 missing = sorted(wanted - set(entries))
                 if missing:
                     raise ValueError(

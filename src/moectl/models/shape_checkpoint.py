@@ -16,6 +16,7 @@ beside the target and renamed into place at the end; on any error nothing is lef
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from moectl.models.safetensors_index import DTYPES, INDEX, CheckpointIndex
 from moectl.models.shape_build import (
     build_from_config,
     is_routed_expert,
@@ -38,19 +40,9 @@ from moectl.models.shape_layout import checkpoint_pieces
 from moectl.models.shape_values import value_chunks
 
 MARKER = "moectl_shape.json"
-INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's "5GB"
 TOKENIZER_NOTE = "none: read with moectl's ByteTokenizer (UTF-8 bytes as ids 3..258, pad 0, bos 1, eos 2)"
-_SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.bool: "BOOL",
-}
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "BOOL": 1, "U8": 1, "I8": 1}
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in DTYPES.items()}  # the header's dtype names
 
 
 @dataclass(frozen=True)
@@ -64,10 +56,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * _DTYPE_BYTES[_SAFETENSORS_DTYPES[self.dtype]]
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_tensors(meta_model: torch.nn.Module) -> list[PlannedTensor]:
@@ -256,64 +245,10 @@ def make_checkpoint(spec: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHA
     return write_shape_checkpoint(spec, out, max_shard_bytes=max_shard_bytes, **options)
 
 
-def _shard_header(path: Path) -> tuple[dict, int]:
-    """(header, size the header promises) of one safetensors file; ValueError naming it if bad."""
-    size = path.stat().st_size
-    with open(path, "rb") as shard:
-        head = shard.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: truncated ({size} bytes, no safetensors header)")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise ValueError(f"{path}: truncated (header of {length} bytes, file of {size})")
-        try:
-            header = json.loads(shard.read(length))
-        except ValueError as err:
-            raise ValueError(f"{path}: unreadable safetensors header ({err})") from err
-    data = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        count = 1
-        for dim in info["shape"]:
-            count *= dim
-        if end - begin != count * _DTYPE_BYTES.get(info["dtype"], 0):
-            raise ValueError(f"{path}: tensor {key} has {end - begin} bytes for shape {info['shape']}")
-        data = max(data, end)
-    return header, 8 + length + data
-
-
 def check_checkpoint(path: str | Path) -> dict:
-    """Verify a sharded checkpoint: every shard the index names exists, holds the tensors the index
-    puts in it and has the size its header promises. Raises ``ValueError`` naming the bad file."""
-    root = Path(path)
-    index_path = root / INDEX
-    if not index_path.is_file():
-        single = root / "model.safetensors"
-        if not single.is_file():
-            raise ValueError(f"{root}: no {INDEX} and no model.safetensors")
-        weight_map = {key: single.name for key in _shard_header(single)[0] if key != "__metadata__"}
-    else:
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"{index_path}: unreadable index ({err})") from err
-    by_file: dict[str, set[str]] = {}
-    for key, file in weight_map.items():
-        by_file.setdefault(file, set()).add(key)
-    total = 0
-    for file, keys in sorted(by_file.items()):
-        shard = root / file
-        if not shard.is_file():
-            raise ValueError(f"{shard}: shard named by {INDEX} is missing")
-        header, expected = _shard_header(shard)
-        actual = shard.stat().st_size
-        if actual != expected:
-            state = "truncated" if actual < expected else "longer than its header says"
-            raise ValueError(f"{shard}: {state} ({actual} bytes, its header promises {expected})")
-        missing = sorted(keys - set(header))
-        if missing:
-            raise ValueError(f"{shard}: lacks {len(missing)} tensors the index puts in it, e.g. {missing[0]}")
-        total += actual
-    return {"shards": len(by_file), "tensors": len(weight_map), "bytes": total}
+    """Verify a checkpoint folder (sharded, or one ``model.safetensors``): every shard the index
+    names exists, holds the tensors the index puts in it and has the size its header promises.
+    Raises ``ValueError`` naming the bad file. The headers are read by ``safetensors_index``."""
+    index = CheckpointIndex(Path(path))
+    files = index.files
+    return {"shards": len(files), "tensors": len(index), "bytes": sum(f.stat().st_size for f in files)}

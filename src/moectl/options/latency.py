@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.routing.kv_cache import cache_out, with_cache
 from moectl.serve.cost import deliberation_cost
 
 
@@ -59,9 +60,9 @@ def measure_switch_cost(
         path = "RAM → RAM copy"
     ids = torch.ones(1, 16, dtype=torch.long, device=device)
     out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
+    cache = cache_out(out)
     step = torch.ones(1, 1, dtype=torch.long, device=device)
-    token_s = _timed(lambda: model(input_ids=step, past_key_values=cache, use_cache=True), repeats)
+    token_s = _timed(lambda: model(input_ids=step, **with_cache(cache), use_cache=True), repeats)
     eta = deliberation_cost(load_s, token_s, k_hat, nats_per_token_delay)
     return {
         "expert_bytes": nbytes,

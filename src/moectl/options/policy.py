@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.options.controller import OptionController
 from moectl.options.plackett_luce import mask_of
+from moectl.options.row_noise import OPTION, SWITCH, row_uniforms
 from moectl.routing.config import PolicyConfig, register_policy, write_json_atomic
 from moectl.routing.gumbel import gumbel_noise
 from moectl.routing.state import RoutingState
@@ -94,6 +95,9 @@ class ControllerPolicy(PolicyConfig):
         self.pending: Path | None = None  # a folder whose trained weights still go into the model
         self.seed = int(seed)
         self.generator: torch.Generator | None = None
+        self.row_codes: Tensor | None = None  # draws keyed by row (training rollouts: row_noise.py)
+        self._row_seen: Tensor | None = None
+        self._row_call: tuple[object, Tensor] | None = None
         self.records: dict[int, list[OptionRecord]] = {}
         self._option: dict[int, Tensor] = {}
         self._started: dict[int, Tensor] = {}
@@ -178,9 +182,28 @@ class ControllerPolicy(PolicyConfig):
         self._option.clear()
         self._started.clear()
         self.records.clear()
+        self._row_seen, self._row_call = None, None
         if seed is not None:
             self.seed = int(seed)
             self.generator = None
+
+    def key_rows(self, codes: Tensor | None) -> None:
+        """Draw d_t and the PL noise from a hash of (row code, layer, position) instead of the
+        generator (:mod:`moectl.options.row_noise`; ``None``: the generator again)."""
+        self.row_codes = codes
+        self._row_seen, self._row_call = None, None
+
+    def _row_positions(self, ctx, device: torch.device) -> Tensor:
+        """[B, T] each token's position among its row's real tokens, carried across calls (once per call)."""
+        if self._row_call is not None and self._row_call[0] is ctx:
+            return self._row_call[1]
+        valid = ctx.valid_mask(device).long()
+        seen = self._row_seen
+        if ctx.offset == 0 or seen is None or seen.shape[0] != valid.shape[0]:
+            seen = torch.zeros(valid.shape[0], dtype=torch.long, device=device)
+        pos = (seen.to(device)[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+        self._row_seen, self._row_call = seen.to(device) + valid.sum(1), (ctx, pos)
+        return pos
 
     def _gen(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
@@ -197,7 +220,8 @@ class ControllerPolicy(PolicyConfig):
         ctrl = self.controller.layers[layer]
         k_hat = self.controller.k_hat
         b, t_len, n = state.logits.shape
-        dev = state.logits.device
+        param = next(ctrl.parameters())
+        dev = param.device  # the controller's device; the layer may sit on another (device_map)
         if ctx.offset == 0 or layer not in self._option:
             if ctx.offset != 0:
                 raise RuntimeError(
@@ -211,21 +235,25 @@ class ControllerPolicy(PolicyConfig):
                 f"batch size changed from {option.shape[0]} to {b} in the middle of a sequence"
             )
 
-        h = state.hidden.float()
-        param = next(ctrl.parameters())
-        h = h.to(param.dtype)
+        h = state.hidden.to(device=dev, dtype=param.dtype)
         valid = ctx.valid_mask(dev)
         features = ctrl.expert_features()
         a, w_z, tail = ctrl.termination_parts(h)
         cand = ctrl.candidates(h)
-        gen = self._gen(dev)
-        if self.mode == "sample":
-            order = (cand.float() + gumbel_noise(cand.shape, gen, dev)).topk(k_hat, dim=-1).indices
-            u = torch.rand((b, t_len), generator=gen, device=gen.device).to(dev)
-        else:
+        if self.mode == "greedy":
             order = cand.float().topk(k_hat, dim=-1).indices
             u = torch.full((b, t_len), 0.5, device=dev)
-        start_order = state.logits.topk(k_hat, dim=-1).indices  # ω_0 = TopK(g_0, k̂)
+        elif self.row_codes is not None:  # keyed by (row, layer, position): the same on any process
+            pos = self._row_positions(ctx, dev)
+            codes = self.row_codes.to(dev)
+            g = -torch.log(-torch.log(row_uniforms(codes, pos, OPTION, layer, n)))
+            order = (cand.float() + g).topk(k_hat, dim=-1).indices
+            u = row_uniforms(codes, pos, SWITCH, layer, 1)[..., 0]
+        else:
+            gen = self._gen(dev)
+            order = (cand.float() + gumbel_noise(cand.shape, gen, dev)).topk(k_hat, dim=-1).indices
+            u = torch.rand((b, t_len), generator=gen, device=gen.device).to(dev)
+        start_order = state.logits.to(dev).topk(k_hat, dim=-1).indices  # ω_0 = TopK(g_0, k̂)
         shared = self._shared_switch if (self.controller.config.cross_layer and layer > 0) else None
 
         masks = torch.ones(b, t_len, n, dtype=torch.bool, device=dev)
@@ -255,7 +283,7 @@ class ControllerPolicy(PolicyConfig):
         self._option[layer], self._started[layer] = option, started
         if layer == 0:
             self._shared_switch = switch
-        state.restrict(masks, renorm=self.renorm)
+        state.restrict(masks.to(state.logits.device), renorm=self.renorm)
         if self.record:
             rec = OptionRecord(h.float(), prev, masks, order, switch, starts, betas)
             self.records.setdefault(layer, []).append(rec)

@@ -6,6 +6,8 @@ contribute nothing, and the step before an end bootstraps with 0 (the episode en
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -31,16 +33,26 @@ def monte_carlo_returns(rewards: Tensor, valid: Tensor, gamma: float) -> Tensor:
     return discounted_cumsum(rewards * valid, gamma) * valid
 
 
-def rms_normalise(adv: Tensor, where: Tensor, eps: float = 1e-8) -> Tensor:
-    """A / RMS(A) over the positions in ``where`` (no mean centring: signs are kept; A2)."""
-    count = where.sum().clamp(min=1)
-    rms = ((adv * where).pow(2).sum() / count).sqrt()
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
+def rms_normalise(
+    adv: Tensor, where: Tensor, eps: float = 1e-8, total: Callable[[Tensor], Tensor] = _same
+) -> Tensor:
+    """A / RMS(A) over the positions in ``where`` (no mean centring: signs are kept; A2).
+
+    ``total`` sums over the data-parallel ranks holding the rest of the batch (identity alone)."""
+    count = total(where.sum()).clamp(min=1)
+    rms = (total((adv * where).pow(2).sum()) / count).sqrt()
     return adv / (rms + eps)
 
 
-def standardise(x: Tensor, where: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x − μ)/σ over the positions in ``where`` (the intra-option advantage, A2)."""
-    count = where.sum().clamp(min=1)
-    mu = (x * where).sum() / count
-    sigma = (((x - mu) * where).pow(2).sum() / count).sqrt()
+def standardise(
+    x: Tensor, where: Tensor, eps: float = 1e-8, total: Callable[[Tensor], Tensor] = _same
+) -> Tensor:
+    """(x − μ)/σ over the positions in ``where`` (the intra-option advantage, A2); ``total`` as above."""
+    count = total(where.sum()).clamp(min=1)
+    mu = total((x * where).sum()) / count
+    sigma = (total(((x - mu) * where).pow(2).sum()) / count).sqrt()
     return (x - mu) / (sigma + eps) * where

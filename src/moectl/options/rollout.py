@@ -17,8 +17,10 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.options.policy import ControllerPolicy, OptionRecord
+from moectl.options.row_noise import sample_tokens
 from moectl.options.teacher import teacher_mode
 from moectl.routing import route
+from moectl.routing.kv_cache import cache_out, with_cache
 
 
 @dataclass
@@ -61,10 +63,10 @@ def forward_step(model: nn.Module, ids: Tensor, attention: Tensor, cache) -> tup
         input_ids=ids,
         attention_mask=attention,
         position_ids=positions(attention)[:, past:],
-        past_key_values=cache,
+        **with_cache(cache),
         use_cache=True,
     )
-    return out.logits[:, -1].float(), out.past_key_values
+    return out.logits[:, -1].float().to(ids.device), cache_out(out)  # LM head may sit elsewhere
 
 
 def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
@@ -92,14 +94,20 @@ def rollout(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     router_snapshot: list[Tensor] | None = None,
+    codes: Tensor | None = None,
 ) -> Rollout:
-    """Sample ``max_new_tokens`` per prompt from the teacher-mixed distribution (Algorithm 2)."""
+    """Sample ``max_new_tokens`` per prompt from the teacher-mixed distribution (Algorithm 2).
+
+    ``codes`` [B] (:func:`moectl.options.row_noise.row_codes`) key every draw — tokens, switches,
+    options — by row, the same on any number of processes; without them the draws come from
+    ``generator`` (tokens) and the policy's own generator."""
     if not 0.0 <= tau <= 1.0:
         raise ValueError(f"tau (the teacher mixing ratio) must be in [0, 1], got {tau}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     policy.record = True
     policy.reset()
+    policy.key_rows(codes)
     ids, attn = prompt_ids, prompt_attention
     b, p = ids.shape
     with route(model, policy, info=info):
@@ -113,7 +121,11 @@ def rollout(
         ps = F.softmax(s_logits / temperature, -1)
         pt = F.softmax(t_logits / temperature, -1)
         pmix = (1 - tau) * ps + tau * pt
-        a = torch.multinomial(top_p_filter(pmix, top_p), 1, generator=generator).squeeze(-1)
+        kept = top_p_filter(pmix, top_p)
+        if codes is None:
+            a = torch.multinomial(kept, 1, generator=generator).squeeze(-1)
+        else:
+            a = sample_tokens(kept, codes, step)
         a = torch.where(alive, a, torch.full_like(a, pad_id))
         valid.append(alive.clone())
         weights.append((ps.gather(-1, a[:, None]) / pmix.gather(-1, a[:, None])).squeeze(-1))

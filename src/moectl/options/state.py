@@ -1,8 +1,9 @@
 """Saving and loading what options training produces: controller, LoRA adapters, routers.
 
 A folder (the final output or ``checkpoints/step-N``) holds ``controller.json`` +
-``controller.safetensors``, ``adapter.safetensors`` (LoRA weights, when the intra-option
-policy was trained), ``routers.safetensors`` (trained router weights) and ``options.json``
+``controller.safetensors``, ``adapter.safetensors`` + ``adapter_config.json`` (LoRA weights
+under PEFT's keys and PEFT's config, when the intra-option policy was trained; the expert
+adapters of ``expert_lora.py`` as PEFT ``target_parameters``), ``routers.safetensors`` (trained router weights) and ``options.json``
 (the training configuration). Checkpoints also hold ``trainer_state.pt`` (optimizers, the
 step, every generator's state). Folders are written beside their final name and renamed in.
 """
@@ -18,6 +19,16 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.options.controller import OptionController
+from moectl.options.expert_lora import (
+    add_expert_lora,
+    expert_lora_rank,
+    expert_lora_state_dict,
+    expert_lora_target_parameters,
+    experts_modules,
+    load_expert_lora_state_dict,
+    merge_expert_lora,
+    unsupported_reason,
+)
 from moectl.options.teacher import router_snapshot
 from moectl.train.checkpoint import commit_checkpoint, latest_in, write_dir_atomic
 
@@ -35,12 +46,9 @@ def save_folder(
 
     def write(tmp: Path) -> None:
         controller.save(tmp)
-        if hasattr(model, "peft_config"):
-            from peft import get_peft_model_state_dict
-
-            lora = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+        lora, peft_config = adapter_files(model)
+        if lora:
             save_file(lora, str(tmp / "adapter.safetensors"))
-            peft_config = model.peft_config["default"].to_dict()
             (tmp / "adapter_config.json").write_text(json.dumps(peft_config, default=list) + "\n")
         routers = {
             f"layer{layer.index}": layer.router.weight.detach().contiguous().cpu() for layer in info.layers
@@ -51,6 +59,27 @@ def save_folder(
             torch.save(trainer_state, tmp / "trainer_state.pt")
 
     return write_dir_atomic(Path(path), write)
+
+
+def adapter_files(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(adapter weights under PEFT's keys, PEFT adapter config) of ``model``: PEFT's adapters and
+    the expert adapters of ``expert_lora`` (listed as ``target_parameters``, so PEFT loads them too)."""
+    lora: dict[str, torch.Tensor] = {}
+    config: dict[str, Any] = {}
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        lora = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+        config = model.peft_config["default"].to_dict()
+    rank = expert_lora_rank(model)
+    if rank is not None:
+        if not config:
+            from peft import LoraConfig
+
+            config = LoraConfig(r=rank[0], lora_alpha=rank[1]).to_dict()
+        lora.update(expert_lora_state_dict(model))
+        config["target_parameters"] = expert_lora_target_parameters(model)
+    return lora, config
 
 
 def save_checkpoint(
@@ -73,10 +102,13 @@ def load_weights(path: Path, model: nn.Module, info: ModelInfo) -> None:
     from safetensors.torch import load_file
 
     path = Path(path)
-    if (path / "adapter.safetensors").exists() and hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
+    if (path / "adapter.safetensors").exists():
+        state = load_file(str(path / "adapter.safetensors"))
+        used = load_expert_lora_state_dict(model, state)
+        if hasattr(model, "peft_config"):
+            from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(str(path / "adapter.safetensors")))
+            set_peft_model_state_dict(model, {k: v for k, v in state.items() if k not in used})
     if (path / "routers.safetensors").exists():
         routers = load_file(str(path / "routers.safetensors"))
         with torch.no_grad():
@@ -123,18 +155,27 @@ def load_controlled(
         from moectl.models.peft_quiet import get_peft_model
 
         cfg = json.loads((path / "adapter_config.json").read_text())
-        lora = LoraConfig(
-            r=cfg["r"],
-            lora_alpha=cfg["lora_alpha"],
-            target_modules=cfg.get("target_modules") or None,
-            target_parameters=cfg.get("target_parameters") or None,
-        )
+        targets = cfg.get("target_modules") or None
+        experts = cfg.get("target_parameters") or None
+        found = experts_modules(model, info) if experts else []
+        cheap = bool(found) and all(unsupported_reason(m) is None for _, m in found)
         snapshot = router_snapshot(info)
-        peft_model = get_peft_model(model, lora)
+        peft_model = model
+        if targets or (experts and not cheap):
+            lora = LoraConfig(
+                r=cfg["r"],
+                lora_alpha=cfg["lora_alpha"],
+                target_modules=targets,
+                target_parameters=None if cheap else experts,
+            )
+            peft_model = get_peft_model(model, lora)
+        if cheap:  # the expert adapters on the selected experts' activations (expert_lora.py)
+            add_expert_lora(peft_model, info, cfg["r"], cfg["lora_alpha"])
         load_weights(path, peft_model, inspect(peft_model))
         if not merge:
             return peft_model, controller, config, snapshot
-        model = peft_model.merge_and_unload()
+        merge_expert_lora(peft_model)
+        model = peft_model.merge_and_unload() if peft_model is not model else model
         info = inspect(model)
     snapshot = None if merge else router_snapshot(info)
     load_weights(path, model, info)

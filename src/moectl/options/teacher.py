@@ -1,8 +1,10 @@
 """The teacher without a second copy (TE-MoE §4.3): the same network with adapters disabled.
 
-The intra-option policy is trained through LoRA adapters (PEFT) on attention and expert weights,
-and the routers train in place. :func:`teacher_mode` disables the adapters (``PeftModel.
-disable_adapter``) and swaps the routers' original weights back in for the duration of the
+The intra-option policy is trained through LoRA adapters on attention (PEFT) and expert weights
+(``expert_lora.py``: the low-rank product on the selected experts' activations; PEFT's
+``target_parameters`` where those experts are not supported), and the routers train in place.
+:func:`teacher_mode` disables the adapters (``PeftModel.disable_adapter`` and
+``expert_lora_disabled``) and swaps the routers' original weights back in for the duration of the
 teacher's forward; the snapshot is only the router weights (N × d per MoE layer).
 """
 
@@ -15,6 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.options.expert_lora import (
+    add_expert_lora,
+    expert_lora_disabled,
+    experts_modules,
+    unsupported_reason,
+)
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3")
@@ -37,10 +45,13 @@ def add_lora(
     alpha: int = 16,
     train_router: bool = True,
     experts: bool = True,
+    cheap_experts: bool = True,
 ):
     """Wrap ``model`` with LoRA (r = α = 16, §5) on attention projections and expert weights.
 
     Returns (peft_model, router_snapshot). Router weights get ``requires_grad`` when ``train_router``.
+    ``cheap_experts``: expert LoRA on the selected experts' activations (:mod:`expert_lora`) where
+    every MoE layer's experts support it; otherwise (or False) PEFT's ``target_parameters``.
     """
     from peft import LoraConfig
 
@@ -56,10 +67,21 @@ def add_lora(
     experts = expert_parameter_names(model, info) if experts else []
     if not attention and not experts:
         raise ValueError("found no attention projections or stacked expert weights to put LoRA adapters on")
-    config = LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=attention or None, target_parameters=experts or None
-    )
-    peft_model = get_peft_model(model, config)
+    found = experts_modules(model, info) if experts and cheap_experts else []
+    cheap = bool(found) and all(unsupported_reason(m) is None for _, m in found)
+    if cheap and not attention:
+        model.requires_grad_(False)
+        peft_model = model
+    else:
+        config = LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            target_modules=attention or None,
+            target_parameters=None if cheap else experts or None,
+        )
+        peft_model = get_peft_model(model, config)
+    if cheap:
+        add_expert_lora(peft_model, info, r, alpha)
     snapshot = router_snapshot(info)
     if train_router:
         for layer in info.layers:
@@ -80,7 +102,7 @@ def teacher_mode(model: nn.Module, info: ModelInfo, snapshot: list[Tensor] | Non
         else nullcontext()
     )
     saved: list[Tensor] = []
-    with torch.no_grad(), disable:
+    with torch.no_grad(), disable, expert_lora_disabled(model):
         if snapshot is not None:
             for layer, w in zip(info.layers, snapshot, strict=False):
                 saved.append(layer.router.weight.detach().clone())

@@ -1,115 +1,84 @@
-"""Options training loop (TE-MoE §4.3, Algorithm 2; defaults from §5).
+"""MoE option-critic training, read top to bottom as TE-MoE's Algorithm 2 (§4.3, appendix A2).
 
-Each step: sample a batch of prompts, roll out with teacher mixing, update the controller
-(termination, selection, critics; lr 1e-4) and the intra-option policy (LoRA on attention and
-experts, routers trainable; lr 2e-4). Checkpoints are atomic and resume exactly (optimizers and
-every random generator are saved). Logs the paper's curves (reward, switch rate, P95 and std of
-the switch probability, value loss, repetition rate, teacher perplexity of the samples) to
-``log.jsonl`` and ``curves.png``.
+Every training iteration (:meth:`OptionsTrainer.train_step`) is the algorithm's lines in order:
+
+    line 2        sample prompts x ~ D
+    lines 3–13    roll out with teacher mixing: options ω_t per layer (β_t, d_t, PL selection),
+                  tokens a_t ~ p_mix = (1 − τ)π_{ω,θ} + τ p_teacher, weights w_t, rewards r_t
+    lines 3–16    per MoE layer ℓ: critic loss (ψ), termination loss (ν), selection loss (ϕ)
+    line 20       (ν, ψ, ϕ) ← (ν, ψ, ϕ) + α_controller · (1/L)(dν, dψ, dϕ)
+    lines 17–19   intra-option policy gradient (θ: LoRA on attention and experts, routers)
+    line 20       θ ← θ + α_intra · dθ
+
+The terms are :mod:`moectl.options.losses`' functions, named as in §4.3; the rollout is
+:mod:`moectl.options.rollout`.
+
+Data parallel (``accelerate launch -m moectl options train …``, :mod:`moectl.distributed`): every
+process draws the same global batch of prompts and rolls out its own slice; every draw is keyed
+by the row of the global batch (``row_noise.py``), the losses' normalisers are sums over all
+processes and the controller's and adapters' gradients are summed over them, so a step on N
+processes is the step of one process on the whole batch (to the order of the reductions), and a
+checkpoint resumes on any number of processes. Each process holds the frozen base model whole
+(or spread over its devices with ``device_map``); rank 0 writes the log and the checkpoints. Defaults are §5's (16 prompts, lr 1e-4 for the controller and 2e-4
+for the intra-option policy, LoRA r = α = 16). Checkpoints are atomic and resume exactly
+(optimizers and the data generator are saved; every other draw is keyed by the step). Logs the paper's curves (reward, switch rate, P95
+and std of the switch probability, value loss, repetition rate, teacher perplexity of the samples)
+to ``log.jsonl`` and ``curves.png``.
+
+Deviation (one line): ``critic_warmup`` steps may train ψ alone before ν and ϕ move (0 = the paper).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from moectl.adapters.inspect import inspect
+from moectl.distributed import Ranks, check_divides, ranks
+from moectl.options.config import OptionsConfig
 from moectl.options.controller import OptionController, build_controller
-from moectl.options.losses import controller_loss, intra_option_loss
+from moectl.options.losses import (
+    controller_stats,
+    critic_loss,
+    intra_option_loss,
+    layer_heads,
+    selection_loss,
+    termination_loss,
+)
 from moectl.options.policy import ControllerPolicy
 from moectl.options.rollout import Rollout, left_pad, rollout
+from moectl.options.row_noise import row_codes
 from moectl.options.state import latest_checkpoint, load_weights, save_checkpoint, save_folder
+from moectl.options.step_stats import step_row, tokenize_prompts
 from moectl.options.teacher import add_lora
 
-
-@dataclass
-class OptionsConfig:
-    """Training configuration; names follow the paper (k̂, η, τ, γ, λ)."""
-
-    k_hat: int
-    eta: float = 0.02  # deliberation cost η (reward units: nats per token)
-    steps: int = 300
-    batch_size: int = 16  # prompts per step (§5: 16)
-    max_prompt_tokens: int = 128
-    max_new_tokens: int = 64
-    tau: float = 0.2  # teacher mixing ratio τ
-    gamma: float = 0.95
-    lam: float = 0.95
-    value_coef: float = 0.01
-    lr_controller: float = 1e-4
-    lr_intra: float = 2e-4
-    lora_r: int = 16
-    lora_alpha: int = 16
-    intra: bool = True  # train the intra-option policy (LoRA + routers)
-    train_router: bool = True
-    lora_experts: bool = True  # LoRA on the stacked expert weights too (PEFT target_parameters)
-    temperature: float = 1.0
-    top_p: float = 0.95
-    seed: int = 0
-    cross_layer: bool = False
-    save_every: int = 50
-    d_e: int | None = None
-    d_h: int | None = None
-    critic_warmup: int = 0  # steps that train only V_Ω and Q_Ω before β and the selection head move
-    value_head: str = "mlp"  # V_Ω: "linear" (A2) or "mlp" (see LayerController.v)
-
-    def __post_init__(self) -> None:
-        checks = {
-            "steps": self.steps >= 1,
-            "batch_size": self.batch_size >= 1,
-            "max_new_tokens": self.max_new_tokens >= 2,
-            "max_prompt_tokens": self.max_prompt_tokens >= 1,
-            "tau": 0.0 <= self.tau <= 1.0,
-            "gamma": 0.0 <= self.gamma <= 1.0,
-            "lam": 0.0 <= self.lam <= 1.0,
-            "eta": self.eta >= 0.0,
-            "top_p": 0.0 < self.top_p <= 1.0,
-            "temperature": self.temperature > 0,
-            "save_every": self.save_every >= 1,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            allowed = "steps, batch_size, save_every >= 1; max_new_tokens >= 2; tau, gamma, lam in [0, 1]; eta >= 0; top_p in (0, 1]; temperature > 0"
-            raise ValueError(
-                f"bad options setting(s) {', '.join(f'{k}={getattr(self, k)}' for k in bad)}; allowed: {allowed}"
-            )
-
-
-def repetition_rate(roll: Rollout) -> float:
-    """1 − unique-token fraction of each sampled continuation, averaged (§A3)."""
-    rates = []
-    for row, valid in zip(roll.actions.tolist(), roll.valid.tolist(), strict=False):
-        tokens = [a for a, v in zip(row, valid, strict=False) if v]
-        if tokens:
-            rates.append(1.0 - len(set(tokens)) / len(tokens))
-    return sum(rates) / max(len(rates), 1)
-
-
-def tokenize_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    out = []
-    for text in prompts:
-        ids = tokenizer.encode(text)[:max_tokens]
-        if ids:
-            out.append(list(ids))
-    if not out:
-        raise ValueError("no prompt produced any token")
-    return out
+__all__ = ["OptionsConfig", "OptionsTrainer", "check_resume", "train_options"]
+IGNORED_ON_RESUME = ("steps", "save_every")  # may change between a run and its resumption
 
 
 class OptionsTrainer:
     """Holds the model (with adapters), controller, optimizers and generators of one run."""
 
     def __init__(
-        self, model: nn.Module, tokenizer, prompts: list[str], config: OptionsConfig, out: Path
+        self,
+        model: nn.Module,
+        tokenizer,
+        prompts: list[str],
+        config: OptionsConfig,
+        out: Path,
+        processes: Ranks | None = None,
     ) -> None:
+        self.ranks = processes if processes is not None else ranks()
+        check_divides(config.batch_size, self.ranks.world, "prompts per step")
         self.config, self.out, self.tokenizer = config, Path(out), tokenizer
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.ranks.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
         self.prompts = tokenize_prompts(tokenizer, prompts, config.max_prompt_tokens)
         info = inspect(model)
         self.controller: OptionController = build_controller(
@@ -121,7 +90,7 @@ class OptionsTrainer:
             seed=config.seed,
             value_head=config.value_head,
         )
-        self.snapshot = None
+        self.snapshot = None  # the original routers: the teacher (teacher.py)
         if config.intra:
             with torch.random.fork_rng(devices=[]):  # LoRA A's initialisation, reproducible for a seed
                 torch.manual_seed(config.seed)
@@ -130,16 +99,107 @@ class OptionsTrainer:
                 )
             info = inspect(model)
         self.model, self.info = model, info
-        self.device = next(model.parameters()).device
+        self.device = model.get_input_embeddings().weight.device  # where rollouts live (device_map too)
+        self.controller.to(self.device)
         self.opt_ctrl = torch.optim.AdamW(self.controller.parameters(), lr=config.lr_controller)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.opt_intra = torch.optim.AdamW(params, lr=config.lr_intra) if config.intra and params else None
+        self.intra_params = [p for p in model.parameters() if p.requires_grad]
+        self.opt_intra = (
+            torch.optim.AdamW(self.intra_params, lr=config.lr_intra)
+            if config.intra and self.intra_params
+            else None
+        )
         self.policy = ControllerPolicy(self.controller, mode="sample", seed=config.seed + 1)
         self.data_gen = torch.Generator().manual_seed(config.seed + 2)
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)
         self.step = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
+
+    # -- one training iteration: Algorithm 2 ---------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One iteration of Algorithm 2; returns the step's row of the training curves."""
+        cfg, t0 = self.config, time.perf_counter()
+        # line 2: sample prompts x ~ D (the global batch; this process takes its rows)
+        prompt_ids, prompt_attention, codes = self.sample_prompts()
+        # lines 3–13: roll out under the controller (ω_0 = TopK(g_0, k̂); then β_t, d_t ~ Bern(β_t),
+        # ω_t by PL-sample at switches), a_t ~ p_mix, w_t = π(a_t)/p_mix(a_t), r_t = log p_teacher − log π
+        roll = self.roll_out(prompt_ids, prompt_attention, codes)
+        total = self.ranks.total  # Σ over the processes' rows: the whole batch's normalisers
+        # lines 3–16 (continued), per MoE layer ℓ: the controller's losses of §4.3
+        actor = self.step >= cfg.critic_warmup  # moectl: critic warm-up (0 = the paper)
+        loss_controller = torch.zeros((), device=self.device)
+        heads, critics = [], []
+        for layer, record in sorted(roll.records.items()):
+            h = layer_heads(self.controller.layers[layer], record, roll)  # β, Q_Ω, V_Ω, U along t
+            # ψ, lines 4–12 and 16: (V_Ω − V̂targ)² + (Q_Ω − Q̂targ)², GAE(λ) targets
+            critic = critic_loss(h, roll, cfg.gamma, cfg.lam, total)
+            # ν, line 13 (eq. 9): w_t·β(h_t, ω_{t−1})·(Q_Ω(h_t, ω_{t−1}) − V_Ω(h_t) + η), RMS-normalised
+            termination = termination_loss(h, roll, cfg.eta, total) if actor and self.decides(layer) else 0.0
+            # ϕ, lines 14–15 (eq. 10), where d_t = 1: −w_t·log π_sel(ω_t | h_t)·(Q_Ω − V_Ω), RMS-normalised
+            selection = selection_loss(h, roll, total) if actor else 0.0
+            loss_controller = loss_controller + (cfg.value_coef * critic + termination + selection)
+            heads.append(h)
+            critics.append(critic)
+        loss_controller = loss_controller / max(len(heads), 1)  # line 20's 1/L
+        stats = controller_stats(heads, critics, total, self.ranks.gather)
+        # line 20: (ν, ψ, ϕ) ← (ν, ψ, ϕ) + α_controller · (1/L)(dν, dψ, dϕ)
+        self.update(self.opt_ctrl, loss_controller, list(self.controller.parameters()))
+        # lines 17–19: intra-option policy gradient, w_t·∇θ log π_{ω,θ}(a_t)·Ḡ_t (Ḡ_t standardised, A2)
+        loss_intra = torch.zeros(())
+        if self.opt_intra is not None:
+            self.model.train()
+            loss_intra = intra_option_loss(self.model, self.info, roll, cfg.gamma, total)
+            # line 20: θ ← θ + α_intra · dθ
+            self.update(self.opt_intra, loss_intra, self.intra_params)
+            self.model.eval()
+        self.step += 1
+        seconds = time.perf_counter() - t0
+        row = step_row(self.step, roll, stats, loss_controller, loss_intra, seconds, total)
+        if self.ranks.is_main:
+            with (self.out / "log.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    # -- the steps' pieces ----------------------------------------------------------------------
+    def decides(self, layer: int) -> bool:
+        """Whether MoE layer ``layer``'s termination head decides its switches (with ``cross_layer``,
+        §A4, layer 0's decision is every layer's, so only layer 0's β learns)."""
+        return not (self.config.cross_layer and layer > 0)
+
+    def sample_prompts(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Line 2: ``batch_size`` prompts drawn with replacement (the same on every process); this
+        process's rows, left-padded, and their row codes: (ids, attention, codes)."""
+        pick = torch.randint(len(self.prompts), (self.config.batch_size,), generator=self.data_gen)
+        rows = torch.arange(self.config.batch_size)[self.ranks.share(self.config.batch_size)]
+        ids, attention = left_pad([self.prompts[i] for i in pick[rows].tolist()], self.pad_id, self.device)
+        return ids, attention, row_codes(self.config.seed, self.step, rows).to(self.device)
+
+    def roll_out(self, prompt_ids: Tensor, prompt_attention: Tensor, codes: Tensor) -> Rollout:
+        """Lines 3–13: the teacher-mixed rollout under the controller (records every decision)."""
+        cfg = self.config
+        self.model.eval()
+        return rollout(
+            self.model,
+            self.info,
+            self.policy,
+            prompt_ids,
+            prompt_attention,
+            cfg.max_new_tokens,
+            cfg.tau,
+            cfg.temperature,
+            cfg.top_p,
+            self.eos_id,
+            self.pad_id,
+            router_snapshot=self.snapshot,
+            codes=codes,
+        )
+
+    def update(self, optimizer: torch.optim.Optimizer, loss: Tensor, params: list[nn.Parameter]) -> None:
+        """Line 20: one gradient step on ``loss``; the gradients summed over the processes first
+        (each process's loss is its share of the whole batch's)."""
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.ranks.reduce_gradients(params)
+        optimizer.step()
 
     # -- state --------------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -147,33 +207,35 @@ class OptionsTrainer:
             "opt_ctrl": self.opt_ctrl.state_dict(),
             "opt_intra": self.opt_intra.state_dict() if self.opt_intra else None,
             "data_gen": self.data_gen.get_state(),
-            "sample_gen": self.sample_gen.get_state(),
-            "policy_gen": self.policy._gen(self.device).get_state(),
             "torch_rng": torch.get_rng_state(),
+            "world_size": self.ranks.world,  # for the record: any world size resumes it
         }
 
-    def save(self) -> Path:
-        cfg = asdict(self.config)
-        return save_checkpoint(
-            self.out, self.step, self.controller, self.model, self.info, cfg, self._trainer_state()
-        )
+    def save(self) -> Path | None:
+        """Rank 0 writes ``checkpoints/step-N`` (every process holds the same state); the others wait."""
+        path = None
+        if self.ranks.is_main:
+            cfg = asdict(self.config)
+            path = save_checkpoint(
+                self.out, self.step, self.controller, self.model, self.info, cfg, self._trainer_state()
+            )
+        self.ranks.barrier()
+        return path
 
     def _save_final(self, cfg: dict) -> Path:
-        return save_folder(self.out / "final", self.controller, self.model, self.info, cfg)
+        path = self.out / "final"
+        if self.ranks.is_main:
+            save_folder(path, self.controller, self.model, self.info, cfg)
+        self.ranks.barrier()
+        return path
 
     def resume(self) -> bool:
-        path = latest_checkpoint(self.out)
+        path = check_resume(self.out, self.config)
         if path is None:
             return False
         from safetensors.torch import load_file
 
-        saved = json.loads((path / "options.json").read_text())
-        mine = asdict(self.config)
-        differ = {k for k in mine if k not in ("steps", "save_every") and saved.get(k) != mine[k]}
-        if differ:
-            raise ValueError(
-                f"{path}: checkpoint was trained with different settings ({sorted(differ)}); use a new --out"
-            )
+        check_controller_fits(path, self.controller)
         self.controller.load_state_dict(load_file(str(path / "controller.safetensors")))
         load_weights(path, self.model, self.info)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
@@ -181,80 +243,45 @@ class OptionsTrainer:
         if self.opt_intra is not None and state["opt_intra"] is not None:
             self.opt_intra.load_state_dict(state["opt_intra"])
         self.data_gen.set_state(state["data_gen"])
-        self.sample_gen.set_state(state["sample_gen"])
-        self.policy._gen(self.device).set_state(state["policy_gen"])
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
         log = self.out / "log.jsonl"
-        if log.exists():  # drop lines written after the checkpoint
+        if self.ranks.is_main and log.exists():  # drop lines written after the checkpoint
             lines = [ln for ln in log.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
             log.write_text("".join(ln + "\n" for ln in lines))
+        self.ranks.barrier()
         return True
 
-    # -- one step -----------------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        cfg = self.config
-        t0 = time.perf_counter()
-        pick = torch.randint(len(self.prompts), (cfg.batch_size,), generator=self.data_gen).tolist()
-        ids, attn = left_pad([self.prompts[i] for i in pick], self.pad_id, self.device)
-        self.model.eval()
-        roll = rollout(
-            self.model,
-            self.info,
-            self.policy,
-            ids,
-            attn,
-            cfg.max_new_tokens,
-            cfg.tau,
-            cfg.temperature,
-            cfg.top_p,
-            self.eos_id,
-            self.pad_id,
-            self.sample_gen,
-            self.snapshot,
+
+def check_resume(out: str | Path, config: OptionsConfig) -> Path | None:
+    """The latest complete checkpoint in ``out`` (None if none) if ``config`` may continue it;
+    ``ValueError`` naming the settings that differ and the fix otherwise (before any work)."""
+    path = latest_checkpoint(Path(out))
+    if path is None:
+        return None
+    saved = json.loads((path / "options.json").read_text())
+    mine = asdict(config)
+    differ = sorted(k for k in mine if k not in IGNORED_ON_RESUME and saved.get(k) != mine[k])
+    if differ:
+        changes = ", ".join(f"{k} {saved.get(k)!r} → {mine[k]!r}" for k in differ)
+        raise ValueError(
+            f"{path} was trained with other settings ({changes}): resume with the checkpoint's "
+            "settings, or give a new --out (or --no-resume) to start afresh"
         )
-        loss_c, stats = controller_loss(
-            self.controller,
-            roll,
-            cfg.eta,
-            cfg.gamma,
-            cfg.lam,
-            cfg.value_coef,
-            actor=self.step >= cfg.critic_warmup,
+    return path
+
+
+def check_controller_fits(path: Path, controller: OptionController) -> None:
+    """``ValueError`` if the checkpoint's controller was built for another model (shapes)."""
+    saved = json.loads((path / "controller.json").read_text())
+    mine = controller.config.to_dict()
+    keys = ("hidden_size", "num_experts", "k_hat", "d_e", "d_h")
+    if any(saved.get(k) != mine[k] for k in keys):
+        shown = {k: saved.get(k) for k in keys}
+        raise ValueError(
+            f"{path} holds a controller for another model ({shown}, this model: "
+            f"{ {k: mine[k] for k in keys} }): resume with the model it was trained on, or give a new --out"
         )
-        self.opt_ctrl.zero_grad(set_to_none=True)
-        loss_c.backward()
-        self.opt_ctrl.step()
-        loss_i = torch.zeros(())
-        if self.opt_intra is not None:
-            self.model.train()
-            loss_i = intra_option_loss(self.model, self.info, roll, cfg.gamma)
-            self.opt_intra.zero_grad(set_to_none=True)
-            loss_i.backward()
-            self.opt_intra.step()
-            self.model.eval()
-        self.step += 1
-        valid = roll.valid.float()
-        n = valid.sum().clamp(min=1)
-        row = {
-            "step": self.step,
-            "reward": float((roll.rewards * valid).sum() / n),
-            "switch_rate": stats["switch_rate"],
-            "switch_prob_mean": stats["beta_mean"],
-            "switch_prob_p95": stats["beta_p95"],
-            "switch_prob_std": stats["beta_std"],
-            "value_loss": stats["value_loss"],
-            "repetition_rate": repetition_rate(roll),
-            "teacher_ppl": float(torch.exp(-(roll.logp_teacher * valid).sum() / n)),
-            "controller_loss": float(loss_c.detach()),
-            "intra_loss": float(loss_i.detach()),
-            "tokens": int(n),
-            "seconds": time.perf_counter() - t0,
-            "switch_rate_per_layer": stats["switch_rate_per_layer"],
-        }
-        with (self.out / "log.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
 
 
 def train_options(
@@ -266,14 +293,22 @@ def train_options(
     resume: bool = True,
     progress: bool = True,
     stop_after: int | None = None,
+    processes: Ranks | None = None,
 ) -> dict[str, Any]:
     """Train controllers (and LoRA adapters) on ``prompts``; write ``out/final`` and the curves.
 
     ``stop_after`` ends the process-level loop early at that step (for tests of resuming).
+    ``processes``: the data-parallel processes (default: the launched ones, :func:`moectl.distributed.ranks`).
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    trainer = OptionsTrainer(model, tokenizer, prompts, config, out)
+    processes = processes if processes is not None else ranks()
+    check_divides(config.batch_size, processes.world, "prompts per step")
+    if resume:
+        check_resume(out, config)  # a checkpoint of other settings: refused before the model is touched
+    if processes.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    processes.barrier()
+    trainer = OptionsTrainer(model, tokenizer, prompts, config, out, processes)
     resumed = trainer.resume() if resume else False
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -285,7 +320,7 @@ def train_options(
         TextColumn("{task.fields[info]}"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, disable=not progress) as bar:
+    with Progress(*columns, disable=not (progress and processes.is_main)) as bar:
         task = bar.add_task("train", total=config.steps, completed=trainer.step, info="")
         while trainer.step < config.steps:
             row = trainer.train_step()
@@ -300,8 +335,13 @@ def train_options(
             if stop_after is not None and trainer.step >= stop_after:
                 return {"stopped_at": trainer.step, "rows": rows, "resumed": resumed}
     final = trainer._save_final(asdict(config))
-    from moectl.options.plots import plot_curves
+    log = processes.broadcast_object(_read_log(out) if processes.is_main else None)
+    if processes.is_main:
+        from moectl.options.plots import plot_curves
 
-    log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines() if ln]
-    plot_curves(log, out / "curves.png", title=f"k-hat={config.k_hat}, eta={config.eta}")
+        plot_curves(log, out / "curves.png", title=f"k-hat={config.k_hat}, eta={config.eta}")
     return {"final": str(final), "rows": rows, "resumed": resumed, "log": log}
+
+
+def _read_log(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines() if ln]

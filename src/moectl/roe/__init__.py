@@ -9,8 +9,9 @@ Paper: "MoEs are stronger than you think: hyper-parallel inference scaling with 
 >>> result = score(model, tokenizer, "heldout.jsonl", config)  # result.ppl, result.accuracy
 
 Layout: ``config`` (RoEConfig, profiles), ``noise`` (Gumbel-top-k keyed by sample and position),
-``masks`` + ``cache`` + ``hybrid`` (clean cache and the comparison variants), ``ensemble`` (one
-step, aggregation), ``spans`` + ``head`` + ``parallel`` (whole sequences scored span by span, the
+``masks`` + ``cache`` + ``hybrid`` (the clean cache), ``variants`` (the three ways to run K
+samples: ``variant_clean``, ``variant_separate``, ``variant_nocache``; ``padding``,
+``cache_size``), ``ensemble`` (one step, aggregation), ``spans`` + ``head`` + ``parallel`` (whole sequences scored span by span, the
 LM head on a few tokens at a time: no [K, T, V]), ``generate``, ``score``, ``data``, ``tune``,
 ``adaptive`` (adaptive K), ``bench`` (overhead), ``plots``, ``cli`` (``moectl roe ...``).
 """

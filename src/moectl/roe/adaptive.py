@@ -22,11 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.roe.cache import CleanCacheVariant
 from moectl.roe.config import RoEConfig
 from moectl.roe.data import Item, LMItem
 from moectl.roe.ensemble import Ensemble, StepOutput, aggregate
 from moectl.roe.score import encode_pair, pad_left, token_logprobs_stepwise
+from moectl.roe.variant_clean import CleanCacheVariant
 from moectl.routing.state import Policy
 
 

@@ -32,9 +32,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.cache import cache_bytes
+from moectl.roe.cache_size import cache_bytes
 from moectl.roe.config import CACHE_MODES, RoEConfig
 from moectl.roe.ensemble import Ensemble, experts_implementation
+from moectl.routing.kv_cache import cache_out, with_cache
 
 Runner = Callable[[], tuple[float, float, int]]  # → (CPU s per token, wall s per token, KV cache bytes)
 
@@ -66,7 +67,7 @@ def _plain_run(model: nn.Module, ids: Tensor, mask: Tensor, new_tokens: int) -> 
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1
         )
-        cache = out.past_key_values
+        cache = cache_out(out)
         position = position[:, -1:]
         for _ in range(new_tokens - 1):
             with clock:
@@ -77,7 +78,7 @@ def _plain_run(model: nn.Module, ids: Tensor, mask: Tensor, new_tokens: int) -> 
                     input_ids=token[:, None],
                     attention_mask=mask,
                     position_ids=position,
-                    past_key_values=cache,
+                    **with_cache(cache),
                     use_cache=True,
                 )
     return *clock.per_step(), cache_bytes(cache)

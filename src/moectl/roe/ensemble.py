@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.cache import SampleVariant, make_variant
 from moectl.roe.config import RoEConfig
 from moectl.roe.noise import SampleGumbel
+from moectl.roe.variants import SampleVariant, make_variant
 from moectl.routing.session import RoutingSession, route
 from moectl.routing.state import Policy
 

@@ -43,6 +43,11 @@ def output_head(model: nn.Module) -> Head:
     return head
 
 
+def vocab_size(model: nn.Module) -> int:
+    """Rows of the model's output embedding: the V of its logits."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for a float64 model (the reduction never loses the model's precision)."""
     return torch.promote_types(dtype, torch.float32)

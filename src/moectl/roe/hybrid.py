@@ -1,9 +1,9 @@
 """Clean cache for hybrid models: recurrent (linear-attention / Mamba) layers in a K-sample step.
 
 A clean-cache step feeds the K samples of the current token as K query tokens of one sequence
-(``cache.CleanCacheVariant``). Attention layers handle that with a mask; a recurrent layer would
-instead run the K samples one after another through its state — sample k would see samples
-0 … k−1 as history. So around each recurrent mixer's forward this module:
+(``variant_clean.CleanCacheVariant``). Attention layers handle that with a mask; a recurrent
+layer would instead run the K samples one after another through its state — sample k would see
+samples 0 … k−1 as history. So around each recurrent mixer's forward this module:
 
 1. reshapes its input [B, K, D] to [B·K, 1, D] (K independent one-token continuations);
 2. hands it a ``_StateView`` instead of the cache: the clean conv and recurrent states repeated K
@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from moectl.roe.cache import new_clean_cache
 
 
 class _StateView:
@@ -100,6 +102,15 @@ class _StateView:
         )
 
 
+_CACHE_ARGS = ("cache", "cache_params")  # the mixer's cache argument: transformers 5.24; earlier 5.x
+
+
+def _cache_arg(module: nn.Module) -> str | None:
+    """The name under which ``module.forward`` takes its cache, if it takes one."""
+    parameters = pyinspect.signature(module.forward).parameters
+    return next((name for name in _CACHE_ARGS if name in parameters), None)
+
+
 def _store(layer: LinearAttentionCacheLayerMixin, conv: Tensor | None, recurrent: Tensor | None) -> None:
     """Write clean states into a cache layer, initialising it if this was the sequence's first token."""
     if conv is not None:
@@ -126,6 +137,7 @@ class RecurrentUnfold:
 
     def __init__(self, mixers: dict[int, nn.Module]) -> None:
         self.mixers = mixers
+        self._cache_arg = {idx: _cache_arg(mixer) for idx, mixer in mixers.items()}
         self.keep_before = False  # adaptive K: remember pre-commit states for a second pass
         self._before: dict[int, tuple[Tensor | None, Tensor | None]] = {}
 
@@ -136,21 +148,23 @@ class RecurrentUnfold:
             return cls({})
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         layer_types = list(config.layer_types)
+        # the layers whose state the clean cache keeps through the linear-attention cache API
+        # (MiniMax's lightning attention keeps its own: none of its layers qualify)
+        cache_layers = new_clean_cache(model).layers
+        api = {i for i, layer in enumerate(cache_layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
         mixers: dict[int, nn.Module] = {}
         for module in model.modules():
             idx = getattr(module, "layer_idx", None)
             if idx is None or module is model or not 0 <= idx < len(layer_types):
                 continue
-            if (
-                layer_types[idx] in recurrent_types
-                and "cache_params" in pyinspect.signature(module.forward).parameters
-            ):
+            if layer_types[idx] in recurrent_types and idx in api and _cache_arg(module) is not None:
                 mixers.setdefault(idx, module)
         missing = [i for i, t in enumerate(layer_types) if t in recurrent_types and i not in mixers]
         if missing:
             raise NotImplementedError(
-                f"RoE clean cache: cannot find the recurrent mixer (a module with layer_idx and a `cache_params` "
-                f"argument) of decoder layers {missing}; use cache='separate' or cache='none' for this model"
+                f"RoE clean cache: cannot find the recurrent mixer (a module with layer_idx and a "
+                f"{' or '.join(f'`{a}`' for a in _CACHE_ARGS)} argument) of decoder layers {missing}; "
+                "use cache='separate' or cache='none' for this model"
             )
         return cls(mixers)
 
@@ -195,7 +209,7 @@ class RecurrentUnfold:
                 raise RuntimeError(f"recurrent layer {idx}: expected {q} samples per row, got {t} tokens")
             if valid is not None and not bool(valid.all()):
                 hidden = hidden * valid.to(hidden.dtype)[:, None, None]
-            kwargs = {**kwargs, "hidden_states": hidden.reshape(b * q, 1, d), "cache_params": view}
+            kwargs = {**kwargs, "hidden_states": hidden.reshape(b * q, 1, d), self._cache_arg[idx]: view}
             kwargs["attention_mask"] = None
             return args, kwargs
 

@@ -15,10 +15,11 @@ mixes kinds (gpt-oss, Llama-4, hybrids), a single tensor otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 _KINDS = {
@@ -61,6 +62,11 @@ def attention_kinds(config) -> tuple[list[AttentionKind], bool]:
         kinds[layer_type] = AttentionKind(layer_type, kind, window, i)
     as_dict = len(kinds) > 1 and getattr(text_config, "layer_types", None) is not None
     return list(kinds.values()), as_dict
+
+
+def mask_dtype(model: nn.Module) -> torch.dtype:
+    """The additive masks' dtype: that of the model's floating-point weights."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def prefix_visibility(
@@ -113,20 +119,15 @@ def step_masks(
     last n before ``query_index``). Recurrent layer types get None (their padding is handled by
     the caller).
     """
-    masks: dict[str, Tensor | None] = {}
-    for kind in kinds:
-        if kind.kind == "recurrent":
-            masks[kind.layer_type] = None
-            continue
+    query = torch.tensor([query_index], device=valid.device)
+
+    def mask(kind: AttentionKind) -> Tensor:
         n = prefix_lengths[kind.layer_type]
         key_index = torch.arange(query_index - n, query_index, device=valid.device)
-        query = torch.tensor([query_index], device=valid.device)
         visible = prefix_visibility(kind, key_index, query, valid, left_pad)[:, 0]
-        masks[kind.layer_type] = shared_prefix_mask(visible, num_queries, dtype)
-    if as_dict:
-        return masks
-    (only,) = [m for m in masks.values() if m is not None]
-    return only
+        return shared_prefix_mask(visible, num_queries, dtype)
+
+    return _per_kind(kinds, as_dict, mask)
 
 
 def teacher_forced_masks(
@@ -138,22 +139,12 @@ def teacher_forced_masks(
     the clean keys before t (by the layer's attention kind) and its own key t only — every
     position's prediction conditions on the clean prefix, as in a clean-cache decoding step.
     """
-    length = valid.shape[1]
-    index = torch.arange(length, device=valid.device)
-    own = torch.eye(length, dtype=torch.bool, device=valid.device).expand(valid.shape[0], length, length)
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
-    masks: dict[str, Tensor | None] = {}
-    for kind in kinds:
-        if kind.kind == "recurrent":
-            masks[kind.layer_type] = None
-            continue
-        clean = prefix_visibility(kind, index, index, valid, left_pad)
-        allowed = torch.cat([clean, own], dim=-1)[:, None]
-        masks[kind.layer_type] = torch.where(allowed, zero, torch.finfo(dtype).min)
-    if as_dict:
-        return masks
-    (only,) = [m for m in masks.values() if m is not None]
-    return only
+    index = torch.arange(valid.shape[1], device=valid.device)
+    return _per_kind(
+        kinds,
+        as_dict,
+        lambda kind: _clean_then_own(prefix_visibility(kind, index, index, valid, left_pad), dtype),
+    )
 
 
 def teacher_forced_span_masks(
@@ -174,21 +165,30 @@ def teacher_forced_span_masks(
     and its own key only — :func:`teacher_forced_masks` restricted to a span of positions, with
     several samples folded into the query dimension as in a clean-cache step (RoE §2.3).
     """
-    n = max(stop - 1, 0)
-    device = valid.device
-    query = torch.arange(first, stop, device=device).repeat(copies)
-    keys = torch.arange(n, device=device)
-    q = query.numel()
-    own = torch.eye(q, dtype=torch.bool, device=device).expand(valid.shape[0], q, q)
-    zero = torch.zeros((), dtype=dtype, device=device)
-    masks: dict[str, Tensor | None] = {}
-    for kind in kinds:
-        if kind.kind == "recurrent":
-            masks[kind.layer_type] = None
-            continue
-        clean = prefix_visibility(kind, keys, query, valid, left_pad)
-        allowed = torch.cat([clean, own], dim=-1)[:, None]
-        masks[kind.layer_type] = torch.where(allowed, zero, torch.finfo(dtype).min)
+    query = torch.arange(first, stop, device=valid.device).repeat(copies)
+    keys = torch.arange(max(stop - 1, 0), device=valid.device)
+    return _per_kind(
+        kinds,
+        as_dict,
+        lambda kind: _clean_then_own(prefix_visibility(kind, keys, query, valid, left_pad), dtype),
+    )
+
+
+def _clean_then_own(clean: Tensor, dtype: torch.dtype) -> Tensor:
+    """[B, 1, Q, n + Q] additive mask: query i sees the clean keys ``clean`` [B, Q, n] allows, then its own key only."""
+    b, q, _ = clean.shape
+    own = torch.eye(q, dtype=torch.bool, device=clean.device).expand(b, q, q)
+    allowed = torch.cat([clean, own], dim=-1)[:, None]
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=clean.device), torch.finfo(dtype).min)
+
+
+def _per_kind(
+    kinds: list[AttentionKind], as_dict: bool, mask: Callable[[AttentionKind], Tensor]
+) -> Tensor | dict[str, Tensor | None]:
+    """The model's ``attention_mask`` argument: ``mask(kind)`` per attention kind (None for recurrent
+    layer types, whose padding the caller handles), by layer type when the model takes a dict, else
+    the one mask."""
+    masks = {kind.layer_type: None if kind.kind == "recurrent" else mask(kind) for kind in kinds}
     if as_dict:
         return masks
     (only,) = [m for m in masks.values() if m is not None]

@@ -3,7 +3,8 @@
 Indices = TopK(R + tau·G, k) with G ~ Gumbel(0, 1) i.i.d. per token, expert and sample, weights from
 the un-noised scores (the routing core's rule does the selection). This differs from the core's
 ``GumbelTopK`` only in *where G comes from*: ``GumbelTopK`` draws from a generator in call order,
-whereas here G is a counter-based hash of (seed, MoE layer, sample index, position, expert). So
+whereas here G is a counter-based hash of (seed, MoE layer, sample index, position, expert)
+(``moectl.routing.keyed_hash``, shared with evaluation's per-request noise). So
 the draw for sample k at position t is the same whatever the batch layout — K samples folded into
 the query dimension of one sequence (clean cache), K batch rows (separate caches) or a full
 recomputation (no cache) — which is what lets the tests check the clean cache against its
@@ -22,31 +23,14 @@ import torch
 from torch import Tensor
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.routing.keyed_hash import layer_word, mix, mix_int, seed_key, uniforms
 from moectl.routing.state import RoutingState
-
-_M32 = 0xFFFFFFFF
-_MULT = 0x45D9F3B  # < 2**27: x * _MULT stays below 2**59 for x < 2**32, no int64 overflow
-
-
-def _mix(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding values < 2**32."""
-    x = ((x >> 16) ^ x) * _MULT & _M32
-    x = ((x >> 16) ^ x) * _MULT & _M32
-    return (x >> 16) ^ x
-
-
-def _mix_int(x: int) -> int:
-    """``_mix`` on a Python int (for the per-layer keys, computed once)."""
-    x &= _M32
-    x = ((x >> 16) ^ x) * _MULT & _M32
-    x = ((x >> 16) ^ x) * _MULT & _M32
-    return (x >> 16) ^ x
 
 
 def layer_keys(seed: int, layers: Sequence[int]) -> list[int]:
     """One 32-bit key per (seed, MoE layer)."""
-    base = _mix_int(seed ^ 0x9E3779B9)
-    return [_mix_int(base ^ _mix_int(layer * 0x632BE5AB + 0x1B873593)) for layer in layers]
+    base = seed_key(seed)
+    return [mix_int(base ^ mix_int(layer_word(layer))) for layer in layers]
 
 
 _CHUNK_ELEMENTS = 1 << 20  # hash draws computed at once: int64 temporaries stay ~8 MiB each
@@ -59,9 +43,7 @@ def _token_codes(sample: Tensor, position: Tensor) -> Tensor:
 
 def _gumbel_of_codes(key: int, token: Tensor, num_experts: int, out: Tensor) -> None:
     """Write Gumbel(0, 1) draws of layer ``key`` for token codes ``token`` [N] into ``out`` [N, E]."""
-    experts = torch.arange(num_experts, dtype=torch.int64, device=token.device) * 0x61C88647 & _M32
-    h = _mix(_mix(token ^ key).unsqueeze(-1) ^ experts)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = uniforms(mix(token ^ key), num_experts)
     out.copy_(u.log_().neg_().log_().neg_())
 
 

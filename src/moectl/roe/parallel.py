@@ -18,25 +18,27 @@ Generation needs the last position only: ``Ensemble`` (``ensemble.py``) decodes 
 cache and asks the model for the last position's logits ([B, K, V]) at each step.
 Models with recurrent layers (and ``cache != "clean"``) take the stepwise path: teacher-forced
 ``Ensemble`` steps, reduced step by step the same way.
+
+Every function reads one :class:`RoEScoringInputs` (model, left-padded ``ids`` / ``mask``, RoE
+config, model info, routing policies); ``Budget`` and ``greedy`` are how it computes, not what.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from moectl.adapters.inspect import ModelInfo
 from moectl.roe.config import RoEConfig
-from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs
-from moectl.roe.spans import is_attention_only, sample_spans
-from moectl.routing.state import Policy
+from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs, vocab_size
+from moectl.roe.spans import RoEScoringInputs, is_attention_only, sample_spans
 
 __all__ = [
     "Budget",
+    "RoEScoringInputs",
     "TokenScores",
     "ensemble_log_probs",
     "ensemble_token_scores",
@@ -66,10 +68,6 @@ class TokenScores:
     greedy: Tensor | None = None
 
 
-def _vocab(model: nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
-
-
 def _finish(acc: Tensor, config: RoEConfig) -> Tensor:
     """The aggregated log-distribution from the running sums over the K samples (in place)."""
     if config.aggregation == "prob_mean":
@@ -82,23 +80,13 @@ def _check(config: RoEConfig) -> None:
         raise ValueError(f"aggregation must be 'prob_mean' or 'logprob_mean', got {config.aggregation!r}")
 
 
-def _distributions(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None,
-    policies: Sequence[Policy],
-    positions: int,
-    budget: Budget,
-) -> Iterator[tuple[int, Tensor]]:
+def _distributions(inputs: RoEScoringInputs, positions: int, budget: Budget) -> Iterator[tuple[int, Tensor]]:
     """(first position, RoE log-distributions [B, P, V]) span by span, at positions 0 … positions − 1."""
-    head, rows = output_head(model), head_rows(_vocab(model), budget.head_bytes)
-    span_positions = max(1, rows // max(1, ids.shape[0]))  # the [B, P, V] accumulator ≤ one head call
+    config = inputs.config
+    head, rows = output_head(inputs.model), head_rows(vocab_size(inputs.model), budget.head_bytes)
+    span_positions = max(1, rows // max(1, inputs.ids.shape[0]))  # the [B, P, V] accumulator ≤ one head call
     acc: Tensor | None = None
-    for part in sample_spans(
-        model, ids, mask, config, info, policies, positions, span_positions, budget.span_tokens
-    ):
+    for part in sample_spans(inputs, positions, span_positions, budget.span_tokens):
         for k in range(part.hidden.shape[1]):  # the samples of this group, one head pass each
             acc = add_log_probs(head, part.hidden[:, k], acc, config.aggregation, rows)
         if part.last:
@@ -108,28 +96,21 @@ def _distributions(
 
 
 @torch.no_grad()
-def parallel_token_logprobs(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None = None,
-    policies: Sequence[Policy] = (),
-    budget: Budget = Budget(),
-) -> Tensor:
+def parallel_token_logprobs(inputs: RoEScoringInputs, budget: Budget = Budget()) -> Tensor:
     """RoE log p(x_t | x_<t) [B, T] of a left-padded batch (0 at position 0 and at padding).
 
     Attention-only models, clean cache. ``prob_mean`` keeps one number per (sample, token);
     ``logprob_mean`` needs each position's normaliser over the vocabulary, so it goes through
     span accumulators as :func:`parallel_token_scores` does.
     """
+    config, ids = inputs.config, inputs.ids
     _check(config)
     if config.aggregation != "prob_mean":
-        return parallel_token_scores(model, ids, mask, config, info, policies, False, budget).logprob
+        return parallel_token_scores(inputs, False, budget).logprob
     b, length = ids.shape
-    head, rows = output_head(model), head_rows(_vocab(model), budget.head_bytes)
+    head, rows = output_head(inputs.model), head_rows(vocab_size(inputs.model), budget.head_bytes)
     acc = torch.full((b, length), -math.inf, device=ids.device)
-    for part in sample_spans(model, ids, mask, config, info, policies, length - 1, None, budget.span_tokens):
+    for part in sample_spans(inputs, length - 1, None, budget.span_tokens):
         c, span = part.hidden.shape[1], part.hidden.shape[2]
         targets = ids[:, part.first + 1 : part.stop + 1, None].expand(b, span, c).transpose(1, 2)
         lp = target_logprobs(head, part.hidden.reshape(b * c * span, -1), targets.reshape(-1), rows)
@@ -138,76 +119,71 @@ def parallel_token_logprobs(
             acc = acc.to(lp.dtype)
         window = acc[:, part.first + 1 : part.stop + 1]
         torch.logaddexp(window, lp, out=window)
-    return (acc - math.log(config.K)).masked_fill_(~mask.bool(), 0.0).index_fill_(1, _zero(ids), 0.0)
+    zero = torch.zeros(1, dtype=torch.long, device=ids.device)
+    return (acc - math.log(config.K)).masked_fill_(~inputs.mask.bool(), 0.0).index_fill_(1, zero, 0.0)
 
 
-def _zero(ids: Tensor) -> Tensor:
-    return torch.zeros(1, dtype=torch.long, device=ids.device)
+class _TokenScoresOut:
+    """The [B, T] outputs of :class:`TokenScores` filled position by position, then finished at padding."""
+
+    def __init__(self, ids: Tensor, greedy: bool) -> None:
+        b, length = ids.shape
+        self.logprob = torch.zeros(b, length, device=ids.device)
+        self.flags = torch.ones(b, length, dtype=torch.bool, device=ids.device) if greedy else None
+
+    def put(self, at: slice | int, dist: Tensor, target: Tensor) -> None:
+        """Log-probability of ``target`` under the log-distributions ``dist`` [B, (P,) V], and whether it is greedy."""
+        lp = dist.gather(-1, target[..., None]).squeeze(-1)
+        if lp.dtype != self.logprob.dtype:
+            self.logprob = self.logprob.to(lp.dtype)
+        self.logprob[:, at] = lp
+        if self.flags is not None:
+            self.flags[:, at] = dist.argmax(-1) == target
+
+    def done(self, mask: Tensor) -> TokenScores:
+        valid = mask.bool()
+        self.logprob.masked_fill_(~valid, 0.0)
+        if self.flags is not None:
+            self.flags |= ~valid
+        return TokenScores(self.logprob, self.flags)
 
 
 @torch.no_grad()
 def parallel_token_scores(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None = None,
-    policies: Sequence[Policy] = (),
-    greedy: bool = True,
-    budget: Budget = Budget(),
+    inputs: RoEScoringInputs, greedy: bool = True, budget: Budget = Budget()
 ) -> TokenScores:
     """:class:`TokenScores` of a left-padded batch, span by span (attention-only models, clean cache)."""
-    _check(config)
-    b, length = ids.shape
-    logprob = torch.zeros(b, length, device=ids.device)
-    flags = torch.ones(b, length, dtype=torch.bool, device=ids.device) if greedy else None
-    for first, dist in _distributions(model, ids, mask, config, info, policies, length - 1, budget):
+    _check(inputs.config)
+    ids = inputs.ids
+    out = _TokenScoresOut(ids, greedy)
+    for first, dist in _distributions(inputs, ids.shape[1] - 1, budget):
         stop = first + dist.shape[1]
-        target = ids[:, first + 1 : stop + 1]
-        lp = dist.gather(-1, target[..., None]).squeeze(-1)
-        logprob = logprob.to(lp.dtype) if lp.dtype != logprob.dtype else logprob
-        logprob[:, first + 1 : stop + 1] = lp
-        if flags is not None:
-            flags[:, first + 1 : stop + 1] = dist.argmax(-1) == target
+        out.put(slice(first + 1, stop + 1), dist, ids[:, first + 1 : stop + 1])
         del dist
-    valid = mask.bool()
-    logprob.masked_fill_(~valid, 0.0)
-    if flags is not None:
-        flags |= ~valid
-    return TokenScores(logprob, flags)
+    return out.done(inputs.mask)
 
 
 @torch.no_grad()
-def parallel_log_probs(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None = None,
-    policies: Sequence[Policy] = (),
-    budget: Budget = Budget(),
-) -> Tensor:
+def parallel_log_probs(inputs: RoEScoringInputs, budget: Budget = Budget()) -> Tensor:
     """RoE next-token log-probabilities [B, T, V] at every position (the output is the only
     vocabulary-sized buffer that lasts: span accumulators are written into it and dropped)."""
-    _check(config)
+    _check(inputs.config)
     out: Tensor | None = None
-    for first, dist in _distributions(model, ids, mask, config, info, policies, ids.shape[1], budget):
+    for first, dist in _distributions(inputs, inputs.ids.shape[1], budget):
         if out is None:
-            out = torch.empty((*ids.shape, dist.shape[-1]), dtype=dist.dtype, device=dist.device)
+            out = torch.empty((*inputs.ids.shape, dist.shape[-1]), dtype=dist.dtype, device=dist.device)
         out[:, first : first + dist.shape[1]] = dist
         del dist
     assert out is not None
     return out
 
 
-def ensemble_log_probs(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None = None,
-    policies: Sequence[Policy] = (),
-) -> Tensor:
+def _parallel(inputs: RoEScoringInputs) -> bool:
+    """Whether the span path serves ``inputs`` (clean cache, attention-only model)."""
+    return inputs.config.cache == "clean" and is_attention_only(inputs.model)
+
+
+def ensemble_log_probs(inputs: RoEScoringInputs) -> Tensor:
     """RoE next-token log-probabilities [B, L, V] (float32) at every position of a left-padded batch.
 
     Position t holds log p_RoE(· | x_≤t), aggregated over the K samples as ``config.aggregation``
@@ -216,66 +192,42 @@ def ensemble_log_probs(
     ``Ensemble``, one step per position. Callers that only need the log-probability of the next
     token (and whether it is the greedy one) should use :func:`ensemble_token_scores`.
     """
-    if config.cache == "clean" and is_attention_only(model):
-        return parallel_log_probs(model, ids, mask, config, info, policies)
-    return torch.stack([s.logprobs for s in _steps(model, ids, mask, config, info, policies)], dim=1)
+    if _parallel(inputs):
+        return parallel_log_probs(inputs)
+    return _stepwise_log_probs(inputs)
 
 
-def ensemble_token_scores(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None = None,
-    policies: Sequence[Policy] = (),
-    greedy: bool = True,
-) -> TokenScores:
+def ensemble_token_scores(inputs: RoEScoringInputs, greedy: bool = True) -> TokenScores:
     """:class:`TokenScores` under RoE for any model and cache variant, without [B, T, V]."""
-    if config.cache == "clean" and is_attention_only(model):
-        if not greedy and config.aggregation == "prob_mean":
-            return TokenScores(parallel_token_logprobs(model, ids, mask, config, info, policies))
-        return parallel_token_scores(model, ids, mask, config, info, policies, greedy)
-    b, length = ids.shape
-    logprob = torch.zeros(b, length, device=ids.device)
-    flags = torch.ones(b, length, dtype=torch.bool, device=ids.device) if greedy else None
-    steps = _steps(model, ids[:, :-1], mask[:, :-1], config, info, policies) if length > 1 else []
-    for t, step in enumerate(steps, 1):
-        target = ids[:, t]
-        logprob[:, t] = step.logprobs.gather(-1, target[:, None]).squeeze(-1)
-        if flags is not None:
-            flags[:, t] = step.logprobs.argmax(-1) == target
-    valid = mask.bool()
-    logprob.masked_fill_(~valid, 0.0)
-    if flags is not None:
-        flags |= ~valid
-    return TokenScores(logprob, flags)
+    if _parallel(inputs):
+        if not greedy and inputs.config.aggregation == "prob_mean":
+            return TokenScores(parallel_token_logprobs(inputs))
+        return parallel_token_scores(inputs, greedy)
+    ids = inputs.ids
+    out = _TokenScoresOut(ids, greedy)
+    for t, step in enumerate(_steps(inputs, ids.shape[1] - 1), 1):
+        out.put(t, step.logprobs, ids[:, t])
+    return out.done(inputs.mask)
 
 
-def _steps(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None,
-    policies: Sequence[Policy],
-):
-    """Teacher-forced ``Ensemble`` steps: the distribution after each position (any cache variant)."""
+def _steps(inputs: RoEScoringInputs, length: int):
+    """Teacher-forced ``Ensemble`` steps over the first ``length`` positions: the distribution after
+    each (any cache variant)."""
     from moectl.roe.ensemble import Ensemble
 
+    if length < 1:
+        return
+    ids, mask = inputs.ids, inputs.mask
     valid = mask.bool()
-    with torch.no_grad(), Ensemble(model, config, info=info, policies=policies) as ens:
+    with (
+        torch.no_grad(),
+        Ensemble(inputs.model, inputs.config, info=inputs.info, policies=inputs.policies) as ens,
+    ):
         yield ens.start(ids[:, :1], mask[:, :1])
-        for t in range(1, ids.shape[1]):  # one ensemble step per position: the definition, not a hot path
+        for t in range(1, length):  # one ensemble step per position: the definition, not a hot path
             yield ens.step(ids[:, t], valid[:, t])
 
 
-def _stepwise_log_probs(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None,
-    policies: Sequence[Policy],
-) -> Tensor:
+def _stepwise_log_probs(inputs: RoEScoringInputs) -> Tensor:
     """Teacher-forced ``Ensemble`` steps stacked: [B, L, V] (the definition the span path must equal)."""
-    return torch.stack([s.logprobs for s in _steps(model, ids, mask, config, info, policies)], dim=1)
+    return torch.stack([s.logprobs for s in _steps(inputs, inputs.ids.shape[1])], dim=1)

@@ -37,7 +37,7 @@ from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.roe.ensemble import Ensemble
 from moectl.roe.masks import attention_kinds
-from moectl.roe.parallel import parallel_token_logprobs
+from moectl.roe.parallel import RoEScoringInputs, parallel_token_logprobs
 from moectl.routing.state import Policy
 
 
@@ -80,7 +80,7 @@ def token_logprobs_parallel(
     policies: Sequence[Policy] = (),
 ) -> Tensor:
     """RoE log p(x_t | x_<t) [B, L] for every position (0 at position 0), clean cache, without [K, L, V]."""
-    return parallel_token_logprobs(model, ids, mask, config, info, policies) * mask.bool()
+    return parallel_token_logprobs(RoEScoringInputs(model, ids, mask, config, info, policies)) * mask.bool()
 
 
 @torch.no_grad()

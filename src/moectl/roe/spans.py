@@ -26,11 +26,13 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.cache import CleanCacheMixin, StepPlan, left_padded, new_clean_cache
+from moectl.roe.cache import CleanCacheMixin, StepPlan, new_clean_cache
 from moectl.roe.config import RoEConfig
 from moectl.roe.ensemble import experts_implementation
-from moectl.roe.masks import AttentionKind, attention_kinds, teacher_forced_span_masks
+from moectl.roe.masks import AttentionKind, attention_kinds, mask_dtype, teacher_forced_span_masks
 from moectl.roe.noise import NoiseLayout, SampleGumbel
+from moectl.roe.padding import left_padded
+from moectl.routing.kv_cache import with_cache
 from moectl.routing.session import route
 from moectl.routing.state import Policy
 
@@ -115,14 +117,23 @@ def span_plan(length: int, positions: int, K: int, span_tokens: int | None = Non
     return max(1, min(positions, span_tokens // copies)), copies
 
 
+@dataclass(frozen=True)
+class RoEScoringInputs:
+    """What every RoE scorer of whole sequences reads (this module, ``parallel``): the ``model``, a
+    left-padded batch ``ids`` / ``mask`` [B, T], the RoE ``config``, the model's ``info`` (None:
+    inspected) and routing ``policies`` applied before the noise (a mask, a subset), as in ``Ensemble``."""
+
+    model: nn.Module
+    ids: Tensor
+    mask: Tensor
+    config: RoEConfig
+    info: ModelInfo | None = None
+    policies: Sequence[Policy] = ()
+
+
 @torch.no_grad()
 def sample_spans(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    config: RoEConfig,
-    info: ModelInfo | None = None,
-    policies: Sequence[Policy] = (),
+    inputs: RoEScoringInputs,
     positions: int | None = None,
     span_positions: int | None = None,
     span_tokens: int | None = None,
@@ -130,11 +141,11 @@ def sample_spans(
     """Hidden states of the K routing samples at positions 0 … ``positions`` − 1 of a left-padded batch.
 
     Per span of positions: the clean sample 0 first, then the noisy samples in groups (``last``
-    on the final group). ``policies`` (a mask, a subset) apply before the noise, as in
-    ``Ensemble``. ``span_positions`` caps P (callers holding [B, P, V] accumulators);
+    on the final group). ``span_positions`` caps P (callers holding [B, P, V] accumulators);
     ``span_tokens`` caps the query tokens of a noisy forward (see :func:`span_plan`).
     """
-    info = info or inspect(model)
+    model, ids, mask, config, policies = inputs.model, inputs.ids, inputs.mask, inputs.config, inputs.policies
+    info = inputs.info or inspect(model)
     if not is_attention_only(model):
         raise ValueError("the parallel RoE path needs an attention-only model; use the stepwise path")
     b, length = ids.shape
@@ -151,7 +162,7 @@ def sample_spans(
     with experts_implementation(model, "grouped_mm"), route(model, [*policies, noise], info=info):
         clean = final_hidden(
             model, decoder,
-            input_ids=ids, attention_mask=mask, position_ids=seq.position, past_key_values=cache, use_cache=True,
+            input_ids=ids, attention_mask=mask, position_ids=seq.position, **with_cache(cache), use_cache=True,
         )  # fmt: skip
         for first in range(0, positions, span):  # spans of positions: a few per sequence
             stop = min(first + span, positions)
@@ -179,8 +190,7 @@ class _Sequence:
     @classmethod
     def of(cls, model: nn.Module, ids: Tensor, mask: Tensor) -> _Sequence:
         kinds, as_dict = attention_kinds(model.config)
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        return cls(ids, *left_padded(mask), kinds, as_dict, dtype)
+        return cls(ids, *left_padded(mask), kinds, as_dict, mask_dtype(model))
 
 
 def _noisy(
@@ -207,7 +217,7 @@ def _noisy(
     try:
         return final_hidden(
             model, decoder,
-            input_ids=query_ids, attention_mask=masks, position_ids=query_pos, past_key_values=cache, use_cache=True,
+            input_ids=query_ids, attention_mask=masks, position_ids=query_pos, **with_cache(cache), use_cache=True,
         )  # fmt: skip
     finally:
         noise.layout = None

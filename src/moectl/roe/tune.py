@@ -7,8 +7,11 @@ The search space is τ = {τ_i}, i ∈ L_MoE (§2.2), pruned by the paper's two 
 
 The objective (§2.2.1) is validation perplexity (cheap: ``score``'s two-forward parallel path) or
 validation accuracy (multiple choice by log-likelihood, or exact match of greedy generations).
-The optimiser is TPE (§2.2.2) with a seeded sampler; with ``storage`` (an SQLite file) the study
-persists and a rerun continues it up to the trial budget. The first trial is τ = 0 everywhere
+The optimiser is TPE (§2.2.2) with a seeded sampler; with ``storage`` (an SQLite file, or a
+``.journal`` file: Optuna's ``JournalFileBackend``) the study persists and a rerun continues it up
+to the trial budget. Under ``accelerate launch`` the N processes share one study through the file
+(a journal by default: safe for concurrent writers), each with its own sampler seed and its part of
+the remaining trials, so N trials run at a time; rank 0 writes the profile. The first trial is τ = 0 everywhere
 (the plain model), so the tuned profile is never worse than the baseline *on validation*.
 Every trial uses the same noise seed (common random numbers), so trials differ only in τ.
 
@@ -34,6 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.distributed import Ranks, ranks
 from moectl.roe.config import AGGREGATIONS, RoEConfig, save_profile
 from moectl.roe.data import Item, item_kind, load_items
 from moectl.roe.score import score
@@ -88,6 +92,15 @@ def check_tuning(
     return tuned
 
 
+def spread(items: list, n: int) -> list:
+    """``n`` items evenly spaced over ``items`` (first and last included; all of them if fewer)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_docs (items in the fixed validation slice) must be an integer >= 1, got {n!r}")
+    if n >= len(items):
+        return list(items)
+    return [items[round(i * (len(items) - 1) / max(n - 1, 1))] for i in range(n)]
+
+
 def _evaluator(model, tokenizer, items, objective, K, aggregation, seed, batch_size, max_length, info):
     kind = item_kind(items)
     if objective == "ppl" and kind not in ("lm", "choice"):
@@ -133,8 +146,14 @@ def tune(
     progress: bool = True,
     info: ModelInfo | None = None,
     model_name: str = "",
+    max_docs: int | None = None,
+    processes: Ranks | None = None,
 ) -> TuneResult:
-    """Tune per-layer τ (or one uniform τ) for RoE with ``K`` samples; see the module docstring."""
+    """Tune per-layer τ (or one uniform τ) for RoE with ``K`` samples; see the module docstring.
+
+    ``max_docs``: score a fixed slice of that many items spread evenly over the data (every domain
+    of a domain-ordered split, unlike ``limit``'s first N), the same slice in every trial; with
+    ``max_length`` it bounds a trial's cost (``max_docs`` × ``max_length`` tokens × K)."""
     import optuna
 
     info = info or inspect(model)
@@ -145,28 +164,39 @@ def tune(
     if uniform and not uniform_step > 0:
         raise ValueError(f"uniform_step must be > 0, got {uniform_step}")
     items = load_items(data, limit) if isinstance(data, (str, Path)) else list(data)[:limit]
+    items = spread(items, max_docs) if max_docs is not None else items
     evaluate = _evaluator(
         model, tokenizer, items, objective, K, aggregation, seed, batch_size, max_length, info
     )
     direction = "minimize" if objective == "ppl" else "maximize"
     mode = "uniform" if uniform else "per-layer"
     name = study_name or f"roe-{info.family}-K{K}-{objective}-{mode}"
-    url = None
-    if storage is not None:
-        Path(storage).parent.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{Path(storage).resolve()}"
+    processes = processes if processes is not None else ranks()
+    if processes.distributed and storage is None:
+        raise ValueError(
+            f"{processes.world} processes share one study through a file: give storage "
+            "(--storage FILE.journal)"
+        )
+    url = study_storage(storage)
     optuna.logging.set_verbosity(logging.WARNING)
     grid = [round(i * uniform_step, 6) for i in range(int(max_tau / uniform_step + 1e-9) + 1)]
     budget = len(grid) if uniform else trials
-    study = optuna.create_study(storage=url, study_name=name, direction=direction, load_if_exists=True)
+    if processes.is_main:  # one process creates the study (and enqueues τ = 0), then the others join
+        study = optuna.create_study(storage=url, study_name=name, direction=direction, load_if_exists=True)
+        if not uniform and not study.trials:
+            study.enqueue_trial({f"tau_{i}": 0.0 for i in tuned})  # the plain model first
+    processes.barrier()
+    if not processes.is_main:
+        study = optuna.load_study(storage=url, study_name=name)
     done_before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-    # a resumed study reseeds with the trials already done, so it does not replay the same draws
+    processes.barrier()  # every process counted before any starts a trial
+    # a resumed study reseeds with the trials already done, so it does not replay the same draws;
+    # each process its own seed, so parallel samplers do not propose the same τ
+    seed_now = seed + done_before + 7919 * processes.rank
     if uniform:
-        study.sampler = optuna.samplers.GridSampler({"tau": grid}, seed=seed + done_before)
+        study.sampler = optuna.samplers.GridSampler({"tau": grid}, seed=seed_now)
     else:
-        study.sampler = optuna.samplers.TPESampler(seed=seed + done_before, multivariate=True)
-    if not uniform and not study.trials:
-        study.enqueue_trial({f"tau_{i}": 0.0 for i in tuned})  # the plain model first
+        study.sampler = optuna.samplers.TPESampler(seed=seed_now, multivariate=True)
 
     def tau_of(params: dict) -> list[float]:
         if uniform:
@@ -184,11 +214,12 @@ def tune(
         return evaluate(tau_of(params))
 
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    remaining = max(0, budget - len(done))
+    part = processes.part(max(0, budget - len(done)))  # this process's share of the trials left
+    remaining = part.stop - part.start
     start = time.perf_counter()
     columns = [TextColumn("tuning {task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                TextColumn("best {task.fields[best]}")]  # fmt: skip
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with Progress(*columns, disable=not (progress and processes.is_main), transient=True) as bar:
         best = f"{study.best_value:.4g}" if done else "-"
         task = bar.add_task(
             "tune", total=budget, completed=len(done), label=f"{mode} K={K} {objective}", best=best
@@ -199,9 +230,14 @@ def tune(
 
         if remaining:
             study.optimize(objective_fn, n_trials=remaining, callbacks=[tick])
+    processes.barrier()  # every process's trials are in the study
     seconds = time.perf_counter() - start
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    history = [{"trial": t.number, "value": float(t.value), "tau": tau_of(t.params)} for t in complete]
+    history = [
+        {"trial": t.number, "value": float(t.value), "tau": tau_of(t.params),
+         "seconds": t.duration.total_seconds() if t.duration is not None else None}
+        for t in complete
+    ]  # fmt: skip
     best_trial = study.best_trial
     best_tau = tau_of(best_trial.params)
     zero = [h["value"] for h in history if all(x == 0 for x in h["tau"])]
@@ -233,13 +269,29 @@ def tune(
         "study": name,
         "storage": str(storage) if storage else None,
         "validation_items": len(items),
+        "validation_slice": {"limit": limit, "max_docs": max_docs, "max_length": max_length},
         "history": history,
     }
-    if out is not None:
+    if out is not None and processes.is_main:
         result.profile = save_profile(out, best_tau, **meta)
-    if plot_dir is not None:
+    if plot_dir is not None and processes.is_main:
         result.figures = _figures(result, Path(plot_dir), max_tau, uniform, direction)
     return result
+
+
+def study_storage(storage: str | Path | None) -> Any:
+    """Optuna storage for a file: a ``.journal`` (or ``.log``) file is a ``JournalStorage`` over
+    ``JournalFileBackend`` (concurrent writers from several processes), anything else SQLite."""
+    if storage is None:
+        return None
+    path = Path(storage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix in (".journal", ".log"):
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        return JournalStorage(JournalFileBackend(str(path)))
+    return f"sqlite:///{path.resolve()}"
 
 
 def _figures(result: TuneResult, plot_dir: Path, max_tau: float, uniform: bool, direction: str) -> list[Path]:

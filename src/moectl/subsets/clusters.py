@@ -3,7 +3,8 @@
 The first ``first`` tokens of each document; per token the routing probabilities of every MoE
 layer, concatenated; PCA keeping 95% of the variance; L2 normalisation; spherical k-means (32
 clusters). Reported: the most frequent tokens of each cluster, and document purity — the
-fraction of a document's tokens that fall in its majority cluster, averaged over documents.
+fraction of a document's tokens that fall in its majority cluster, averaged over documents;
+``cluster_report`` adds each cluster's documents and majority domain (``moectl subset clusters``).
 """
 
 from __future__ import annotations
@@ -111,3 +112,29 @@ def cluster_tokens(
     return TokenClusters(
         labels, doc_ids, token_ids, projected.shape[1], document_purity(labels, doc_ids), top_tokens
     )
+
+
+def cluster_report(result: TokenClusters, doc_domains: Sequence[str], tokenizer) -> list[dict]:
+    """One row per cluster: its tokens, documents, majority domain (``doc_domains[d]`` is document d's)
+    with the share of the cluster's tokens from it, and its most frequent tokens (id, text, count)."""
+    rows = []
+    for c, frequent in sorted(result.top_tokens.items()):
+        members = result.labels == c
+        domains = Counter(doc_domains[int(d)] for d in result.doc_ids[members])
+        major, count = domains.most_common(1)[0]
+        rows.append({
+            "cluster": c,
+            "tokens": int(members.sum()),
+            "documents": len(set(result.doc_ids[members].tolist())),
+            "top_domain": major,
+            "top_domain_share": count / int(members.sum()),
+            "frequent_tokens": [{"id": t, "text": _decode(tokenizer, t), "count": n} for t, n in frequent],
+        })  # fmt: skip
+    return rows
+
+
+def _decode(tokenizer, token: int) -> str:
+    try:
+        return tokenizer.decode([token])
+    except Exception:  # a tokenizer that cannot decode a lone id: show the id
+        return f"<{token}>"

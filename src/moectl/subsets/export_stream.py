@@ -63,8 +63,11 @@ def _renumber(key: str, old: int, new: int) -> str:
     return pattern.sub(rf"\g<1>{new}\g<2>", key, count=1)
 
 
-def plan_actions(folder: Path, keep: Mapping[int, Sequence[int]]) -> tuple[dict[str, _Action], dict, int]:
-    """Per checkpoint key, what the export does with it; the checked keep lists; kept expert count."""
+def plan_actions(
+    folder: Path, keep: Mapping[int, Sequence[int]]
+) -> tuple[dict[str, _Action], dict, int, dict[int, int]]:
+    """Per checkpoint key, what the export does with it; the checked keep lists; the kept expert
+    count; the experts per MoE layer before."""
     meta = build_meta(load_config(folder))
     info = inspect(meta)
     for layer in info.layers:
@@ -95,7 +98,8 @@ def plan_actions(folder: Path, keep: Mapping[int, Sequence[int]]) -> tuple[dict[
                 else:
                     actions[segment.key] = _Action("")  # dropped
     reader.close()
-    return actions, keep, len(next(iter(keep.values())))
+    before = {layer.index: layer.num_experts for layer in info.layers}
+    return actions, keep, len(next(iter(keep.values()))), before
 
 
 def _read(io: RangeReader, entry: TensorEntry) -> Tensor:
@@ -103,6 +107,10 @@ def _read(io: RangeReader, entry: TensorEntry) -> Tensor:
     if entry.nbytes:
         io.read(entry.file, [(entry.offset, memoryview(out.reshape(-1).view(torch.uint8).numpy()))])
     return out
+
+
+def _disk_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def _config(folder: Path, out: Path, experts: int) -> None:
@@ -144,7 +152,7 @@ def export_checkpoint_subset(
     folder, out_dir = Path(folder).expanduser(), Path(out_dir).expanduser()
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir} exists and is not an empty folder")
-    actions, keep, experts = plan_actions(folder, keep)
+    actions, keep, experts, experts_before = plan_actions(folder, keep)
     index = CheckpointIndex(folder)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key, entry in index.entries.items():
@@ -154,7 +162,7 @@ def export_checkpoint_subset(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     io = RangeReader("direct")
     weight_map: dict[str, str] = {}
-    before = after = 0
+    before = after = params_before = params_after = 0
     try:
         for i, file in enumerate(files):
             name = SINGLE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -162,6 +170,7 @@ def export_checkpoint_subset(
             for key in sorted(by_file[file], key=lambda k: index[k].offset):
                 entry = index[key]
                 before += entry.nbytes
+                params_before += entry.nbytes // entry.dtype.itemsize
                 action = actions.get(key, _Action(key))
                 if not action.out_key:
                     continue
@@ -171,6 +180,7 @@ def export_checkpoint_subset(
                 tensors[action.out_key] = tensor
                 weight_map[action.out_key] = name
                 after += tensor.numel() * tensor.element_size()
+                params_after += tensor.numel()
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
             del tensors
         if len(files) > 1:
@@ -181,13 +191,19 @@ def export_checkpoint_subset(
         report = {
             "out": str(out_dir),
             "streamed": True,
+            "experts_before": experts_before,
             "experts_after": experts,
-            "before": {"tensor_bytes": before},
-            "after": {"tensor_bytes": after},
-            "tensor_fraction": after / before if before else None,
+            "before": {
+                "parameters": params_before,
+                "tensor_bytes": before,
+                "disk_bytes": _disk_bytes(folder),
+            },
+            "after": {"parameters": params_after, "tensor_bytes": after, "disk_bytes": _disk_bytes(tmp)},
+            "parameter_fraction": params_after / params_before if params_before else None,
         }
         meta = {"keep": {str(k): v for k, v in sorted(keep.items())}, **(metadata or {}), "report": report}
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        report["disk_bytes_with_metadata"] = _disk_bytes(tmp)
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             out_dir.rmdir()

@@ -11,6 +11,12 @@ so the micro-batch size does not change the result. The loss is cross-entropy on
 auxiliary loss). ``lora=r`` trains LoRA adapters instead (PEFT; attention and other linear layers
 plus the fused expert weights) and merges them into the weights before returning.
 
+Data parallel (``accelerate launch -m moectl subset finetune …``, :mod:`moectl.distributed`): every
+process draws the same order, takes its contiguous part of each step's examples and accumulates
+their summed token loss over the *step's* output tokens; the gradients are then summed over the
+processes, so a step on N processes is the one-process step on the whole batch (to the order of
+the reductions). The batch size must split evenly over the processes; each holds the whole model.
+
     log = finetune_subset(model, tokenizer, read_examples("math_train.jsonl"))
     save_finetuned(model, tokenizer, "math-8-ft/", log, source="math-8/")
 """
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
+from moectl.distributed import Ranks, check_divides, ranks
 from moectl.subsets.finetune_data import Example, as_example, collate, encode_example, targets
 from moectl.train.checkpoint import write_dir_atomic
 
@@ -84,10 +91,12 @@ def finetune_subset(
     examples: Sequence[Example | Mapping | str],
     config: FinetuneConfig | None = None,
     progress: bool = False,
+    processes: Ranks | None = None,
     **overrides,
 ) -> dict:
     """Fine-tune ``model`` in place on ``examples`` (EMO appendix C); returns the log.
 
+    ``processes``: the data-parallel processes (default: the launched ones, :func:`moectl.distributed.ranks`).
     ``examples``: ``Example``s, JSON-like rows (``prompt``+``response``/``completion`` or ``text``)
     or plain strings. ``overrides`` replace fields of ``config`` (``lr=1e-4``, ``max_steps=10``).
     The log holds the config, the number of examples and output tokens, and one record per
@@ -95,6 +104,8 @@ def finetune_subset(
     ``grad_norm``, ``tokens``).
     """
     config = FinetuneConfig(**{**asdict(config or FinetuneConfig()), **overrides})
+    processes = processes if processes is not None else ranks()
+    check_divides(config.batch_size, processes.world, "examples per optimiser step")
     rows = [as_example(row, f"example {i}") for i, row in enumerate(examples)]
     encoded = [encode_example(tokenizer, ex, config.max_length) for ex in rows]
     usable = [e for e in encoded if targets(e[1]) > 0]
@@ -117,14 +128,14 @@ def finetune_subset(
     steps: list[dict] = []
     start = time.perf_counter()
     train_model.train()
-    with _bar(progress, total) as (bar, task):
+    with _bar(progress and processes.is_main, total) as (bar, task):
         for epoch in range(config.epochs):
             order = torch.randperm(len(usable), generator=generator).tolist()
             for first in range(0, len(order), config.batch_size):
                 if len(steps) >= total:
                     break
                 batch = [usable[i] for i in order[first : first + config.batch_size]]
-                record = _step(train_model, batch, config, pad_id, device, params, optimizer)
+                record = _step(train_model, batch, config, pad_id, device, params, optimizer, processes)
                 scheduler.step()
                 record.update(step=len(steps), epoch=epoch)
                 steps.append(record)
@@ -154,12 +165,16 @@ def _step(
     device: torch.device,
     params: list[Tensor],
     optimizer: torch.optim.Optimizer,
+    processes: Ranks,
 ) -> dict:
-    """One optimiser step: accumulate the summed token loss of each micro-batch / the step's tokens."""
-    count = sum(targets(lab) for _, lab in batch)
-    loss_sum = 0.0
-    for first in range(0, len(batch), config.micro_batch_size):
-        micro = collate(batch[first : first + config.micro_batch_size], pad_id)
+    """One optimiser step: accumulate the summed token loss of each micro-batch / the step's tokens
+    (this process's part of the step's examples; the gradients then summed over the processes)."""
+    count = sum(targets(lab) for _, lab in batch)  # every process knows the whole step's tokens
+    per = -(-len(batch) // processes.world)  # a short last batch: the last processes get fewer
+    mine = batch[processes.rank * per : (processes.rank + 1) * per]
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for first in range(0, len(mine), config.micro_batch_size):
+        micro = collate(mine[first : first + config.micro_batch_size], pad_id)
         ids, labels = micro["input_ids"].to(device), micro["labels"].to(device)
         logits = model(
             input_ids=ids, attention_mask=micro["attention_mask"].to(device), use_cache=False
@@ -168,13 +183,14 @@ def _step(
             logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
         )
         (nll / count).backward()
-        loss_sum += float(nll.detach())
+        loss_sum += nll.detach().double()
+    processes.reduce_gradients(params)
     norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip) if config.grad_clip > 0 else None
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {
-        "loss": loss_sum / count,
+        "loss": float(processes.total(loss_sum)) / count,
         "lr": lr,
         "grad_norm": None if norm is None else float(norm),
         "tokens": count,

@@ -2,7 +2,8 @@
 
 ``block_mask`` allows every expert except a domain subset's (per MoE layer); ``domain_losses``
 gives the mean next-token loss of each domain's texts (padding excluded) under optional routing
-policies. Blocking domain A's subset should raise A's loss more than the others'.
+policies. Blocking domain A's subset should raise A's loss more than the others': ``gate_report``
+measures both and the difference (``selectivity``), what ``moectl subset gate`` prints.
 """
 
 from __future__ import annotations
@@ -53,3 +54,29 @@ def domain_losses(
 ) -> dict[str, float]:
     """``{domain: mean loss}`` under ``policies``."""
     return {name: mean_loss(model, tokenizer, docs, policies, max_length) for name, docs in texts.items()}
+
+
+def gate_report(
+    model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], keep: Mapping[int, Sequence[int]],
+    info: ModelInfo, own: str | None = None, max_length: int = 512,
+) -> dict:  # fmt: skip
+    """Each domain's loss with every expert (``full``) and with ``keep``'s experts blocked
+    (``blocked``), the ``increase`` and the ``relative`` change.
+
+    ``own``: the subset's own domain (None when it is not one of ``texts``); with it and another
+    domain, ``selectivity`` = own increase − the other domains' mean increase (EMO §6: blocking a
+    domain's experts should hurt that domain most).
+    """
+    full = domain_losses(model, tokenizer, texts, max_length=max_length)
+    blocked = domain_losses(model, tokenizer, texts, [block_mask(info, keep)], max_length=max_length)
+    rows = {
+        name: {"full": full[name], "blocked": blocked[name], "increase": blocked[name] - full[name],
+               "relative": blocked[name] / full[name] - 1}
+        for name in texts
+    }  # fmt: skip
+    own = own if own in texts else None
+    report: dict = {"blocked_experts": len(next(iter(keep.values()))), "domain": own, "domains": rows}
+    others = [row["increase"] for name, row in rows.items() if name != own]
+    if own is not None and others:
+        report["selectivity"] = rows[own]["increase"] - sum(others) / len(others)
+    return report

@@ -2,6 +2,8 @@
 
 Per domain: average the routing distribution p over each document's real tokens, then over the
 domain's documents; cosine similarity between the domain vectors, per MoE layer.
+``modularity_report`` is what ``moectl modularity`` prints and saves: the matrices, heatmaps and
+each layer's off-diagonal mean / min / max.
 """
 
 from __future__ import annotations
@@ -93,6 +95,33 @@ def domain_similarity(vectors: Mapping[int, Tensor]) -> dict[int, Tensor]:
         unit = F.normalize(v.double(), dim=-1)
         out[index] = unit @ unit.T
     return out
+
+
+def similarity_summary(similarity: Mapping[int, Tensor]) -> dict[int, dict[str, float]]:
+    """Per MoE layer, the mean, min and max of the off-diagonal similarities (two domains or more)."""
+    out = {}
+    for index, matrix in sorted(similarity.items()):
+        values = matrix[~torch.eye(len(matrix), dtype=torch.bool)]
+        out[index] = {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max())}
+    return out
+
+
+def modularity_report(
+    model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], out_dir: str | Path,
+    info: ModelInfo | None = None, max_length: int = 512,
+) -> dict:  # fmt: skip
+    """EMO §5.3 (Figure 6) on ``texts`` (two domains or more): the similarity matrices, one heatmap per
+    MoE layer in ``out_dir`` and their summaries, keyed by layer as strings (JSON-ready)."""
+    similarity = domain_similarity(domain_vectors(model, tokenizer, texts, info, max_length))
+    domains = list(texts)
+    paths = plot_similarity(similarity, domains, out_dir)
+    return {
+        "domains": domains,
+        "documents": {name: len(docs) for name, docs in texts.items()},
+        "similarity": {str(index): matrix.tolist() for index, matrix in similarity.items()},
+        "summary": {str(index): values for index, values in similarity_summary(similarity).items()},
+        "plots": [str(p) for p in paths],
+    }
 
 
 def plot_similarity(

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from moectl.adapters.inspect import MoELayer
+from moectl.routing.keyed_hash import M32, mix
 from moectl.subsets import methods
 from moectl.subsets.experts import select
 
@@ -35,15 +36,11 @@ NEEDS: dict[str, frozenset[str]] = {
     "reconstruction": frozenset({"sample"}),
     "random": frozenset(),
 }
-_M32 = 0xFFFFFFFF
 
 
 def _hash(index: Tensor, seed: int) -> Tensor:
     """A 32-bit scramble of token indices (int64), for the uniform bottom-k sample."""
-    x = (index + seed * 0x9E3779B1) & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
+    return mix((index + seed * 0x9E3779B1) & M32)
 
 
 @dataclass

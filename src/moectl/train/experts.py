@@ -14,29 +14,13 @@ Supports experts with concatenated ``gate_up_proj`` [E, 2I, H] and ``down_proj``
 
 from __future__ import annotations
 
-import itertools
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from moectl.models.grouped_mm import compute_dtype as _compute_dtype
+from moectl.models.grouped_mm import grouped_mm as _grouped_mm
+
 NAME = "moectl_grouped"
-
-
-def _grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """x [S, in] (rows sorted by expert) @ w[e] [in, out] per group; ``grouped_mm`` where it has a
-    kernel (float32, bf16, fp16), else a loop over experts (float64, for exactness tests)."""
-    if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return F.grouped_mm(x, w, offs=offsets)
-    bounds = [0, *offsets.tolist()]
-    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(itertools.pairwise(bounds))])
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
 
 
 def grouped_experts_forward(

@@ -84,7 +84,11 @@ class Trainer:
         self.out = Path(config.out)
         self.progress = progress
         # bf16 autocast on CPU too: this CPU multiplies bf16 ~4x as fast as fp32 (benchmarks/pretrain.py)
-        self.accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+        # no GPU: join the launcher's processes over gloo on CPU (without cpu=True a process started by
+        # `accelerate launch --multi_gpu` with no GPU visible would train alone)
+        self.accelerator = Accelerator(
+            mixed_precision="bf16" if config.bf16 else "no", cpu=not torch.cuda.is_available()
+        )
         self.tokenizer = load_tokenizer(config.tokenizer)
         corpus = config.corpus or str(_sample_dir())
         cache = self.out / "data"
@@ -315,8 +319,8 @@ class Trainer:
                 last = stats
         final = self.evaluate(batches=c.final_eval_batches or None)
         final.update({k: last.get(k) for k in ("ce", "lb", "z", "tokens_per_s")}, step=c.max_steps - 1)
+        self.save(c.max_steps - 1)  # every process: save() waits for all, then the main one writes
         if acc.is_main_process:
-            self.save(c.max_steps - 1)
             self._log({"final": True, **final})
             self.raw_model.save_pretrained(self.out / "final", safe_serialization=True)
             self.tokenizer.save_pretrained(self.out / "final")
