@@ -50,6 +50,7 @@ def test_sharded_checkpoint_exports_shard_by_shard_and_equals_the_pruned_mask(tm
     keep = {0: list(range(0, 64, 4)), 1: list(range(2, 64, 4))}
     export_checkpoint_subset(src, keep, tmp_path / "sub")
     out = sorted(p.name for p in (tmp_path / "sub").glob("*.safetensors"))
+    assert all(p.stat().st_mode & 0o044 for p in (tmp_path / "sub").iterdir())  # readable by others, as any file
     assert len(out) == len(shards) and (tmp_path / "sub" / "model.safetensors.index.json").is_file()
     sub = AutoModelForCausalLM.from_pretrained(tmp_path / "sub").float()
     assert sub.config.num_experts == 16

@@ -119,7 +119,7 @@ def plan_memory(model: nn.Module, budget_experts: list[int], min_experts: list[i
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.3f} GiB"
 
 
 def check_plan(plan: MemoryPlan) -> None:

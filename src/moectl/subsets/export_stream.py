@@ -39,6 +39,7 @@ from torch import Tensor
 from moectl.adapters.inspect import inspect
 from moectl.adapters.linear_gate import GateRouter
 from moectl.adapters.slicing import _CONFIG_KEYS, check_keep, per_expert_tensors
+from moectl.fileio import default_mode
 from moectl.models.meta_model import build_meta, load_config
 from moectl.models.range_read import RangeReader
 from moectl.models.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
@@ -182,6 +183,7 @@ def export_checkpoint_subset(
                 after += tensor.numel() * tensor.element_size()
                 params_after += tensor.numel()
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            (tmp / name).chmod(default_mode())  # safetensors writes 0600; a checkpoint is readable as any file
             del tensors
         if len(files) > 1:
             index_json = {"metadata": {"total_size": after}, "weight_map": dict(sorted(weight_map.items()))}
@@ -204,7 +206,7 @@ def export_checkpoint_subset(
         meta = {"keep": {str(k): v for k, v in sorted(keep.items())}, **(metadata or {}), "report": report}
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         report["disk_bytes_with_metadata"] = _disk_bytes(tmp)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, default_mode(directory=True))
         if out_dir.exists():
             out_dir.rmdir()
         tmp.rename(out_dir)
