@@ -9,14 +9,18 @@ count, greedy, batch 1, it runs
 - ``serve-offload``: what ``moectl serve-offload MODEL --budget B`` runs (its defaults: lru, the
   checkpoint's shards as the store), the model loaded once, only ``serve_offload`` timed.
 
-Each is timed without a profiler (tokens/s), then run again under ``cProfile``; printed per run:
-own time grouped by where the code lives (moectl, transformers, torch's Python, torch/C++
-built-ins, other), and the top functions by own time and by cumulative time (moectl's only).
-Profiler overhead inflates Python-heavy paths, so compare groups between runs, and trust the
-unprofiled tokens/s for speed.
+- with ``--llama-cpp``: llama.cpp on the GGUF export, resident and mmap'd (``llama_peer.py``).
+
+All are timed without a profiler, in ``--rounds`` interleaved rounds (so that a shared machine's
+drift hits each alike; medians printed), then the three torch runs once more under
+``cProfile``: own time grouped by where the code lives (moectl, transformers, torch's Python,
+torch/C++ built-ins, other), the top functions by own time, and moectl's by cumulative time.
+Profiler overhead inflates Python-heavy paths: compare groups and call counts between runs, and
+trust the unprofiled tokens/s for speed. ``serve-offload`` at budget 1.0 loads every expert once
+per run (each run is a fresh offload context, as each command is), included in its time.
 
     python benchmarks/decode_profile.py [--model models/moectl-small-standard] [--budget 1.0]
-        [--max-new-tokens 128] [--threads 2] [--top 15] [--json out/decode_profile.json]
+        [--max-new-tokens 128] [--threads 2] [--rounds 3] [--llama-cpp] [--top 15] [--json out/decode_profile.json]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -89,21 +94,30 @@ def _serve(setup, prompts, n: int, out: dict) -> None:
     out.update(serve_offload(net, tok, prompts, config, n, progress=False, reader=reader))
 
 
-def run(label: str, fn, tokens: int, top: int) -> dict:
-    t0 = time.perf_counter()
-    fn()
-    wall = time.perf_counter() - t0
+def profile(label: str, fn, tokens: int, top: int) -> dict:
     profiler = cProfile.Profile()
-    t1 = time.perf_counter()
+    t0 = time.perf_counter()
     profiler.runcall(fn)
-    profiled = time.perf_counter() - t1
-    out = {
-        "run": label,
-        "tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "profiled_tokens_per_s": tokens / profiled,
-    }
-    return out | breakdown(pstats.Stats(profiler), top)
+    wall = time.perf_counter() - t0
+    return {"run": label, "profiled_tokens_per_s": tokens / wall} | breakdown(pstats.Stats(profiler), top)
+
+
+def _llama_runners(spec: str, tok, prompts, n: int, threads: int, tmp: Path) -> dict:
+    """llama.cpp on the same prompt ids and greedy length (``llama_peer.py``), resident and mmap'd."""
+    from llama_peer import SETTINGS, decode_all, greedy, open_llama
+    from moectl.export import write_gguf
+
+    path = tmp / "model.gguf"
+    report = write_gguf(spec, path)
+    ids = [tok(p.text)["input_ids"] for p in prompts]
+    runners = {}
+    for setting, kwargs in SETTINGS.items():
+        llm = open_llama(path, threads, n_ctx=max(map(len, ids)) + n + 8, **kwargs)
+        greedy(llm, ids[0], 4, tok.eos_token_id)  # warm-up
+        runners[f"llama.cpp {setting} ({report['outtype']})"] = lambda llm=llm: decode_all(
+            llm, ids, n, tok.eos_token_id
+        )
+    return runners
 
 
 def main() -> None:
@@ -112,6 +126,8 @@ def main() -> None:
     parser.add_argument("--budget", default="1.0")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, runs interleaved; medians")
+    parser.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (llama_peer.py)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -120,34 +136,48 @@ def main() -> None:
     n = args.max_new_tokens
     tokens = len(prompts) * n
     model, tok = load_model(args.model)
-    _plain(model, tok, prompts[:1], 4)  # warm-up
-    results = [
-        run("transformers (default experts)", lambda: _plain(model, tok, prompts, n), tokens, args.top)
-    ]
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")
-        results.append(
-            run("transformers (eager experts)", lambda: _plain(model, tok, prompts, n), tokens, args.top)
-        )
+    impl = getattr(model.config, "_experts_implementation", None) or "default"
+
+    def plain(experts: str):
+        def fn() -> None:
+            if hasattr(model, "set_experts_implementation") and experts != "default":
+                model.set_experts_implementation(experts)
+            _plain(model, tok, prompts, n)
+
+        return fn
+
     setup = _serve_setup(args.model, float(args.budget))
     served: dict = {}
-    results.append(
-        run(
-            f"serve-offload --budget {args.budget}",
-            lambda: _serve(setup, prompts, n, served),
-            tokens,
-            args.top,
-        )
-    )
-    results[-1]["serve_reported_tokens_per_s"] = served["tokens_per_s"]
+    runners = {
+        f"transformers ({impl} experts)": plain(impl),
+        "transformers (eager experts)": plain("eager"),
+        f"serve-offload --budget {args.budget}": lambda: _serve(setup, prompts, n, served),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.llama_cpp:
+            runners |= _llama_runners(args.model, tok, prompts, n, args.threads, Path(tmp))
+        plain(impl)()  # warm-up
+        speeds: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.rounds):
+            for name, fn in runners.items():
+                t0 = time.perf_counter()
+                fn()
+                speeds[name].append(tokens / (time.perf_counter() - t0))
+    timing = [{"run": k, "tokens_per_s": sorted(v)[len(v) // 2], "rounds": v} for k, v in speeds.items()]
+    profiles = [profile(name, runners[name], tokens, args.top) for name in list(runners)[:3]]
     setup[3].close()
-    for r in results:
-        print(f"\n== {r['run']}: {r['tokens_per_s']:.1f} tok/s unprofiled ({r['profiled_tokens_per_s']:.1f} profiled)"
-              + (f", serve-offload reports {r['serve_reported_tokens_per_s']:.1f}" if "serve_reported_tokens_per_s" in r else ""))  # fmt: skip
+    print(f"{args.model}: {len(prompts)} prompts x {n} greedy tokens, batch 1, {args.threads} threads")
+    print(f"median of {args.rounds} interleaved rounds (tokens / wall second, prompt included):")
+    base = timing[0]["tokens_per_s"]
+    for t in timing:
+        print(f"  {t['run']:>34}: {t['tokens_per_s']:7.1f} tok/s  {t['tokens_per_s'] / base:5.2f}x  "
+              f"rounds {' '.join(f'{x:.1f}' for x in t['rounds'])}")  # fmt: skip
+    for r in profiles:
+        print(f"\n== {r['run']} under cProfile: {r['profiled_tokens_per_s']:.1f} tok/s")
         print(f"own time {r['total_own_s']:.2f} s by group:")
         for name, g in r["groups"].items():
             print(f"  {name:>26}: {g['s']:7.2f} s  {100 * g['share']:5.1f}%")
-        print("top functions by own time:")
+        print("top functions by own time (s, calls):")
         for f in r["top_own"]:
             print(f"  {f['own_s']:7.3f} s  {f['calls']:>8}  {f['function']}")
         if r["top_moectl_cumulative"]:
@@ -156,9 +186,14 @@ def main() -> None:
                 print(f"  {f['cum_s']:7.3f} s  {f['calls']:>8}  {f['function']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"model": args.model, "threads": args.threads, "results": results}, indent=1)
-        )
+        data = {
+            "model": args.model,
+            "threads": args.threads,
+            "tokens": tokens,
+            "timing": timing,
+            "profiles": profiles,
+        }
+        args.json.write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

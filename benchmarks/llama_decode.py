@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "generated_tokens": len(times),
         "load_s": load_s,
         "time_to_first_token_s": times[0] - start,
-        "tokens_per_s": (len(times) - 1) / decode if decode > 0 else None,
-        "tokens_per_s_with_prefill": len(times) / wall if wall > 0 else None,
+        "decode_tokens_per_s": (len(times) - 1) / decode if decode > 0 else None,
+        "tokens_per_s": len(times) / wall if wall > 0 else None,  # prefill included, as moectl's
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "disk_read_bytes": None if io0 is None or io1 is None else io1 - io0,
     }

@@ -48,6 +48,12 @@ def greedy(llm, ids: Sequence[int], n: int, eos: int | None) -> tuple[np.ndarray
     return first, out
 
 
+def decode_all(llm, ids: Sequence[Sequence[int]], n: int, eos: int | None) -> None:
+    """Every prompt, one at a time: the prompt, then ``n`` greedy tokens."""
+    for row in ids:
+        greedy(llm, row, n, eos)
+
+
 def open_llama(path: str | Path, threads: int, n_ctx: int = 1024, **settings):
     import llama_cpp
 
@@ -80,8 +86,7 @@ def llama_cpp_rows(
         greedy(llm, ids[0], 4, tok.eos_token_id)  # warm-up: first-touch of mmap'd pages not timed
         llama_cpp.llama_perf_context_reset(llm.ctx)
         t0, c0 = time.perf_counter(), time.process_time()
-        for row in ids:
-            greedy(llm, row, n, tok.eos_token_id)
+        decode_all(llm, ids, n, tok.eos_token_id)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         perf = llama_cpp.llama_perf_context(llm.ctx)
         rows.append(

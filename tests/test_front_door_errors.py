@@ -61,6 +61,20 @@ def test_written_files_get_the_usual_mode(tmp_path):
         assert stat.S_IMODE(file.stat().st_mode) == default_mode(), file
 
 
+def test_saved_models_get_the_usual_mode(tmp_path):
+    """transformers 5.24's save_pretrained writes weights 0600; moectl's saved models are readable."""
+    from moectl.subsets.export import export_subset
+    from moectl.train.checkpoint import save_checkpoint
+
+    model = moectl.tiny("olmoe")
+    export_subset(model, {i: [0, 1, 2, 3] for i in range(3)}, tmp_path / "sub")
+    save_checkpoint(tmp_path / "run", 0, moectl.tiny("olmoe"), None, {}, 2)
+    files = [*(tmp_path / "sub").iterdir(), *(tmp_path / "run" / "checkpoints" / "step-000000").iterdir()]
+    assert any(f.suffix == ".safetensors" for f in files)
+    for file in files:
+        assert stat.S_IMODE(file.stat().st_mode) == default_mode(), file
+
+
 def test_the_switch_column_shows_the_policy_rate_not_the_router_rate():
     from moectl.eval.report import policy_switch_rate
 

@@ -46,3 +46,14 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def usual_modes(folder: str | Path) -> Path:
+    """Give every file directly in ``folder`` the usual mode: ``save_pretrained`` in transformers 5.24
+    writes its weight files through ``mkstemp`` (0600), which a saved model must not keep."""
+    folder = Path(folder)
+    mode = default_mode()
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+    return folder

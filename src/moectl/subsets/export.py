@@ -17,6 +17,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
+from moectl.fileio import usual_modes
 
 METADATA = "moectl_subset.json"
 
@@ -72,6 +73,7 @@ def export_subset(
     target.save_pretrained(out_dir)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out_dir)
+    usual_modes(out_dir)
     after = {
         "parameters": count_parameters(target),
         "tensor_bytes": tensor_bytes(target),

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from moectl.fileio import usual_modes
+
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
@@ -64,6 +66,7 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, state: dict[str, Any
             tokenizer.save_pretrained(tmp)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
+        usual_modes(tmp)
 
     return commit_checkpoint(write_dir_atomic(root / f"step-{step:06d}", write), keep)
 

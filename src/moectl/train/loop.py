@@ -29,6 +29,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moectl.adapters.inspect import inspect
+from moectl.fileio import usual_modes
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
 from moectl.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
@@ -324,6 +325,7 @@ class Trainer:
             self._log({"final": True, **final})
             self.raw_model.save_pretrained(self.out / "final", safe_serialization=True)
             self.tokenizer.save_pretrained(self.out / "final")
+            usual_modes(self.out / "final")
             plot_loss_curve(self.log_path, self.out / "loss_curve.png")
         return final
 
