@@ -12,7 +12,7 @@ count, greedy, batch 1, it runs
 - with ``--llama-cpp``: llama.cpp on the GGUF export, resident and mmap'd (``llama_peer.py``).
 
 All are timed without a profiler, in ``--rounds`` interleaved rounds (so that a shared machine's
-drift hits each alike; medians printed), then the three torch runs once more under
+drift hits each alike; medians printed, per wall second and per process-CPU second), then the three torch runs once more under
 ``cProfile``: own time grouped by where the code lives (moectl, transformers, torch's Python,
 torch/C++ built-ins, other), the top functions by own time, and moectl's by cumulative time.
 Profiler overhead inflates Python-heavy paths: compare groups and call counts between runs, and
@@ -20,7 +20,7 @@ trust the unprofiled tokens/s for speed. ``serve-offload`` at budget 1.0 loads e
 per run (each run is a fresh offload context, as each command is), included in its time.
 
     python benchmarks/decode_profile.py [--model models/moectl-small-standard] [--budget 1.0]
-        [--max-new-tokens 128] [--threads 2] [--rounds 3] [--llama-cpp] [--top 15] [--json out/decode_profile.json]
+        [--max-new-tokens 128] [--threads 2] [--rounds 3] [--llama-cpp] [--no-profile] [--top 15] [--json out/decode_profile.json]
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, runs interleaved; medians")
     parser.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (llama_peer.py)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--no-profile", action="store_true", help="timing only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -157,21 +158,36 @@ def main() -> None:
         if args.llama_cpp:
             runners |= _llama_runners(args.model, tok, prompts, n, args.threads, Path(tmp))
         plain(impl)()  # warm-up
-        speeds: dict[str, list[float]] = {name: [] for name in runners}
+        speeds: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
         for _ in range(args.rounds):
             for name, fn in runners.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                speeds[name].append(tokens / (time.perf_counter() - t0))
-    timing = [{"run": k, "tokens_per_s": sorted(v)[len(v) // 2], "rounds": v} for k, v in speeds.items()]
-    profiles = [profile(name, runners[name], tokens, args.top) for name in list(runners)[:3]]
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                speeds[name].append((tokens / wall, tokens / cpu))
+    timing = [
+        {
+            "run": k,
+            "tokens_per_s": sorted(w for w, _ in v)[len(v) // 2],
+            "tokens_per_cpu_s": sorted(c for _, c in v)[len(v) // 2],
+            "rounds": v,
+        }
+        for k, v in speeds.items()
+    ]
+    names = [] if args.no_profile else list(runners)[:3]
+    profiles = [profile(name, runners[name], tokens, args.top) for name in names]
     setup[3].close()
+    for fn in runners.values():
+        if hasattr(fn, "llm"):
+            fn.llm.close()
     print(f"{args.model}: {len(prompts)} prompts x {n} greedy tokens, batch 1, {args.threads} threads")
-    print(f"median of {args.rounds} interleaved rounds (tokens / wall second, prompt included):")
-    base = timing[0]["tokens_per_s"]
+    print(f"median of {args.rounds} interleaved rounds, prompt included; per process-CPU second too (the")
+    print("figure a shared machine distorts least at 1 thread: spinning threads inflate it at more):")
+    base, base_cpu = timing[0]["tokens_per_s"], timing[0]["tokens_per_cpu_s"]
     for t in timing:
-        print(f"  {t['run']:>34}: {t['tokens_per_s']:7.1f} tok/s  {t['tokens_per_s'] / base:5.2f}x  "
-              f"rounds {' '.join(f'{x:.1f}' for x in t['rounds'])}")  # fmt: skip
+        print(f"  {t['run']:>34}: {t['tokens_per_s']:7.1f} tok/s {t['tokens_per_s'] / base:5.2f}x | "
+              f"{t['tokens_per_cpu_s']:7.1f} tok/cpu-s {t['tokens_per_cpu_s'] / base_cpu:5.2f}x | "
+              f"rounds {' '.join(f'{w:.1f}' for w, _ in t['rounds'])}")  # fmt: skip
     for r in profiles:
         print(f"\n== {r['run']} under cProfile: {r['profiled_tokens_per_s']:.1f} tok/s")
         print(f"own time {r['total_own_s']:.2f} s by group:")

@@ -23,13 +23,23 @@ TEXTS = [
 
 
 def _llama(path, logits_all=True):
-    return llama_cpp.Llama(str(path), n_ctx=256, n_threads=1, n_batch=256, logits_all=logits_all, verbose=False)
+    return llama_cpp.Llama(
+        str(path), n_ctx=256, n_threads=1, n_batch=256, logits_all=logits_all, verbose=False
+    )
 
 
-@pytest.mark.parametrize("subset", [False, True])
+@pytest.mark.parametrize(
+    ("family", "subset", "overrides"),
+    [
+        ("qwen2_moe", False, {}),
+        ("qwen2_moe", True, {}),
+        ("olmoe", True, {"num_key_value_heads": 4}),  # llama.cpp's olmoe: no grouped-query attention
+        ("qwen3_moe", False, {}),
+    ],
+)
 @torch.no_grad()
-def test_llama_cpp_tokenises_and_scores_like_transformers(tmp_path, subset):
-    model = saved(tmp_path / "m")
+def test_llama_cpp_tokenises_and_scores_like_transformers(tmp_path, family, subset, overrides):
+    model = saved(tmp_path / "m", family, **overrides)
     keep = {0: [0, 2, 5, 7], 1: [1, 3, 4, 6], 2: [2, 3, 6, 7]}
     if subset:
         from moectl.subsets import export_subset
@@ -51,3 +61,4 @@ def test_llama_cpp_tokenises_and_scores_like_transformers(tmp_path, subset):
         want = model(torch.tensor([ids])).logits[0].numpy()
         scale = np.abs(want).max()
         assert np.abs(got - want).max() <= 1e-3 * scale, (np.abs(got - want).max(), scale)
+    llm.close()
