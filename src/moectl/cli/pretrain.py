@@ -55,6 +55,13 @@ def pretrain_command(
             "--lb-scope", help="Load-balancing statistics over: micro | dp | global (default: the preset's)."
         ),
     ] = None,
+    lb_window: Annotated[
+        int | None,
+        typer.Option(
+            "--lb-window",
+            help="Also pool load-balancing counts over this many previous steps (0: none; default: the preset's).",
+        ),
+    ] = None,
     checkpoint_every: Annotated[
         int | None,
         typer.Option("--checkpoint-every", help="Steps between checkpoints (default: the preset's)."),
@@ -93,6 +100,7 @@ def pretrain_command(
         lr=lr,
         lb_coef=lb_coef,
         lb_scope=lb_scope,
+        lb_window=lb_window,
         checkpoint_every=checkpoint_every,
         eval_every=eval_every,
         seed=seed,

@@ -75,6 +75,7 @@ class TrainConfig:
     lb_coef: float = 0.1  # EMO A.4: load-balancing coefficient 1e-1
     z_coef: float = 1e-3  # router z-loss (OLMoE)
     lb_scope: LBScope = "global"
+    lb_window: int = 0  # f pooled over this many previous steps too (train/lb_window.py); 0: EMO A.1 as is
     pool_d_min: int | None = None  # EMO: d ~ U{d_min, ..., n_r}, default d_min = k
     pool_d_max: int | None = None  # default n_r
     checkpoint_every: int = 100
@@ -97,6 +98,8 @@ class TrainConfig:
             raise ValueError(f"preset must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
         if self.lb_scope not in ("micro", "dp", "global"):
             raise ValueError(f"lb_scope must be 'micro', 'dp' or 'global', got {self.lb_scope!r}")
+        if self.lb_window < 0:
+            raise ValueError(f"lb_window must be >= 0 (0: no window), got {self.lb_window}")
         for name in ("seq_len", "micro_batch", "grad_accum", "max_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

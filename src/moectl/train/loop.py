@@ -35,6 +35,7 @@ from moectl.routing.session import route
 from moectl.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from moectl.train.config import TrainConfig
 from moectl.train.experts import register as register_grouped_experts
+from moectl.train.lb_window import CountWindow
 from moectl.train.losses import all_reduce_sum, expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.model import build_model
 from moectl.train.objective import NextTokenLoss
@@ -142,10 +143,13 @@ class Trainer:
             betas=config.betas,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+        self.lb_window = CountWindow(config.lb_window, len(self.info.layers), self.info.num_experts)
         if checkpoint is not None:
             state = load_trainer_state(checkpoint)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
+            if "lb_window" in state:
+                self.lb_window.load_state_dict(state["lb_window"])
             self.start_step = int(state["step"]) + 1
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(
             NextTokenLoss(model, fused=config.fused_ce), optimizer, scheduler
@@ -212,6 +216,9 @@ class Trainer:
         batches = self._micro_batches(step)
         pre = self._global_counts(batches, step) if c.lb_scope == "global" and c.grad_accum > 1 else None
         sums = {"loss": 0.0, "ce": 0.0, "lb": 0.0, "z": 0.0}
+        past_counts, past_tokens = self.lb_window.history()  # zeros when lb_window = 0
+        step_counts = torch.zeros_like(past_counts)
+        step_tokens = torch.zeros((), dtype=torch.float64)
         for m, batch in enumerate(batches):
             ids = batch["input_ids"].to(acc.device)
             sync = acc.no_sync(self.model) if m < len(batches) - 1 else nullcontext()
@@ -233,13 +240,22 @@ class Trainer:
                         tokens = valid.sum().to(torch.float64)
                         if c.lb_scope != "micro":
                             counts, tokens = all_reduce_sum(counts), all_reduce_sum(tokens)
+                        step_counts[i] += counts.detach().cpu()
+                    micro_tokens = float(tokens)
+                    if c.lb_window:  # f pooled with the previous lb_window steps (train/lb_window.py)
+                        counts = counts + past_counts[i].to(counts.device)
+                        tokens = tokens + past_tokens.to(counts.device)
                     lb_terms.append(load_balancing_loss(logits, valid, counts, tokens))
                     z_terms.append(router_z_loss(logits, valid))
+                step_tokens += micro_tokens
                 lb, z = torch.stack(lb_terms).mean(), torch.stack(z_terms).mean()
                 loss = ce + c.lb_coef * lb + c.z_coef * z
                 acc.backward(loss / c.grad_accum)
             for key, value in (("loss", loss), ("ce", ce), ("lb", lb), ("z", z)):
                 sums[key] += float(value.detach()) / c.grad_accum
+        if pre is not None:
+            step_counts, step_tokens = torch.stack([x.cpu() for x in pre[0]]), pre[1].cpu()
+        self.lb_window.push(step_counts, step_tokens)
         grad_norm = (
             acc.clip_grad_norm_(self.model.parameters(), c.grad_clip)
             if c.grad_clip > 0
@@ -333,7 +349,11 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         if not self.accelerator.is_main_process:
             return None
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "lb_window": self.lb_window.state_dict(),
+        }
         path = save_checkpoint(
             self.out, step, self.raw_model, self.tokenizer, state, self.config.keep_checkpoints
         )
