@@ -148,11 +148,13 @@ def main() -> None:
         return fn
 
     setup = _serve_setup(args.model, float(args.budget))
+    eager = (*setup[:2], setup[2].with_(experts_forward="eager"), setup[3])  # the per-expert loop it replaced
     served: dict = {}
     runners = {
         f"transformers ({impl} experts)": plain(impl),
         "transformers (eager experts)": plain("eager"),
         f"serve-offload --budget {args.budget}": lambda: _serve(setup, prompts, n, served),
+        f"serve-offload --budget {args.budget} (eager)": lambda: _serve(eager, prompts, n, served),
     }
     with tempfile.TemporaryDirectory() as tmp:
         if args.llama_cpp:

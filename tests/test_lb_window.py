@@ -49,7 +49,9 @@ def test_pooled_counts_balance_across_steps():
     # uniform P: L = n_r Σ f_i / n_r = Σ f_i = k either way; the gradients differ
     assert local.item() == pytest.approx(2.0) and pooled.item() == pytest.approx(2.0)
     g_local = torch.autograd.functional.jacobian(lambda x: load_balancing_loss(x, valid, c2, 8.0), logits)
-    g_pooled = torch.autograd.functional.jacobian(lambda x: load_balancing_loss(x, valid, c1 + c2, 16.0), logits)
+    g_pooled = torch.autograd.functional.jacobian(
+        lambda x: load_balancing_loss(x, valid, c1 + c2, 16.0), logits
+    )
     assert g_local[0, 0, 2] > 0 and g_local[0, 0, 0] < 0  # local: away from the step's own experts
     assert torch.allclose(g_pooled, torch.zeros_like(g_pooled), atol=1e-7)  # pooled: balanced
 

@@ -92,6 +92,13 @@ def serve_offload_command(
             help="How checkpoint shards are read: direct (O_DIRECT, the page cache stays empty) | fadvise | plain.",
         ),
     ] = "direct",
+    experts_forward: Annotated[
+        str,
+        typer.Option(
+            "--experts-forward",
+            help="grouped (one grouped GEMM over the resident slots) | eager (transformers' per-expert loop).",
+        ),
+    ] = "grouped",
     store_dir: Annotated[
         Path | None,
         typer.Option("--store-dir", help="Directory for the disk store (default: a temporary one)."),
@@ -139,7 +146,7 @@ def serve_offload_command(
 
     from moectl.generate import load_prompts
     from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
-    from moectl.serve.config import STORES, OffloadConfig
+    from moectl.serve.config import EXPERTS_FORWARDS, STORES, OffloadConfig
     from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
     from moectl.serve.runner import serve_offload
@@ -149,6 +156,10 @@ def serve_offload_command(
         raise typer.BadParameter(f"--store must be one of {', '.join(STORES)}, got {store!r}")
     if read_method not in ("direct", "fadvise", "plain"):
         raise typer.BadParameter(f"--read-method must be direct, fadvise or plain, got {read_method!r}")
+    if experts_forward not in EXPERTS_FORWARDS:
+        raise typer.BadParameter(
+            f"--experts-forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {experts_forward!r}"
+        )
     torch.manual_seed(seed)
     reader = None
     try:
@@ -160,6 +171,7 @@ def serve_offload_command(
             prefetch=prefetch,
             prefetch_config=PrefetchConfig(prefetch_lookahead, prefetch_beta),
             read_method=read_method,
+            experts_forward=experts_forward,
         )
         if store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
             _preflight(spec, dtype, config.budget, policy)

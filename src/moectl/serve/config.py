@@ -27,6 +27,7 @@ from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
 from moectl.serve.prefetch import PrefetchConfig
 
 STORES = ("disk", "checkpoint", "host")
+EXPERTS_FORWARDS = ("grouped", "eager")  # serve/slot_forward.py, or transformers' eager loop
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class OffloadConfig:
     or object (``moectl.serve.policies.parse_policy``). ``async_loads`` / ``prefetch``: ``None``
     is on with CUDA, off without (``offload.py``). ``read_method``: how checkpoint shards are read
     (``moectl.models.range_read``: ``direct`` keeps the page cache out of the memory budget).
-    ``verify``: CRC-check experts read from a written disk store.
+    ``verify``: CRC-check experts read from a written disk store. ``experts_forward``:
+    ``"grouped"`` multiplies the resident slots with one grouped GEMM per projection where the
+    layout allows (``serve/slot_forward.py``), ``"eager"`` runs transformers' per-expert loop.
     """
 
     budget: float | int = 0.25
@@ -50,8 +53,13 @@ class OffloadConfig:
     prefetch: bool | None = None
     prefetch_config: PrefetchConfig = field(default_factory=PrefetchConfig)
     read_method: str = DEFAULT_READ_METHOD
+    experts_forward: str = "grouped"
 
     def __post_init__(self) -> None:
+        if self.experts_forward not in EXPERTS_FORWARDS:
+            raise ValueError(
+                f"experts forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {self.experts_forward!r}"
+            )
         if self.store not in STORES:
             raise ValueError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
         if self.read_method not in READ_METHODS:
@@ -79,4 +87,5 @@ class OffloadConfig:
             "async_loads": self.async_loads,
             "prefetch": self.prefetch,
             "read_method": self.read_method,
+            "experts_forward": self.experts_forward,
         }

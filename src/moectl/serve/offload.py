@@ -29,6 +29,8 @@ from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
 from moectl.serve.prefetch import PrefetchConfig
 from moectl.serve.resident import ResidentSet
+from moectl.serve.slot_forward import slot_experts_forward
+from moectl.serve.slot_forward import supports as supports_slots
 from moectl.serve.store import DiskStore, HostStore
 
 
@@ -63,6 +65,8 @@ class OffloadedExperts(nn.Module):
         self.res = res
         self._runtime = [runtime]  # a list: not registered as a submodule
         self.last_probs: Tensor | None = None
+        self.grouped = False  # the slot-grouped forward (set by the runtime where the layout allows it)
+        self.num_experts = 0
         self.switches = 0  # decoding steps at which the policy's pinned option changed (TE-MoE §2.2)
         self._forward_s = 0.0
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards not yet read
@@ -109,7 +113,9 @@ class OffloadedExperts(nn.Module):
             start.record(stream)
         t0 = time.perf_counter()
         try:
-            out = self.inner(hidden_states, *args, **kwargs)
+            out = self._grouped(hidden_states, idx, args, kwargs) if self.grouped else None
+            if out is None:
+                out = self.inner(hidden_states, *args, **kwargs)
         finally:
             self.res.in_forward = False
         if cuda:
@@ -119,6 +125,21 @@ class OffloadedExperts(nn.Module):
             self._forward_s += time.perf_counter() - t0
         self.policy.after(self.layer, self.res, chosen, probs)
         return out
+
+    def _grouped(self, hidden_states: Tensor, idx: Tensor, args: tuple, kwargs: dict) -> Tensor | None:
+        """The slot-grouped forward (``serve/slot_forward.py``), or None where the eager loop must run:
+        more distinct experts chosen than the budget holds, or weights not found in the call."""
+        weights = args[1] if len(args) > 1 else kwargs.get("top_k_weights")
+        if weights is None:
+            return None
+        distinct = torch.unique(idx)  # sorted: the order the eager loop visits experts in
+        experts = distinct.tolist()  # one host sync per layer (the eager loop syncs once per expert)
+        if len(experts) > self.res.budget:
+            return None
+        slots = [self.res.access(e) for e in experts]
+        slot_of = torch.zeros(self.num_experts, dtype=torch.long, device=idx.device)
+        slot_of[distinct] = torch.tensor(slots, dtype=torch.long).to(idx.device, non_blocking=True)
+        return slot_experts_forward(self.inner, self.res.slots, hidden_states, slot_of[idx], weights)
 
 
 def resolve_budget(budget: float | int, num_experts: int) -> int:
@@ -148,6 +169,7 @@ class OffloadRuntime:
         self.model, self.config, self.reader = model, config, reader
         self.async_spec, self.prefetch_spec = config.async_loads, config.prefetch
         self.prefetch_config = config.prefetch_config
+        self.experts_forward = config.experts_forward
         self.async_loads = self.prefetch = False
         self.loaders: dict[torch.device, Loader] = {}
         policy = config.policy
@@ -265,6 +287,8 @@ class OffloadRuntime:
                 del experts._parameters[name]
                 object.__setattr__(experts, name, _ExpertView(res, name, layer.num_experts))
             wrapper = OffloadedExperts(experts, res, self.policy, layer.index, self)
+            wrapper.grouped = self.experts_forward == "grouped" and supports_slots(experts, set(params))
+            wrapper.num_experts = layer.num_experts
             layer.block.experts = wrapper
             self.modules.append(wrapper)
             self._restore.append((layer, experts, meta, device))

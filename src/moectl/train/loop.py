@@ -197,9 +197,12 @@ class Trainer:
         tokens = torch.zeros((), dtype=torch.float64)
         for m, batch in enumerate(batches):
             ids = batch["input_ids"].to(self.accelerator.device)
-            with route(
-                self.raw_model, self._policies(batch, step, m), collect=True, info=self.info
-            ) as session, self.accelerator.autocast():
+            with (
+                route(
+                    self.raw_model, self._policies(batch, step, m), collect=True, info=self.info
+                ) as session,
+                self.accelerator.autocast(),
+            ):
                 self.raw_model.model(input_ids=ids)  # the decoder alone: routing needs no logits
             valid = torch.ones_like(ids, dtype=torch.bool)
             for i, (_, chosen) in session.collected.items():
@@ -371,7 +374,9 @@ class TrainingInterrupted(Exception):
     """Raised after a stop request (Ctrl-C, SIGTERM) once the last finished step is checkpointed."""
 
     def __init__(self, out: Path, step: int) -> None:
-        super().__init__(f"stopped after step {step}; checkpoint saved. Resume with: moectl pretrain --resume {out}")
+        super().__init__(
+            f"stopped after step {step}; checkpoint saved. Resume with: moectl pretrain --resume {out}"
+        )
         self.out, self.step = out, step
 
 
@@ -386,7 +391,9 @@ def truncate_log(log_path: Path, start_step: int) -> None:
     kept = [
         line
         for line in log_path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", -1) < start_step and not json.loads(line).get("final")
+        if line.strip()
+        and json.loads(line).get("step", -1) < start_step
+        and not json.loads(line).get("final")
     ]
     tmp = log_path.with_name(f".{log_path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
@@ -421,7 +428,9 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
     if config_path.exists():
         config = json.loads(config_path.read_text())
         title = f"{config.get('objective', '')} objective, {config.get('preset', '')} preset: {log_path.parent.name}"
-    return plot_curves(series, png, xlabel="training tokens", ylabel="cross-entropy (nats/token)", title=title)
+    return plot_curves(
+        series, png, xlabel="training tokens", ylabel="cross-entropy (nats/token)", title=title
+    )
 
 
 def pretrain(
