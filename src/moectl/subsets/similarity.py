@@ -19,36 +19,55 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.routing import route
 from moectl.subsets.calibrate import tokenize
 
+SOURCES = ("probs", "chosen")
 
-@torch.no_grad()
+
 def document_vectors(
     model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
-    max_length: int = 512, source: str = "probs",
+    max_length: int = 512, source: str = "probs", batch_size: int = 16,
 ) -> dict[int, list[Tensor]]:  # fmt: skip
     """``{moe_layer: [[docs, E] per domain]}``: each document's mean routing distribution over its tokens.
 
     ``source="probs"``: the router's probabilities (EMO §5.3); ``"chosen"``: the experts actually
     used, 1/k each per token (what an extracted subset must hold).
     """
-    if source not in ("probs", "chosen"):
-        raise ValueError(f"source must be 'probs' or 'chosen', got {source!r}")
+    vectors = document_vectors_by_source(model, tokenizer, texts, info, max_length, (source,), batch_size)
+    return vectors[source]
+
+
+@torch.no_grad()
+def document_vectors_by_source(
+    model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
+    max_length: int = 512, sources: Sequence[str] = SOURCES, batch_size: int = 16,
+) -> dict[str, dict[int, list[Tensor]]]:  # fmt: skip
+    """:func:`document_vectors` for several ``sources`` from one forward pass per batch of
+    ``batch_size`` documents: ``{source: {moe_layer: [[docs, E] per domain]}}``."""
+    if unknown := [s for s in sources if s not in SOURCES]:
+        raise ValueError(f"source must be 'probs' or 'chosen', got {unknown[0]!r}")
     info = info or inspect(model)
     device = next(model.parameters()).device
-    per_layer: dict[int, list[Tensor]] = {layer.index: [] for layer in info.layers}
+    out: dict[str, dict[int, list[Tensor]]] = {s: {layer.index: [] for layer in info.layers} for s in sources}
     for docs in texts.values():
-        batch = tokenize(tokenizer, docs, max_length)
-        with route(model, [], record=True) as session:
-            model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
-        valid = batch["attention_mask"].bool()
-        for index in per_layer:
-            if source == "probs":
-                p = session.trace.probs[index].float().cpu()
-            else:
-                used = session.trace.chosen_mask(index).float()
-                p = used / used.sum(-1, keepdim=True).clamp(min=1)
-            p = p * valid[..., None]
-            per_layer[index].append(p.sum(1) / valid.sum(1, keepdim=True).clamp(min=1))
-    return per_layer
+        parts: dict[str, dict[int, list[Tensor]]] = {s: {i: [] for i in out[s]} for s in sources}
+        for start in range(0, len(docs), batch_size):
+            batch = tokenize(tokenizer, docs[start : start + batch_size], max_length)
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            with route(model, [], record=True) as session:
+                model(input_ids=ids, attention_mask=mask)
+            valid = batch["attention_mask"].bool()
+            for source in sources:
+                for index in parts[source]:
+                    if source == "probs":
+                        p = session.trace.probs[index].float().cpu()
+                    else:
+                        used = session.trace.chosen_mask(index).float().cpu()
+                        p = used / used.sum(-1, keepdim=True).clamp(min=1)
+                    p = p * valid[..., None]
+                    parts[source][index].append(p.sum(1) / valid.sum(1, keepdim=True).clamp(min=1))
+        for source in sources:
+            for index, chunks in parts[source].items():
+                out[source][index].append(torch.cat(chunks))
+    return out
 
 
 def domain_vectors(
