@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_args import fail
 from moectl.adapters import inspect
 from moectl.data.domains import texts_by_domain
 from moectl.eval.intervals import DEFAULT_SEED, bootstrap_interval
@@ -160,7 +160,7 @@ def measure(spec: str, texts: dict[str, list[str]], max_length: int, clusters: i
     try:
         model, tokenizer = load_model(spec, dtype="float32")
     except (FileNotFoundError, OSError, ValueError) as err:
-        _fail(f"--models: {err}")
+        fail(f"--models: {err}")
     info = inspect(model)
     domains = list(texts)
     vectors = document_vectors_by_source(model, tokenizer, texts, info, max_length)
@@ -320,7 +320,7 @@ def plot(results: list[dict], path: Path) -> None:
 def replot(source: Path, path: Path | None) -> None:
     """Draw the figure of an earlier ``--json`` file."""
     if path is None:
-        _fail("--replot needs --plot PNG (the figure to draw)")
+        fail("--replot needs --plot PNG (the figure to draw)")
     try:
         results = json.loads(source.read_text())["results"]
         if not results or not all(
@@ -328,13 +328,8 @@ def replot(source: Path, path: Path | None) -> None:
         ):
             raise ValueError("a result lacks similarity / headline / similarity_per_layer_ci95")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        _fail(f"--replot {source}: not a domain_similarity --json file with intervals ({err})")
+        fail(f"--replot {source}: not a domain_similarity --json file with intervals ({err})")
     plot(results, path)
-
-
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -357,19 +352,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.plot is not None and args.plot.suffix.lower() != ".png":
-        _fail(f"--plot must name a .png file, got {args.plot}")
+        fail(f"--plot must name a .png file, got {args.plot}")
     if args.replot is not None:
         replot(args.replot, args.plot)
         return
     if args.data is None:
-        _fail("--data is required: a corpus folder (validation split) or a folder of DOMAIN.jsonl files")
+        fail("--data is required: a corpus folder (validation split) or a folder of DOMAIN.jsonl files")
     if args.max_docs < 2 or args.max_length < 2:
-        _fail(f"--max-docs and --max-length must be at least 2, got {args.max_docs} and {args.max_length}")
+        fail(f"--max-docs and --max-length must be at least 2, got {args.max_docs} and {args.max_length}")
     torch.set_num_threads(args.threads)
     try:
         texts = texts_by_domain(args.data, "validation", args.max_docs, min_domains=2)
     except (FileNotFoundError, ValueError) as err:
-        _fail(f"--data: {err}")
+        fail(f"--data: {err}")
     n = sum(len(t) for t in texts.values())
     results, stats = [], []
     for spec in args.models:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench_args import fail
 from moectl.adapters.inspect import inspect
 from moectl.adapters.slicing import slice_experts
 from moectl.data.domains import corpus_texts_by_domain
@@ -109,7 +109,7 @@ def retention(
     try:
         model, tokenizer = load_model(path, dtype="float32")
     except (FileNotFoundError, OSError, ValueError) as err:
-        _fail(f"--models: {err}")
+        fail(f"--models: {err}")
     info = inspect(model)
     results = {}
     for domain in sorted(heldout):
@@ -325,13 +325,8 @@ def _fractions(text: str, option: str) -> list[float]:
     except ValueError:
         values = []
     if not values or not all(0 < f <= 1 for f in values):
-        _fail(f"{option} must be comma-separated fractions in (0, 1], e.g. 1,0.5,0.25,0.125; got {text!r}")
+        fail(f"{option} must be comma-separated fractions in (0, 1], e.g. 1,0.5,0.25,0.125; got {text!r}")
     return values
-
-
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -369,22 +364,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.plot is not None and args.plot.suffix.lower() != ".png":
-        _fail(f"--plot must name a .png file, got {args.plot}")
+        fail(f"--plot must name a .png file, got {args.plot}")
     if args.replot is not None:
         if args.plot is None:
-            _fail("--replot needs --plot PNG (the figure to draw)")
+            fail("--replot needs --plot PNG (the figure to draw)")
         try:
             payload = json.loads(args.replot.read_text())
         except (OSError, ValueError) as err:
-            _fail(f"--replot {args.replot}: cannot read it as JSON ({err})")
+            fail(f"--replot {args.replot}: cannot read it as JSON ({err})")
         if not isinstance(payload, dict) or not {"models", "summary", "results"} <= set(payload):
-            _fail(
+            fail(
                 f"--replot {args.replot}: not a subset_retention --json file (needs models, summary, results)"
             )
         replot(payload, args.plot)
         return
     if args.models is None:
-        _fail("--models STANDARD EMO is required (two checkpoints)")
+        fail("--models STANDARD EMO is required (two checkpoints)")
     fractions = _fractions(args.fractions, "--fractions")
     args.ft_fraction_list = (
         _fractions(args.ft_fractions, "--ft-fractions")
@@ -392,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else [f for f in fractions if f < 1]
     )
     if not set(args.ft_fraction_list) <= set(fractions):
-        _fail(f"--ft-fractions {args.ft_fractions} must be among --fractions {args.fractions}")
+        fail(f"--ft-fractions {args.ft_fractions} must be among --fractions {args.fractions}")
     torch.set_num_threads(args.threads)
     if args.corpus is None:
         from moectl.data.sample import sample_corpus_dir
@@ -404,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.finetune:
         wanted = args.ft_domains.split(",") if args.ft_domains else sorted(heldout)
         if unknown := sorted(set(wanted) - set(heldout)):
-            _fail(f"--ft-domains {','.join(unknown)} not in the corpus; domains: {','.join(sorted(heldout))}")
+            fail(f"--ft-domains {','.join(unknown)} not in the corpus; domains: {','.join(sorted(heldout))}")
         train = {
             d: t for d, t in corpus_texts_by_domain(args.corpus, args.ft_docs, "train").items() if d in wanted
         }

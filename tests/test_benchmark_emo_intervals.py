@@ -25,6 +25,7 @@ from moectl.subsets.similarity import (
 )
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import their shared helper (bench_args)
 
 
 def _load(name: str):

@@ -59,14 +59,26 @@ class _ExpertView:
 class OffloadedExperts(nn.Module):
     """Runs the original experts forward with the policy deciding residency around it."""
 
-    def __init__(self, inner: nn.Module, res: ResidentSet, policy, layer: int, runtime) -> None:
+    def __init__(
+        self,
+        inner: nn.Module,
+        res: ResidentSet,
+        policy,
+        layer: int,
+        runtime,
+        *,
+        num_experts: int,
+        grouped: bool = False,
+    ) -> None:
+        """``grouped``: run the experts as one grouped GEMM per projection over the resident slots
+        (serve/slot_forward.py; only where the experts' layout allows it), else their own forward."""
         super().__init__()
         self.inner, self.layer, self.policy = inner, layer, policy
         self.res = res
         self._runtime = [runtime]  # a list: not registered as a submodule
         self.last_probs: Tensor | None = None
-        self.grouped = False  # the slot-grouped forward (set by the runtime where the layout allows it)
-        self.num_experts = 0
+        self.grouped = grouped
+        self.num_experts = num_experts
         self.switches = 0  # decoding steps at which the policy's pinned option changed (TE-MoE §2.2)
         self._forward_s = 0.0
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards not yet read
@@ -286,9 +298,15 @@ class OffloadRuntime:
             for name in params:
                 del experts._parameters[name]
                 object.__setattr__(experts, name, _ExpertView(res, name, layer.num_experts))
-            wrapper = OffloadedExperts(experts, res, self.policy, layer.index, self)
-            wrapper.grouped = self.experts_forward == "grouped" and supports_slots(experts, set(params))
-            wrapper.num_experts = layer.num_experts
+            wrapper = OffloadedExperts(
+                experts,
+                res,
+                self.policy,
+                layer.index,
+                self,
+                num_experts=layer.num_experts,
+                grouped=self.experts_forward == "grouped" and supports_slots(experts, set(params)),
+            )
             layer.block.experts = wrapper
             self.modules.append(wrapper)
             self._restore.append((layer, experts, meta, device))

@@ -234,21 +234,27 @@ class Trainer:
                 with acc.autocast():
                     ce = self.model(ids)
                 valid = torch.ones_like(ids, dtype=torch.bool)
+                if pre is not None:
+                    tokens = pre[1]
+                else:  # the same for every layer: counted (and reduced) once per micro-batch
+                    tokens = valid.sum().to(torch.float64)
+                    if c.lb_scope != "micro":
+                        tokens = all_reduce_sum(tokens)
+                micro_tokens = float(tokens)
                 lb_terms, z_terms = [], []
                 for i, (logits, chosen) in session.collected.items():
                     if pre is not None:
-                        counts, tokens = pre[0][i], pre[1]
+                        counts = pre[0][i]
                     else:
                         counts = expert_counts(chosen, valid, self.info.num_experts).to(acc.device)
-                        tokens = valid.sum().to(torch.float64)
                         if c.lb_scope != "micro":
-                            counts, tokens = all_reduce_sum(counts), all_reduce_sum(tokens)
+                            counts = all_reduce_sum(counts)
                         step_counts[i] += counts.detach().cpu()
-                    micro_tokens = float(tokens)
+                    pooled = tokens
                     if c.lb_window:  # f pooled with the previous lb_window steps (train/lb_window.py)
                         counts = counts + past_counts[i].to(counts.device)
-                        tokens = tokens + past_tokens.to(counts.device)
-                    lb_terms.append(load_balancing_loss(logits, valid, counts, tokens))
+                        pooled = tokens + past_tokens.to(counts.device)
+                    lb_terms.append(load_balancing_loss(logits, valid, counts, pooled))
                     z_terms.append(router_z_loss(logits, valid))
                 step_tokens += micro_tokens
                 lb, z = torch.stack(lb_terms).mean(), torch.stack(z_terms).mean()
