@@ -288,9 +288,18 @@ def eval_cmd(
             policies = lambda: [ControllerPolicy(ctrl, seed=seed)]  # noqa: E731
             teacher = partial(teacher_mode, lm, info, snapshot)
             k = ctrl.k_hat
-        quality = heldout_quality(lm, info, tokenizer, texts, policies, teacher, max_length)
+        quality = heldout_quality(lm, info, tokenizer, texts, policies, teacher, max_length, progress=True)
         switching = generation_switch_rate(
-            lm, info, tokenizer, load_prompts(prompts), policies, k, max_new_tokens, temperature, seed=seed
+            lm,
+            info,
+            tokenizer,
+            load_prompts(prompts),
+            policies,
+            k,
+            max_new_tokens,
+            temperature,
+            seed=seed,
+            progress=True,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         fail(err)

@@ -212,7 +212,7 @@ def modularity_cmd(
     try:
         texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
         lm, tokenizer = load(model, device, dtype, seed=seed)
-        report = modularity_report(lm, tokenizer, texts, out, inspect(lm), max_length)
+        report = modularity_report(lm, tokenizer, texts, out, inspect(lm), max_length, progress=True)
     except _ERRORS as err:
         fail(err)
     table = Table(title=f"domain similarity of expert use ({len(report['domains'])} domains)")

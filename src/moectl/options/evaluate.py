@@ -23,6 +23,7 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.generate import Prompt, generate
 from moectl.metrics.switch_rate import switch_rate
 from moectl.options.rollout import positions
+from moectl.progress import progress_bar
 from moectl.routing import route
 from moectl.routing.state import Policy
 
@@ -60,42 +61,58 @@ def heldout_quality(
     teacher: Callable[[], AbstractContextManager] = nullcontext,
     max_length: int = 256,
     batch_size: int = 8,
+    progress: bool = False,
 ) -> dict:
     """Per-domain KL to the teacher and perplexities; documents are the unit of the intervals."""
     device = next(model.parameters()).device
     result: dict = {"domains": {}}
     all_kl: list[float] = []
-    for domain, texts in texts_by_domain.items():
-        kl_docs, nll_s, nll_t, count = [], 0.0, 0.0, 0
-        for start in range(0, len(texts), batch_size):
-            ids, attn = _batch(tokenizer, texts[start : start + batch_size], max_length, device)
-            kwargs = {"input_ids": ids, "attention_mask": attn, "position_ids": positions(attn)}
-            with teacher():
-                lt = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
-            with route(model, list(policies()), info=info):
-                ls = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
-            pair = (attn[:, :-1] & attn[:, 1:]).float()
-            target = ids[:, 1:, None]
-            kl = (lt.exp() * (lt - ls)).sum(-1) * pair
-            kl_docs.extend((kl.sum(1) / pair.sum(1).clamp(min=1)).tolist())
-            nll_s -= float((ls.gather(-1, target).squeeze(-1) * pair).sum())
-            nll_t -= float((lt.gather(-1, target).squeeze(-1) * pair).sum())
-            count += int(pair.sum())
-        mean, half = ci95(kl_docs)
-        result["domains"][domain] = {
-            "kl": mean,
-            "kl_ci95": half,
-            "ppl": math.exp(nll_s / max(count, 1)),
-            "teacher_ppl": math.exp(nll_t / max(count, 1)),
-            "documents": len(kl_docs),
-            "tokens": count,
-        }
-        all_kl.extend(kl_docs)
+    total = sum(len(texts) for texts in texts_by_domain.values())
+    with progress_bar("held-out KL", progress) as bar:
+        task = bar.add_task("held-out KL", total=total)
+        for domain, texts in texts_by_domain.items():
+            result["domains"][domain], kl_docs = _domain_quality(
+                model, info, tokenizer, texts, policies, teacher, max_length, batch_size, device, bar, task
+            )
+            all_kl.extend(kl_docs)
     mean, half = ci95(all_kl)
     doms = result["domains"].values()
     result["kl"], result["kl_ci95"] = mean, half
     result["ppl_ratio"] = sum(d["ppl"] / d["teacher_ppl"] for d in doms) / max(len(doms), 1)
     return result
+
+
+def _domain_quality(
+    model, info, tokenizer, texts, policies, teacher, max_length, batch_size, device, bar, task
+) -> tuple[dict, list[float]]:
+    """One domain's row of :func:`heldout_quality` and its per-document KLs."""
+    kl_docs: list[float] = []
+    nll_s, nll_t, count = 0.0, 0.0, 0
+    for start in range(0, len(texts), batch_size):
+        ids, attn = _batch(tokenizer, texts[start : start + batch_size], max_length, device)
+        kwargs = {"input_ids": ids, "attention_mask": attn, "position_ids": positions(attn)}
+        with teacher():
+            lt = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
+        with route(model, list(policies()), info=info):
+            ls = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
+        pair = (attn[:, :-1] & attn[:, 1:]).float()
+        target = ids[:, 1:, None]
+        kl = (lt.exp() * (lt - ls)).sum(-1) * pair
+        kl_docs.extend((kl.sum(1) / pair.sum(1).clamp(min=1)).tolist())
+        nll_s -= float((ls.gather(-1, target).squeeze(-1) * pair).sum())
+        nll_t -= float((lt.gather(-1, target).squeeze(-1) * pair).sum())
+        count += int(pair.sum())
+        bar.advance(task, len(texts[start : start + batch_size]))
+    mean, half = ci95(kl_docs)
+    row = {
+        "kl": mean,
+        "kl_ci95": half,
+        "ppl": math.exp(nll_s / max(count, 1)),
+        "teacher_ppl": math.exp(nll_t / max(count, 1)),
+        "documents": len(kl_docs),
+        "tokens": count,
+    }
+    return row, kl_docs
 
 
 def generation_switch_rate(

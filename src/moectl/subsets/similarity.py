@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.progress import progress_bar
 from moectl.routing import route
 from moectl.subsets.calibrate import tokenize
 
@@ -24,14 +25,16 @@ SOURCES = ("probs", "chosen")
 
 def document_vectors(
     model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
-    max_length: int = 512, source: str = "probs", batch_size: int = 16,
+    max_length: int = 512, source: str = "probs", batch_size: int = 16, progress: bool = False,
 ) -> dict[int, list[Tensor]]:  # fmt: skip
     """``{moe_layer: [[docs, E] per domain]}``: each document's mean routing distribution over its tokens.
 
     ``source="probs"``: the router's probabilities (EMO §5.3); ``"chosen"``: the experts actually
     used, 1/k each per token (what an extracted subset must hold).
     """
-    vectors = document_vectors_by_source(model, tokenizer, texts, info, max_length, (source,), batch_size)
+    vectors = document_vectors_by_source(
+        model, tokenizer, texts, info, max_length, (source,), batch_size, progress
+    )
     return vectors[source]
 
 
@@ -39,12 +42,20 @@ def document_vectors(
 def document_vectors_by_source(
     model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
     max_length: int = 512, sources: Sequence[str] = SOURCES, batch_size: int = 16,
+    progress: bool = False,
 ) -> dict[str, dict[int, list[Tensor]]]:  # fmt: skip
     """:func:`document_vectors` for several ``sources`` from one forward pass per batch of
     ``batch_size`` documents: ``{source: {moe_layer: [[docs, E] per domain]}}``."""
     if unknown := [s for s in sources if s not in SOURCES]:
         raise ValueError(f"source must be 'probs' or 'chosen', got {unknown[0]!r}")
     info = info or inspect(model)
+    with progress_bar("routing documents", progress) as bar:
+        task = bar.add_task("routing documents", total=sum(len(docs) for docs in texts.values()))
+        return _vectors(model, tokenizer, texts, info, max_length, sources, batch_size, lambda n: bar.advance(task, n))
+
+
+def _vectors(model, tokenizer, texts, info, max_length, sources, batch_size, advance) -> dict:
+    """The forward passes of :func:`document_vectors_by_source`; ``advance(n)`` after each batch."""
     device = next(model.parameters()).device
     out: dict[str, dict[int, list[Tensor]]] = {s: {layer.index: [] for layer in info.layers} for s in sources}
     for docs in texts.values():
@@ -64,6 +75,7 @@ def document_vectors_by_source(
                         p = used / used.sum(-1, keepdim=True).clamp(min=1)
                     p = p * valid[..., None]
                     parts[source][index].append(p.sum(1) / valid.sum(1, keepdim=True).clamp(min=1))
+            advance(len(ids))
         for source in sources:
             for index, chunks in parts[source].items():
                 out[source][index].append(torch.cat(chunks))
@@ -73,12 +85,13 @@ def document_vectors_by_source(
 def domain_vectors(
     model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo | None = None,
     max_length: int = 512, documents: Mapping[int, Sequence[Tensor]] | None = None,
+    progress: bool = False,
 ) -> dict[int, Tensor]:  # fmt: skip
     """``{moe_layer: [D, E]}``: mean over documents of the mean routing distribution over tokens.
 
     ``documents`` (from :func:`document_vectors`) skips the forward passes.
     """
-    documents = documents or document_vectors(model, tokenizer, texts, info, max_length)
+    documents = documents or document_vectors(model, tokenizer, texts, info, max_length, progress=progress)
     return {index: torch.stack([d.mean(0) for d in per_domain]) for index, per_domain in documents.items()}
 
 
@@ -127,11 +140,11 @@ def similarity_summary(similarity: Mapping[int, Tensor]) -> dict[int, dict[str, 
 
 def modularity_report(
     model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], out_dir: str | Path,
-    info: ModelInfo | None = None, max_length: int = 512,
+    info: ModelInfo | None = None, max_length: int = 512, progress: bool = False,
 ) -> dict:  # fmt: skip
     """EMO §5.3 (Figure 6) on ``texts`` (two domains or more): the similarity matrices, one heatmap per
     MoE layer in ``out_dir`` and their summaries, keyed by layer as strings (JSON-ready)."""
-    similarity = domain_similarity(domain_vectors(model, tokenizer, texts, info, max_length))
+    similarity = domain_similarity(domain_vectors(model, tokenizer, texts, info, max_length, progress=progress))
     domains = list(texts)
     paths = plot_similarity(similarity, domains, out_dir)
     return {
