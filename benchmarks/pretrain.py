@@ -16,6 +16,15 @@ tokens/s, speed-up over the first row, and MFU against the bf16 matmul peak meas
 process (``moectl.train.speed``):
 
     python benchmarks/pretrain.py --speed --preset small --json benchmarks/results/pretrain_speed.json
+
+``--precision`` trains ``--preset`` twice for ``--max-steps`` steps (default 400), same data, order,
+seed and configuration (the reference models': ``--lb-window 64``), once with bf16 autocast (moectl
+pretrain's default on CPU) and once in fp32, and prints both validation losses on the whole
+validation split and their relative difference (issue 14.1's goal: within 1%). The runs resume where
+they stopped (run it again with the same ``--out``):
+
+    python benchmarks/pretrain.py --precision --preset small --corpus data/corpus --out runs \
+        --json benchmarks/results/pretrain_precision.json
 """
 
 from __future__ import annotations
@@ -111,6 +120,39 @@ def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None)
         json_path.write_text(json.dumps({"preset": preset, "threads": threads, "peak_bf16_flops": peak, "rows": rows}, indent=2))
 
 
+def precision(args: argparse.Namespace) -> None:
+    """bf16 autocast vs fp32 after the same steps (see the module docstring). Each run is a
+    ``moectl pretrain`` process of its own (accelerate fixes the precision once per process)."""
+    steps = args.max_steps or 400
+    rows = {}
+    for label, flag in (("bf16", "--bf16"), ("fp32", "--no-bf16")):
+        run = Path(args.out) / f"precision-{label}-{args.preset}"
+        if not (run / "final").exists():
+            command = [sys.executable, "-m", "moectl", "pretrain"]
+            if (run / "config.json").exists():
+                command += ["--resume", str(run)]
+            else:
+                command += [
+                    "--preset", args.preset, "--objective", "standard", "--out", str(run), flag,
+                    "--max-steps", str(steps), "--warmup-steps", str(min(40, steps // 10)),
+                    "--eval-every", "0", "--lb-window", "64",
+                ]  # fmt: skip
+                for option, value in (("--corpus", args.corpus), ("--tokenizer", args.tokenizer)):
+                    command += [option, str(value)] if value else []
+                command += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
+            if subprocess.run(command).returncode != 0:
+                raise SystemExit(f"{label}: moectl pretrain failed (resume: run this benchmark again)")
+        rows[label] = summarise(run)
+    a, b = rows["bf16"]["val_loss"], rows["fp32"]["val_loss"]
+    relative = a / b - 1
+    print(f"{'':<12}{'bf16':>10}{'fp32':>10}")
+    print(f"{'tokens/s':<12}{rows['bf16']['tokens_per_s']:>10.0f}{rows['fp32']['tokens_per_s']:>10.0f}")
+    print(f"{'val loss':<12}{a:>10.4f}{b:>10.4f}   bf16/fp32 - 1 = {100 * relative:+.2f}% (goal: within 1%)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**rows, "relative_difference": relative}, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
@@ -124,8 +166,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--speed", action="store_true", help="measure the training step's speed-ups and MFU")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", action="store_true", help="bf16 autocast vs fp32 validation loss")
     parser.add_argument("--speed-variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.precision:
+        return precision(args)
     if args.speed_variant:
         return _speed_variant(args.speed_variant)
     if args.speed:

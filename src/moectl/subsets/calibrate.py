@@ -36,7 +36,8 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int | None = None) -> 
     """Left-padded ``input_ids`` and ``attention_mask`` for ``texts`` (truncated to ``max_length``)."""
     if not texts:
         raise ValueError("the calibration set is empty: give at least one text")
-    batch = tokenizer(list(texts), return_tensors="pt", padding=True)
+    # verbose=False: documents longer than model_max_length are expected here (cut to max_length below)
+    batch = tokenizer(list(texts), return_tensors="pt", padding=True, verbose=False)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     if max_length is not None and ids.shape[1] > max_length:
         ids, mask = ids[:, -max_length:], mask[:, -max_length:]
