@@ -32,7 +32,7 @@ def run(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("card")
     config = TrainConfig(
         out=str(root / "run"), corpus=str(corpus), seq_len=64, micro_batch=4, max_steps=3, warmup_steps=1,
-        log_every=1, checkpoint_every=0, eval_every=2, model=MICRO, final_eval_batches=2,
+        log_every=1, checkpoint_every=0, eval_every=2, model=MICRO, final_eval_batches=2, lb_window=2,
     )  # fmt: skip
     Trainer(config, progress=False).fit()
     return root / "run"
@@ -66,6 +66,8 @@ def test_card_reads_every_figure_from_the_run_the_corpus_and_the_measurements(ru
         assert f"| {domain} | {loss:.4f} |" in card.text
     assert f"{log[-2]['tokens']:,} tokens" in card.text
     assert (model_dir / "training_log.jsonl").read_bytes() == (run / "log.jsonl").read_bytes()
+    # the recipe says how f was counted, and the retrain command repeats it
+    assert "expert counts pooled over the previous 2 steps" in card.text and "--lb-window 2" in card.text
     assert (model_dir / "loss_curve.png").exists() and (model_dir / "moectl_train_config.json").exists()
     assert json.loads((tmp_path / "card.json").read_text())["card"] == str(model_dir / "README.md")
 

@@ -145,7 +145,7 @@ def corpus_sources(corpus: str | Path | None) -> tuple[list[dict[str, Any]], str
                  "documents": s.get("documents"), "approx_tokens": s.get("approx_tokens")}
                 for name, s in sources.items()
             ]  # fmt: skip
-            return rows, f"`{stats}`"
+            return rows, "the corpus's `stats.json`, written by `moectl corpus build`"
     from moectl.data.sample import iter_documents
 
     seen: dict[str, dict[str, Any]] = {}
@@ -159,7 +159,7 @@ def corpus_sources(corpus: str | Path | None) -> tuple[list[dict[str, Any]], str
         raise FileNotFoundError(
             f"{corpus}: neither a stats.json with sources nor a train split to read them from"
         ) from None
-    return list(seen.values()), f"the `source` and `licence` of every document of `{corpus}`'s train split"
+    return list(seen.values()), "the `source` and `licence` of every document of the corpus's train split"
 
 
 # -- measured results ------------------------------------------------------------------------
@@ -376,7 +376,9 @@ def card_text(
         f"{run.steps:,} steps of {cfg.get('micro_batch')} × {cfg.get('grad_accum', 1)} (micro-batch × accumulation) "
         f"sequences of {cfg.get('seq_len')} tokens, AdamW (lr {cfg.get('lr')}, betas {cfg.get('betas')}, weight decay {cfg.get('weight_decay')}), "
         f"{cfg.get('warmup_steps')} warmup steps then cosine decay to {cfg.get('min_lr_ratio')} × lr, "
-        f"load-balancing loss × {cfg.get('lb_coef')} ({cfg.get('lb_scope')}), router z-loss × {cfg.get('z_coef')}, "
+        f"load-balancing loss × {cfg.get('lb_coef')} ({cfg.get('lb_scope')}"
+        + (f", expert counts pooled over the previous {cfg['lb_window']} steps" if cfg.get("lb_window") else "")
+        + f"), router z-loss × {cfg.get('z_coef')}, "
         f"{'bf16 autocast' if cfg.get('bf16') else 'float32'}, seed {cfg.get('seed')}."
         + (f" Median throughput {rate:,.0f} tokens/s." if rate else ""),
         "",
@@ -402,7 +404,8 @@ def card_text(
         "```",
         f"moectl pretrain --objective {cfg.get('objective')} --preset {cfg.get('preset')} --corpus CORPUS --out RUN "
         f"--max-steps {cfg.get('max_steps')} --warmup-steps {cfg.get('warmup_steps')} --micro-batch {cfg.get('micro_batch')} "
-        f"--seq-len {cfg.get('seq_len')} --seed {cfg.get('seed')}",
+        f"--seq-len {cfg.get('seq_len')} --seed {cfg.get('seed')}"
+        + (f" --lb-window {cfg['lb_window']}" if cfg.get("lb_window") else ""),
         "```",
         "",
         "## Training data",
