@@ -19,7 +19,8 @@ class ByteTokenizer:
     vocab_size = 259
     padding_side = "left"
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, **_: object) -> list[int]:
+        """Byte ids; transformers' keywords (``add_special_tokens``, ``verbose``) change nothing here."""
         return [b + 3 for b in text.encode("utf-8")]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -27,7 +28,7 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def __call__(
-        self, texts: list[str], return_tensors: str = "pt", padding: bool = True
+        self, texts: list[str], return_tensors: str = "pt", padding: bool = True, **_: object
     ) -> dict[str, torch.Tensor]:
         encoded = [self.encode(t) or [self.bos_token_id] for t in texts]
         width = max(len(e) for e in encoded)

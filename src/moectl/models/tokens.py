@@ -31,10 +31,8 @@ Request = tuple[list[int], int]  # (token ids, number of trailing tokens scored)
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens (HF tokenizers and moectl's ByteTokenizer alike)."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # moectl's ByteTokenizer takes no keyword and adds nothing
-        return list(tokenizer.encode(text))
+    # verbose=False: documents longer than model_max_length are windowed by the callers, not errors
+    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
 
 def prefix_token(tokenizer: Any) -> int:

@@ -26,7 +26,7 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[lis
     """Token ids of each prompt, cut to ``max_tokens``; prompts without a token are left out."""
     out = []
     for text in prompts:
-        ids = tokenizer.encode(text)[:max_tokens]
+        ids = tokenizer.encode(text, verbose=False)[:max_tokens]
         if ids:
             out.append(list(ids))
     if not out:

@@ -35,7 +35,7 @@ def routing_features(
     model: nn.Module, tokenizer, texts: Sequence[str], first: int = 100
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(features [N, L·E], document index [N], token id [N]) for the first ``first`` tokens of each text."""
-    batch = tokenizer(list(texts), return_tensors="pt", padding=True)
+    batch = tokenizer(list(texts), return_tensors="pt", padding=True, verbose=False)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     rows = []
     for row in range(ids.shape[0]):  # keep the first real tokens of each document (left padding)

@@ -71,10 +71,8 @@ def read_examples(path: str | Path, limit: int | None = None) -> list[Example]:
 def _ids(tokenizer, text: str, special: bool) -> list[int]:
     if not text:
         return []
-    try:
-        return [int(i) for i in tokenizer.encode(text, add_special_tokens=special)]
-    except TypeError:  # moectl's ByteTokenizer (tiny models) adds no special tokens anyway
-        return [int(i) for i in tokenizer.encode(text)]
+    # verbose=False: long documents are cut to the example length by the caller
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=special, verbose=False)]
 
 
 def encode_example(tokenizer, example: Example, max_length: int) -> tuple[list[int], list[int]]:
