@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/options_headline.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/reference/options_headline.json"))
     args = ap.parse_args(argv)
     for name in ("screen_limit", "limit", "eval_batch_size", "max_docs", "prompts", "max_new_tokens"):
         if getattr(args, name) < 1:

@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=1000, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/subset_retention.json"))
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/reference/subset_retention.json"))
     parser.add_argument("--plot", type=Path, default=None, help="write EMO Figure 3's plot to this PNG")
     parser.add_argument(
         "--replot", type=Path, default=None, help="only redraw --plot from this earlier --json"
