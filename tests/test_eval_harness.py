@@ -196,3 +196,22 @@ def test_perplexity_matches_a_direct_forward(env):
         float(torch.exp(torch.tensor((nll[0] + nll[2]) / (tokens[0] + tokens[2]))))
     )
     assert code["ci95"][0] <= code["value"] <= code["ci95"][1] and code["ci_method"] == "bootstrap"
+
+
+def test_own_scorer_reports_the_metrics_the_task_lists(env, tmp_path):
+    """BoolQ's YAML lists ``acc`` only: moectl's engine reports what lm-eval's does, no ``acc_norm``."""
+    from _eval_data import write_set
+    from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
+    from moectl.models.load import ByteTokenizer
+
+    _, model, info = env
+    rows = [{"passage": f"The {w} is here.", "question": f"is the {w} here", "answer": i % 2 == 0}
+            for i, w in enumerate(["apple", "river", "stone", "cloud"])]  # fmt: skip
+    cache = tmp_path / "evals"
+    write_set(cache, "boolq", "validation", rows)
+    items = mc_items("boolq", cache)
+    assert len(items) == 4 and all(item.metrics == ("acc",) for item in items)
+    entry = evaluate_multiple_choice(model, ByteTokenizer(), items, static_plan([]), info, progress=False)
+    assert set(entry["metrics"]) == {"acc"}
+    arc = mc_items("arc_easy", env[0])  # lists both
+    assert all(item.metrics == ("acc", "acc_norm") for item in arc)

@@ -1,7 +1,8 @@
 """Multiple choice by log-likelihood, moectl's own scorer (EMO §C: "acc-raw").
 
 Each choice is scored by the summed log-probability of its continuation given the prompt; the
-prediction is the highest-scoring choice. Two accuracies, as in lm-eval and OLMES:
+prediction is the highest-scoring choice. Two accuracies, as in lm-eval and OLMES, each reported
+where the task's YAML lists it in ``metric_list`` (as lm-eval does; e.g. BoolQ lists ``acc`` only):
 
 - ``acc`` (EMO's *acc-raw*): argmax of the raw summed log-probability;
 - ``acc_norm``: argmax of the log-probability divided by the choice's length in characters.
@@ -32,12 +33,14 @@ from moectl.eval.scoring import score_pairs
 
 @dataclass
 class MCItem:
-    """One question: a (context, continuation) request per choice, the gold index, choice lengths."""
+    """One question: a (context, continuation) request per choice, the gold index, choice lengths,
+    and the accuracies its task reports (its YAML's ``metric_list``)."""
 
     requests: list[tuple[str, str]]
     gold: int
     lengths: list[int]
     doc_id: int = 0
+    metrics: tuple[str, ...] = ("acc", "acc_norm")
 
 
 def mc_items(
@@ -74,6 +77,8 @@ def _items_of(task: Any) -> list[MCItem]:
     by_doc: dict[int, list[Any]] = {}
     for inst in task.instances:
         by_doc.setdefault(inst.doc_id, []).append(inst)
+    listed = [m.get("metric") for m in (task.config.metric_list or []) if isinstance(m, dict)]
+    metrics = tuple(m for m in ("acc", "acc_norm") if m in listed) or ("acc",)
     items = []
     for doc_id, instances in sorted(by_doc.items()):
         instances.sort(key=lambda inst: inst.idx)
@@ -88,6 +93,7 @@ def _items_of(task: Any) -> list[MCItem]:
                 int(gold),
                 [len(c) for c in choices],
                 doc_id,
+                metrics,
             )
         )
     return items
@@ -128,8 +134,10 @@ def evaluate_multiple_choice(
     gold = torch.tensor([item.gold for item in items])
     n = len(items)
     correct = {"acc": raw.argmax(1) == gold, "acc_norm": norm.argmax(1) == gold}
+    reported = dict.fromkeys(name for item in items for name in item.metrics)  # in order, once
     metrics = {}
-    for name, hits in correct.items():
+    for name in reported:
+        hits = correct[name]
         k = int(hits.sum())
         metrics[name] = metric(k / n, wilson_interval(k, n), "wilson")
     entry = {
