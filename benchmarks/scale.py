@@ -22,6 +22,9 @@ Goals: every row ≤ 1.5 × its floor (both measures); RoE K = 16 ≤ 1.2 × K =
     OMP_NUM_THREADS=1 python benchmarks/scale.py [--shapes olmoe-1b-7b@2,qwen3-30b-a3b@2,gpt-oss-20b@2]
         [--rows perplexity,scoring,...] [--tokens 2048] [--roe-tokens 1024] [--json out/scale.json [--merge]]
     OMP_NUM_THREADS=1 python benchmarks/scale.py --one roe-score-k16 --shape qwen3-30b-a3b@2   # one row, here
+
+With ``--json``, the file is rewritten (atomically) after every row; ``--merge --skip-measured``
+resumes a stopped run, skipping the rows the file already holds at the same sizes.
 """
 
 from __future__ import annotations
@@ -180,13 +183,21 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     env = {**os.environ, **CHILD_ENV}
     results: list[dict] = []
+    measured = _measured(args) if args.skip_measured else set()
     total, done, t0 = len(rows) * len(shapes), 0, time.perf_counter()
     for shape in shapes:
+        if all((shape, row) in measured for row in rows):
+            done += len(rows)
+            print(f"[scale] {shape}: every row already in {args.json}", flush=True)
+            continue
         print(f"[scale] {shape}: writing the checkpoint once (cache {cache})", flush=True)
         _checkpoint(shape, cache)
         config = build_shape(f"shape:{shape}", device="meta").config
         for row in rows:
             done += 1
+            if (shape, row) in measured:
+                print(f"[{done}/{total}] {shape} {row}: already in {args.json}", flush=True)
+                continue
             command = _command(row, shape, sizes, cache)
             entry = {"shape": shape, "row": row, "command": _reproduce(command)}
             need = floor(config, *ROWS[row].tokens(sizes)).total * 1.6 + GIB // 2
@@ -205,8 +216,40 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                 entry.update(json.loads(lines[-1][len(MARK) :]))
                 print("    " + _line(entry), flush=True)
             results.append(entry)
+            if args.json:  # after every row: an interrupted run keeps what it measured
+                _save(args, _merged(args, list(results)))
     _roe_ratios(results)
     return results
+
+
+def _measured(args: argparse.Namespace) -> set[tuple[str, str]]:
+    """(shape, row) pairs ``--json`` already holds measured at this run's sizes."""
+    if not (args.json and args.json.exists()):
+        return set()
+    data = json.loads(args.json.read_text())
+    if data.get("sizes") != _sizes(args):
+        return set()
+    return {(r["shape"], r["row"]) for r in data["rows"] if "peak_rss" in r}
+
+
+def _merged(args: argparse.Namespace, results: list[dict]) -> list[dict]:
+    """With ``--merge``: ``--json``'s other rows kept, the rows run now replacing theirs."""
+    if not (args.merge and args.json and args.json.exists()):
+        return results
+    fresh = {(r["shape"], r["row"]) for r in results}
+    kept = [r for r in json.loads(args.json.read_text())["rows"] if (r["shape"], r["row"]) not in fresh]
+    order = {(s.strip(), r): i for i, (s, r) in enumerate((s, r) for s in SHAPES for r in ROWS)}
+    results = sorted(kept + results, key=lambda r: order.get((r["shape"], r["row"]), len(order)))
+    _roe_ratios(results)
+    return results
+
+
+def _save(args: argparse.Namespace, results: list[dict]) -> None:
+    """Write ``--json`` atomically (a temporary file renamed over it)."""
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.json.with_name(args.json.name + ".tmp")
+    tmp.write_text(json.dumps({"sizes": _sizes(args), "rows": results}, indent=2))
+    os.replace(tmp, args.json)
 
 
 def _roe_ratios(results: list[dict]) -> None:
@@ -282,6 +325,11 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="keep --json's other rows, replace the rows run now"
     )
+    parser.add_argument(
+        "--skip-measured",
+        action="store_true",
+        help="with --json FILE --merge: skip the rows FILE already holds at these sizes (resume a stopped run)",
+    )
     parser.add_argument("--one", help="run this row here and print its JSON (what each subprocess does)")
     parser.add_argument("--shape", help="with --one: the shape")
     for key, (default, text) in SIZES.items():
@@ -290,17 +338,12 @@ def main() -> None:
     if args.one:
         print(MARK + json.dumps(run_one(args.one, args.shape, _sizes(args), Path(args.cache))), flush=True)
         return
-    results = run_all(args)
-    if args.merge and args.json and args.json.exists():  # rows rerun here replace the file's rows
-        fresh = {(r["shape"], r["row"]) for r in results}
-        kept = [r for r in json.loads(args.json.read_text())["rows"] if (r["shape"], r["row"]) not in fresh]
-        order = {(s.strip(), r): i for i, (s, r) in enumerate((s, r) for s in SHAPES for r in ROWS)}
-        results = sorted(kept + results, key=lambda r: order.get((r["shape"], r["row"]), len(order)))
-        _roe_ratios(results)
+    if args.skip_measured and not (args.json and args.merge):
+        raise SystemExit("--skip-measured resumes into a results file: give --json FILE --merge")
+    results = _merged(args, run_all(args))
     print_table(results)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"sizes": _sizes(args), "rows": results}, indent=2))
+        _save(args, results)
         print(f"wrote {args.json}")
 
 
