@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from rich.progress import Progress, TaskID
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
@@ -83,7 +84,17 @@ def heldout_quality(
 
 
 def _domain_quality(
-    model, info, tokenizer, texts, policies, teacher, max_length, batch_size, device, bar, task
+    model: nn.Module,
+    info: ModelInfo,
+    tokenizer,
+    texts: list[str],
+    policies: PolicyFactory,
+    teacher: Callable[[], AbstractContextManager],
+    max_length: int,
+    batch_size: int,
+    device: torch.device,
+    bar: Progress,
+    task: TaskID,
 ) -> tuple[dict, list[float]]:
     """One domain's row of :func:`heldout_quality` and its per-document KLs."""
     kl_docs: list[float] = []

@@ -8,7 +8,7 @@ each layer's off-diagonal mean / min / max.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -54,7 +54,10 @@ def document_vectors_by_source(
         return _vectors(model, tokenizer, texts, info, max_length, sources, batch_size, lambda n: bar.advance(task, n))
 
 
-def _vectors(model, tokenizer, texts, info, max_length, sources, batch_size, advance) -> dict:
+def _vectors(
+    model: nn.Module, tokenizer, texts: Mapping[str, Sequence[str]], info: ModelInfo, max_length: int,
+    sources: Sequence[str], batch_size: int, advance: Callable[[int], object],
+) -> dict[str, dict[int, list[Tensor]]]:  # fmt: skip
     """The forward passes of :func:`document_vectors_by_source`; ``advance(n)`` after each batch."""
     device = next(model.parameters()).device
     out: dict[str, dict[int, list[Tensor]]] = {s: {layer.index: [] for layer in info.layers} for s in sources}
