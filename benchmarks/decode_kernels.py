@@ -10,7 +10,9 @@ weight bytes it reads per second, all in one run so the ratios hold on a busy ma
 - fp32 ``F.linear`` per expert (twice the bytes; the slots would hold fp32);
 - bf16 ``F.linear`` with the token's row repeated to 16 rows (the GEMM path instead of GEMV);
 - bf16 weights cast to fp32 on the fly, then fp32 ``F.linear`` (no extra resident memory);
-- one batched matmul over the stacked selected experts (bf16 and fp32), as a grouped GEMM would;
+- one batched matmul over the stacked selected experts (bf16 and fp32);
+- one ``grouped_mm`` over the experts, a row each (bf16 and fp32): what the offloaded slot forward
+  (``serve/slot_forward.py``) and moectl's training experts run;
 - int8 weight-only (``aten._weight_int8pack_mm``, per-row scales): half the bytes of bf16, not exact.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_kernels.py --json benchmarks/results/decode_kernels.json
@@ -94,6 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.bmm(gu32, x.expand(n, h)[:, :, None])
         torch.bmm(d32, y.expand(n, i)[:, :, None])
 
+    offsets = torch.arange(1, n + 1, dtype=torch.int32)  # one row (the token) per expert
+    gu_t, d_t, gu32_t, d32_t = (w.transpose(-2, -1) for w in (gate_up, down, gu32, d32))
+    xs, ys, xs32, ys32 = (v.expand(n, v.shape[1]).contiguous() for v in (xb, yb, x, y))
+
+    def bf16_grouped_mm():
+        F.grouped_mm(xs, gu_t, offs=offsets)
+        F.grouped_mm(ys, d_t, offs=offsets)
+
+    def fp32_grouped_mm():
+        F.grouped_mm(xs32, gu32_t, offs=offsets)
+        F.grouped_mm(ys32, d32_t, offs=offsets)
+
     def int8_weight_only():
         for e in range(n):
             torch.ops.aten._weight_int8pack_mm(xb, q_gu[e], sgu[e])
@@ -106,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "fp32 F.linear per expert": (fp32_linear, 4),
         "bf16 bmm over stacked experts": (bf16_bmm, 2),
         "fp32 bmm over stacked experts": (fp32_bmm, 4),
+        "bf16 grouped_mm (serve slot forward)": (bf16_grouped_mm, 2),
+        "fp32 grouped_mm": (fp32_grouped_mm, 4),
         "int8 weight-only per expert": (int8_weight_only, 1),
     }
     rows = []
