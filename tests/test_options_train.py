@@ -223,3 +223,38 @@ def test_the_trainer_step_is_the_controller_loss_of_its_rollout(tmp_path):
     assert row["controller_loss"] == float(loss)
     assert row["switch_rate_per_layer"] == stats["switch_rate_per_layer"]
     assert row["switch_prob_p95"] == stats["beta_p95"] and row["value_loss"] == stats["value_loss"]
+
+
+def test_sigterm_checkpoints_the_finished_step_and_resume_continues(tmp_path, monkeypatch):
+    """SIGTERM mid-run (between checkpoints): the finished step is saved, the run says how to resume,
+    and the resumed run's log continues without a gap or a repeat."""
+    import os
+    import signal
+
+    import pytest
+
+    from moectl.stopping import TrainingInterrupted
+
+    cfg = OptionsConfig(
+        k_hat=4, eta=0.5, steps=4, batch_size=3, max_new_tokens=6, save_every=10, lora_r=4, lora_alpha=4
+    )
+    step = OptionsTrainer.train_step
+
+    def step_then_sigterm(self):
+        row = step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` would, between two checkpoints
+        return row
+
+    monkeypatch.setattr(OptionsTrainer, "train_step", step_then_sigterm)
+    model, tok = load_model("tiny:qwen2_moe")
+    with pytest.raises(TrainingInterrupted, match="stopped after step 2; checkpoint saved"):
+        train_options(model, tok, PROMPTS, cfg, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+    monkeypatch.setattr(OptionsTrainer, "train_step", step)
+    model, tok = load_model("tiny:qwen2_moe")
+    result = train_options(model, tok, PROMPTS, cfg, tmp_path / "run", progress=False)
+    assert result["resumed"]
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]

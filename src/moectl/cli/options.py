@@ -103,6 +103,7 @@ def train_cmd(
     from moectl.distributed import check_divides, launched_world_size, ranks
     from moectl.options.data import read_prompts
     from moectl.options.trainer import OptionsConfig, check_resume, train_options
+    from moectl.stopping import TrainingInterrupted
 
     def settings(eta: float) -> OptionsConfig:
         return OptionsConfig(
@@ -146,6 +147,10 @@ def train_cmd(
                 )
             config = settings(processes.broadcast_object(eta))  # one η for every process
         result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume, processes=processes)
+    except TrainingInterrupted as stopped:
+        if processes.is_main:
+            console.print(f"[yellow]{stopped}[/yellow]")
+        raise typer.Exit(code=130) from None
     except (ValueError, FileNotFoundError) as err:
         fail(err)
     if not processes.is_main:

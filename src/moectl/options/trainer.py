@@ -57,6 +57,7 @@ from moectl.options.row_noise import row_codes
 from moectl.options.state import latest_checkpoint, load_weights, save_checkpoint, save_folder
 from moectl.options.step_stats import step_row, tokenize_prompts
 from moectl.options.teacher import add_lora
+from moectl.stopping import TrainingInterrupted, stop_on_signals
 
 __all__ = ["OptionsConfig", "OptionsTrainer", "check_resume", "train_options"]
 IGNORED_ON_RESUME = ("steps", "save_every")  # may change between a run and its resumption
@@ -297,7 +298,8 @@ def train_options(
 ) -> dict[str, Any]:
     """Train controllers (and LoRA adapters) on ``prompts``; write ``out/final`` and the curves.
 
-    ``stop_after`` ends the process-level loop early at that step (for tests of resuming).
+    ``stop_after`` ends the process-level loop early at that step (for tests of resuming). Ctrl-C or
+    SIGTERM stops after the current step, checkpoints it and raises ``TrainingInterrupted``.
     ``processes``: the data-parallel processes (default: the launched ones, :func:`moectl.distributed.ranks`).
     """
     out = Path(out)
@@ -320,7 +322,7 @@ def train_options(
         TextColumn("{task.fields[info]}"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, disable=not (progress and processes.is_main)) as bar:
+    with stop_on_signals() as stop, Progress(*columns, disable=not (progress and processes.is_main)) as bar:
         task = bar.add_task("train", total=config.steps, completed=trainer.step, info="")
         while trainer.step < config.steps:
             row = trainer.train_step()
@@ -330,10 +332,20 @@ def train_options(
                 completed=trainer.step,
                 info=f"reward {row['reward']:.3f} switch {row['switch_rate']:.3f}",
             )
-            if trainer.step % config.save_every == 0 or trainer.step == config.steps:
+            saved = trainer.step % config.save_every == 0 or trainer.step == config.steps
+            if saved:
                 trainer.save()
             if stop_after is not None and trainer.step >= stop_after:
                 return {"stopped_at": trainer.step, "rows": rows, "resumed": resumed}
+            # Ctrl-C / SIGTERM: rank 0's request, for every process; the finished step checkpointed
+            if processes.broadcast_object(stop.requested if processes.is_main else None):
+                if not saved:
+                    trainer.save()
+                raise TrainingInterrupted(
+                    out,
+                    trainer.step,
+                    resume=f"the same `moectl options train` command (it resumes from {out})",
+                )
     final = trainer._save_final(asdict(config))
     log = processes.broadcast_object(_read_log(out) if processes.is_main else None)
     if processes.is_main:

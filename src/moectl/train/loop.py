@@ -17,11 +17,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,7 @@ from moectl.adapters.inspect import inspect
 from moectl.fileio import usual_modes
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
+from moectl.stopping import StopRequest, TrainingInterrupted, stop_on_signals
 from moectl.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from moectl.train.config import TrainConfig
 from moectl.train.experts import register as register_grouped_experts
@@ -376,16 +374,6 @@ class Trainer:
             fh.write(json.dumps(record) + "\n")
 
 
-class TrainingInterrupted(Exception):
-    """Raised after a stop request (Ctrl-C, SIGTERM) once the last finished step is checkpointed."""
-
-    def __init__(self, out: Path, step: int) -> None:
-        super().__init__(
-            f"stopped after step {step}; checkpoint saved. Resume with: moectl pretrain --resume {out}"
-        )
-        self.out, self.step = out, step
-
-
 def truncate_log(log_path: Path, start_step: int) -> None:
     """Drop log records of steps >= ``start_step`` (written after the checkpoint a run resumes from),
     so the log and the loss curve continue without repeats; a fresh run (0) starts a new log."""
@@ -447,32 +435,7 @@ def pretrain(
     Ctrl-C or SIGTERM (in the main thread) stops after the current step, checkpoints it and raises
     ``TrainingInterrupted`` naming the resume command; a second Ctrl-C stops at once.
     """
-    with _stop_on_signals() as stop:
+    with stop_on_signals() as stop:
         trainer = Trainer(config, resume=resume, progress=progress, overwrite=overwrite)
         trainer.stop = stop
         return trainer.fit()
-
-
-class StopRequest:
-    """Set by a signal handler; the loop checks it between steps."""
-
-    requested: bool = False
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[StopRequest]:
-    stop = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def request_stop(signum, frame) -> None:
-        stop.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
