@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.models.tokens import encode, request
+from moectl.progress import progress_bar
 from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.roe.ensemble import Ensemble
@@ -171,11 +171,6 @@ class ScoreResult:
         return out
 
 
-def _progress(enabled: bool, label: str) -> Progress:
-    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
-    return Progress(*columns, disable=not enabled, transient=True)
-
-
 def score(
     model: nn.Module,
     tokenizer,
@@ -227,7 +222,7 @@ def score(
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     loglik = [0.0] * len(seqs)
     counts = [0] * len(seqs)
-    with _progress(progress, f"scoring K={config.K}") as bar:
+    with progress_bar(f"scoring K={config.K}", progress) as bar:
         task = bar.add_task("score", total=len(seqs))
         for first in range(0, len(order), batch_size):
             chunk = order[first : first + batch_size]
