@@ -68,9 +68,22 @@ def test_saved_models_get_the_usual_mode(tmp_path):
 
     model = moectl.tiny("olmoe")
     export_subset(model, {i: [0, 1, 2, 3] for i in range(3)}, tmp_path / "sub")
+    from moectl.options.controller import build_controller
+    from moectl.options.state import save_folder
+
     save_checkpoint(tmp_path / "run", 0, moectl.tiny("olmoe"), None, {}, 2)
-    files = [*(tmp_path / "sub").iterdir(), *(tmp_path / "run" / "checkpoints" / "step-000000").iterdir()]
-    assert any(f.suffix == ".safetensors" for f in files)
+    info = moectl.inspect(model)
+    save_folder(
+        tmp_path / "options", build_controller(info, 4), model, info, {"k_hat": 4}
+    )  # safetensors' own writer
+    build_controller(info, 4).save(tmp_path / "controller")
+    files = [
+        *(tmp_path / "sub").iterdir(),
+        *(tmp_path / "run" / "checkpoints" / "step-000000").iterdir(),
+        *(tmp_path / "options").iterdir(),
+        *(tmp_path / "controller").iterdir(),
+    ]
+    assert {"routers.safetensors", "controller.safetensors"} <= {f.name for f in files}
     for file in files:
         assert stat.S_IMODE(file.stat().st_mode) == default_mode(), file
 

@@ -49,11 +49,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 def usual_modes(folder: str | Path) -> Path:
-    """Give every file directly in ``folder`` the usual mode: ``save_pretrained`` in transformers 5.24
-    writes its weight files through ``mkstemp`` (0600), which a saved model must not keep."""
+    """Give every file under ``folder`` the usual mode: ``save_pretrained`` in transformers 5.24 and
+    safetensors' ``save_file`` write through ``mkstemp`` (0600), which a saved model must not keep."""
     folder = Path(folder)
     mode = default_mode()
-    for path in folder.iterdir():
+    for path in folder.rglob("*"):
         if path.is_file() and not path.is_symlink():
             path.chmod(mode)
     return folder

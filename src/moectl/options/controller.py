@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.fileio import default_mode
 
 
 @dataclass
@@ -173,6 +174,7 @@ class OptionController(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / "controller.safetensors"))
+        (path / "controller.safetensors").chmod(default_mode())  # safetensors writes 0600
         (path / "controller.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
 
     @classmethod

@@ -39,7 +39,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from torch import Tensor, nn
 
 from moectl.distributed import Ranks, check_divides, ranks
-from moectl.fileio import usual_modes
 from moectl.subsets.finetune_data import Example, as_example, collate, encode_example, targets
 from moectl.train.checkpoint import write_dir_atomic
 
@@ -266,7 +265,6 @@ def save_finetuned(
         model.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
-        usual_modes(tmp)
         (tmp / LOG).write_text(json.dumps(log, indent=2, default=str) + "\n")
         steps = [s["step"] for s in log["steps"]]
         plot_curves({"train loss (output tokens)": (steps, [s["loss"] for s in log["steps"]])},

@@ -25,7 +25,6 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, per_expert_tensors, write_experts
-from moectl.fileio import usual_modes
 from moectl.train.checkpoint import write_dir_atomic
 
 METADATA = "moectl_merge.json"
@@ -98,7 +97,6 @@ def save_merged(
         model.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
-        usual_modes(tmp)
         (tmp / METADATA).write_text(json.dumps(metadata or {}, indent=2, default=str) + "\n")
 
     return write_dir_atomic(Path(out), write, overwrite=overwrite)

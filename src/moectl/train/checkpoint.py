@@ -31,7 +31,8 @@ def write_dir_atomic(final: Path, write: Callable[[Path], None], overwrite: bool
 
     A crash inside ``write`` leaves only the temporary folder (removed by the next write of the same
     name); an existing ``final`` is replaced only once the new one is complete, and only with
-    ``overwrite`` (else FileExistsError before anything is written).
+    ``overwrite`` (else FileExistsError before anything is written). Every file gets the usual mode
+    (0666 less the umask), whatever wrote it.
     """
     final = Path(final)
     if final.exists() and not overwrite:
@@ -42,6 +43,7 @@ def write_dir_atomic(final: Path, write: Callable[[Path], None], overwrite: bool
         shutil.rmtree(tmp)
     tmp.mkdir()
     write(tmp)
+    usual_modes(tmp)
     if final.exists():
         old = final.with_name(f".old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
@@ -66,7 +68,6 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, state: dict[str, Any
             tokenizer.save_pretrained(tmp)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
-        usual_modes(tmp)
 
     return commit_checkpoint(write_dir_atomic(root / f"step-{step:06d}", write), keep)
 
