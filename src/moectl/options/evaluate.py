@@ -30,6 +30,9 @@ from moectl.routing.state import Policy
 
 PolicyFactory = Callable[[], Sequence[Policy]]
 
+KL_CHUNK = 128
+"""Positions per block in :func:`token_kl` (at vocab 152k: about 78 MB per float32 block)."""
+
 
 def ci95(values: Sequence[float]) -> tuple[float, float]:
     """Mean and the half-width of its normal 95% interval."""
@@ -50,6 +53,40 @@ def _batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.
     ids = [x if len(x) >= 2 else x + [tokenizer.eos_token_id or 0] * (2 - len(x)) for x in ids]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return left_pad(ids, pad, device)
+
+
+def token_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, targets: torch.Tensor, chunk: int = KL_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position KL(p_teacher ‖ p_student), log p_teacher(target) and log p_student(target).
+
+    ``teacher_logits`` and ``student_logits`` are [B, T, V] (any float dtype, views are fine),
+    ``targets`` [B, T]; the results are [B, T] float32. The float32 log-softmaxes are taken
+    ``chunk`` positions of one row at a time, so the extra memory is a few [chunk, V] float32
+    tensors rather than [B, T, V] ones; each position's numbers are those of the whole-batch
+    computation.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    rows, length = targets.shape
+    out = [torch.empty(rows, length, dtype=torch.float32, device=targets.device) for _ in range(3)]
+    for b in range(rows):
+        for start in range(0, length, chunk):
+            span = slice(start, start + chunk)
+            kl, lp_t, lp_s = _block_kl(teacher_logits[b, span], student_logits[b, span], targets[b, span])
+            out[0][b, span], out[1][b, span], out[2][b, span] = kl, lp_t, lp_s
+    return out[0], out[1], out[2]
+
+
+def _block_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`token_kl` of one block of positions: [N, V] logits, [N] targets."""
+    lt = F.log_softmax(teacher_logits.float(), -1)
+    ls = F.log_softmax(student_logits.float(), -1)
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    target = targets[:, None]
+    return kl, lt.gather(-1, target).squeeze(-1), ls.gather(-1, target).squeeze(-1)
 
 
 @torch.no_grad()
@@ -103,15 +140,16 @@ def _domain_quality(
         ids, attn = _batch(tokenizer, texts[start : start + batch_size], max_length, device)
         kwargs = {"input_ids": ids, "attention_mask": attn, "position_ids": positions(attn)}
         with teacher():
-            lt = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
+            teacher_logits = model(**kwargs).logits[:, :-1]
         with route(model, list(policies()), info=info):
-            ls = F.log_softmax(model(**kwargs).logits[:, :-1].float(), -1)
+            student_logits = model(**kwargs).logits[:, :-1]
+        kl, lp_t, lp_s = token_kl(teacher_logits, student_logits, ids[:, 1:])
+        del teacher_logits, student_logits
         pair = (attn[:, :-1] & attn[:, 1:]).float()
-        target = ids[:, 1:, None]
-        kl = (lt.exp() * (lt - ls)).sum(-1) * pair
+        kl = kl * pair
         kl_docs.extend((kl.sum(1) / pair.sum(1).clamp(min=1)).tolist())
-        nll_s -= float((ls.gather(-1, target).squeeze(-1) * pair).sum())
-        nll_t -= float((lt.gather(-1, target).squeeze(-1) * pair).sum())
+        nll_s -= float((lp_s * pair).sum())
+        nll_t -= float((lp_t * pair).sum())
         count += int(pair.sum())
         bar.advance(task, len(texts[start : start + batch_size]))
     mean, half = ci95(kl_docs)

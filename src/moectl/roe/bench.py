@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.progress import progress_bar
 from moectl.roe.cache_size import cache_bytes
 from moectl.roe.config import CACHE_MODES, RoEConfig
 from moectl.roe.ensemble import Ensemble, experts_implementation
@@ -166,9 +166,8 @@ def measure_overhead(
     walls: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
     kv: dict[tuple[str, int], int] = {}
     peak: dict[tuple[str, int], int] = {}
-    columns = [TextColumn("benchmark"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     total = len(runners) * (repeats + 1 + int(memory))
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with progress_bar("benchmark", progress) as bar:
         task = bar.add_task("bench", total=total)
         for key, run in runners.items():  # warm-up (also the KV measurement)
             kv[key] = run()[2]

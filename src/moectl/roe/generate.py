@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.progress import progress_bar
 from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.ensemble import Ensemble
 from moectl.routing.state import Policy
@@ -157,9 +157,8 @@ def generate(
     generator = torch.Generator().manual_seed(sample_seed)
     stats = stats if stats is not None else GenerationStats()
     results: list[Generation] = []
-    columns = [TextColumn("RoE K={task.fields[k]}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     start_time = time.perf_counter()
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with progress_bar("RoE K={task.fields[k]}", progress) as bar:
         task = bar.add_task("gen", total=len(texts) * max_new_tokens, k=config.K)
         for first in range(0, len(texts), batch_size):
             batch = texts[first : first + batch_size]

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, ranks
+from moectl.progress import progress_bar
 from moectl.roe.config import AGGREGATIONS, RoEConfig, save_profile
 from moectl.roe.data import Item, item_kind, load_items
 from moectl.roe.score import score
@@ -217,9 +217,8 @@ def tune(
     part = processes.part(max(0, budget - len(done)))  # this process's share of the trials left
     remaining = part.stop - part.start
     start = time.perf_counter()
-    columns = [TextColumn("tuning {task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-               TextColumn("best {task.fields[best]}")]  # fmt: skip
-    with Progress(*columns, disable=not (progress and processes.is_main), transient=True) as bar:
+    enabled = progress and processes.is_main
+    with progress_bar("tuning {task.fields[label]}", enabled, suffix="best {task.fields[best]}") as bar:
         best = f"{study.best_value:.4g}" if done else "-"
         task = bar.add_task(
             "tune", total=budget, completed=len(done), label=f"{mode} K={K} {objective}", best=best
