@@ -50,7 +50,10 @@ def _run(cmd: list[str], cap: int | None, out: Path, timeout: int) -> dict:
         proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout, check=False)
         rc, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as err:
-        rc, stderr = 124, (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+        rc, stderr = (
+            124,
+            (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or ""),
+        )
     row: dict = {"command": shlex.join(full), "exit": rc, "wall_s": time.perf_counter() - t0}
     match = PEAK.search(stderr)
     if match:
@@ -66,11 +69,11 @@ def _run(cmd: list[str], cap: int | None, out: Path, timeout: int) -> dict:
     return row
 
 
-def moectl_cmd(args, policy: str, out: Path, prompts: Path) -> list[str]:
+def moectl_cmd(args, policy: str, slot_dtype: str, out: Path, prompts: Path) -> list[str]:
     return [
         sys.executable, "-m", "moectl.cli", "serve-offload", str(args.checkpoint),
         "--budget", str(args.budget), "--policy", policy, "--store", "disk",
-        "--read-method", args.read_method, "--max-new-tokens", str(args.tokens),
+        "--read-method", args.read_method, "--slot-dtype", slot_dtype, "--max-new-tokens", str(args.tokens),
         "--prompts", str(prompts), "--json", str(out),
     ]  # fmt: skip
 
@@ -87,7 +90,11 @@ def _fmt(row: dict) -> str:
         v = row.get(key)
         return "-" if v is None else f"{v / scale:.{digits}f}"
 
-    cap = "none" if row["cap_fraction"] is None else f"{row['cap_fraction']:.0%} ({row['cap_bytes'] / 2**30:.1f} GiB)"
+    cap = (
+        "none"
+        if row["cap_fraction"] is None
+        else f"{row['cap_fraction']:.0%} ({row['cap_bytes'] / 2**30:.1f} GiB)"
+    )
     return (
         f"| {row['system']} | {row.get('policy_label', '-')} | {cap} | {row.get('status', 'ok')} | "
         f"{g('decode_tokens_per_s')} | {g('time_to_first_token_s')} | {g('cgroup_peak_bytes', 2**30)} | "
@@ -100,9 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, required=True)
     ap.add_argument("--gguf", type=Path, help="llama.cpp rows from this GGUF (its converter's output)")
-    ap.add_argument("--caps", default="none,0.60,0.45,0.35", help="fractions of the checkpoint's bytes, or none")
+    ap.add_argument(
+        "--caps", default="none,0.60,0.45,0.35", help="fractions of the checkpoint's bytes, or none"
+    )
     ap.add_argument("--policies", default="lru,option:8")
     ap.add_argument("--budget", default="0.25")
+    ap.add_argument(
+        "--slot-dtypes", default="same", help="moectl rows per resident slot dtype: same,int8 (serve/int8.py)"
+    )
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--read-method", default="direct", choices=["direct", "fadvise", "plain"])
@@ -110,32 +122,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per row")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if not MEMCAP.exists():
-        print(f"error: {MEMCAP} not found (the memory-cap tool beside the project)", file=sys.stderr)
-        return 2
     total = checkpoint_bytes(args.checkpoint)
     if total == 0:
         print(f"error: {args.checkpoint} holds no *.safetensors", file=sys.stderr)
         return 2
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
+    if any(c is not None for c in caps) and not MEMCAP.exists():
+        print(f"error: {MEMCAP} not found (the memory-cap tool beside the project)", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.slot_dtypes.split(",")) - {"same", "int8"})
+    if unknown:
+        print(f"error: --slot-dtypes takes same and int8, got {', '.join(unknown)}", file=sys.stderr)
+        return 2
     rows = []
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     with tempfile.TemporaryDirectory(prefix="moectl-capped-") as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.write_text(json.dumps({"prompt": args.prompt}) + "\n")
-        systems = [("moectl", p) for p in args.policies.split(",")]
+        slot_dtypes = args.slot_dtypes.split(",")
+        systems = [("moectl", p, d) for d in slot_dtypes for p in args.policies.split(",")]
         if args.gguf is not None:
-            systems.insert(0, ("llama.cpp", "mmap"))
+            systems.insert(0, ("llama.cpp", "mmap", "bf16"))
         for fraction in caps:
             cap = None if fraction is None else int(fraction * total)
-            for system, policy in systems:
-                out = Path(tmp) / f"{system}-{policy}-{fraction}.json".replace(":", "_")
-                cmd = llama_cmd(args, out) if system == "llama.cpp" else moectl_cmd(args, policy, out, prompts)
-                print(f"[{system} {policy} cap={fraction}] running ...", flush=True)
+            for system, policy, slot_dtype in systems:
+                out = Path(tmp) / f"{system}-{policy}-{slot_dtype}-{fraction}.json".replace(":", "_")
+                cmd = (
+                    llama_cmd(args, out)
+                    if system == "llama.cpp"
+                    else moectl_cmd(args, policy, slot_dtype, out, prompts)
+                )
+                print(f"[{system} {policy} {slot_dtype} cap={fraction}] running ...", flush=True)
                 row = _run(cmd, cap, out, args.timeout)
+                label = policy if slot_dtype == "same" else f"{policy}, {slot_dtype} slots"
                 row.update(
                     system=system,
-                    policy_label=policy if system == "moectl" else "mmap",
+                    policy_label=label if system == "moectl" else "mmap",
                     budget=args.budget if system == "moectl" else None,
                     cap_fraction=fraction,
                     cap_bytes=cap,
@@ -147,13 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         "| system | policy | cap | status | decode tok/s | TTFT s | cgroup peak GiB | peak RSS GiB | "
         "disk MiB/token | hit rate | switch rate |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    print(f"\ncheckpoint {args.checkpoint} ({total / 1e9:.2f} GB), budget {args.budget}, {args.tokens} tokens")
+    print(
+        f"\ncheckpoint {args.checkpoint} ({total / 1e9:.2f} GB), budget {args.budget}, {args.tokens} tokens"
+    )
     print(header)
     for row in rows:
         print(_fmt(row))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"checkpoint": str(args.checkpoint), "bytes": total, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps({"checkpoint": str(args.checkpoint), "bytes": total, "rows": rows}, indent=1)
+        )
     return 0
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
+from moectl.serve.int8 import SLOT_DTYPES
 from moectl.serve.prefetch import PrefetchConfig
 
 STORES = ("disk", "checkpoint", "host")
@@ -42,6 +43,9 @@ class OffloadConfig:
     ``verify``: CRC-check experts read from a written disk store. ``experts_forward``:
     ``"grouped"`` multiplies the resident slots with one grouped GEMM per projection where the
     layout allows (``serve/slot_forward.py``), ``"eager"`` runs transformers' per-expert loop.
+    ``slot_dtype``: ``"same"`` keeps resident experts in the model's dtype; ``"int8"`` keeps their
+    weights as int8 with per-row scales (``serve/int8.py``: half the memory of bf16 per resident
+    expert and the int8 weight-only kernel on CPU; not exact).
     """
 
     budget: float | int = 0.25
@@ -54,8 +58,11 @@ class OffloadConfig:
     prefetch_config: PrefetchConfig = field(default_factory=PrefetchConfig)
     read_method: str = DEFAULT_READ_METHOD
     experts_forward: str = "grouped"
+    slot_dtype: str = "same"
 
     def __post_init__(self) -> None:
+        if self.slot_dtype not in SLOT_DTYPES:
+            raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
         if self.experts_forward not in EXPERTS_FORWARDS:
             raise ValueError(
                 f"experts forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {self.experts_forward!r}"
@@ -88,4 +95,5 @@ class OffloadConfig:
             "prefetch": self.prefetch,
             "read_method": self.read_method,
             "experts_forward": self.experts_forward,
+            "slot_dtype": self.slot_dtype,
         }

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from moectl.adapters import inspect
 from moectl.serve.config import OffloadConfig
+from moectl.serve.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
 from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
 from moectl.serve.prefetch import PrefetchConfig
@@ -39,13 +40,15 @@ class BudgetError(ValueError):
 
 
 class _ExpertView:
-    """Stands in for a [E, ...] expert parameter: ``view[e]`` is expert e's resident slot."""
+    """Stands in for a [E, ...] expert parameter: ``view[e]`` is expert e's resident slot (int8 slots:
+    dequantised to the parameter's dtype, for forwards that index experts themselves)."""
 
-    def __init__(self, res: ResidentSet, name: str, num_experts: int) -> None:
+    def __init__(self, res: ResidentSet, name: str, num_experts: int, dtype: torch.dtype) -> None:
         self.res, self.name, self.num_experts = res, name, num_experts
         slot = res.slots[name]
         self.shape = torch.Size((num_experts, *slot.shape[1:]))
-        self.dtype, self.device = slot.dtype, slot.device
+        self.dtype, self.device = dtype, slot.device
+        self.scale = res.slots.get(name + SCALE)
 
     def __getitem__(self, idx) -> Tensor:
         if isinstance(idx, Tensor) and idx.numel() != 1:
@@ -53,7 +56,9 @@ class _ExpertView:
                 "the experts forward indexed several experts at once; only the 'eager' experts "
                 "implementation is supported (model.set_experts_implementation('eager'))"
             )
-        return self.res.slots[self.name][self.res.access(int(idx))]
+        slot = self.res.access(int(idx))
+        weight = self.res.slots[self.name][slot]
+        return weight if self.scale is None else dequantize_rows(weight, self.scale[slot])
 
 
 class OffloadedExperts(nn.Module):
@@ -193,6 +198,7 @@ class OffloadRuntime:
         self.step_tokens: list[int] = []
         self.step_times: list[float] = []  # perf_counter at the start of each forward
         self.modules: list[OffloadedExperts] = []
+        self.stored_expert_bytes: list[int] = []  # one expert per MoE layer, as the store holds it
         self._hooks: list = []
         self._restore: list = []
         self._tmp: str | None = None
@@ -291,13 +297,17 @@ class OffloadRuntime:
         for layer, experts, params, b, device in zip(
             info.layers, experts_modules, layers, self.budget, devices, strict=True
         ):
-            res = ResidentSet(layer.index, self.store, b, params, device, self.loaders[device])
+            self.stored_expert_bytes.append(sum(p[0].numel() * p.element_size() for p in params.values()))
+            templates = slot_templates(params, self.config.slot_dtype)
+            store = QuantizingStore(self.store) if self.config.slot_dtype == "int8" else self.store
+            res = ResidentSet(layer.index, store, b, templates, device, self.loaders[device])
             meta = {
                 n: (experts._parameters[n].requires_grad, tuple(p.shape), p.dtype) for n, p in params.items()
             }
             for name in params:
                 del experts._parameters[name]
-                object.__setattr__(experts, name, _ExpertView(res, name, layer.num_experts))
+                view = _ExpertView(res, name, layer.num_experts, params[name].dtype)
+                object.__setattr__(experts, name, view)
             wrapper = OffloadedExperts(
                 experts,
                 res,
@@ -410,7 +420,10 @@ class OffloadRuntime:
             "compute_s": sum(m.compute_s for m in self.modules),
             "switches": sum(m.switches for m in self.modules),
             "resident_expert_bytes": sum(r.slot_bytes for r in sets),
-            "expert_bytes": [r.expert_bytes for r in sets],
+            "expert_bytes": [
+                r.expert_bytes for r in sets
+            ],  # one expert in its slot (int8 slots: int8 + scales)
+            "stored_expert_bytes": list(self.stored_expert_bytes),
         }
 
     def events(self) -> list[tuple[int, int, int]]:
@@ -429,6 +442,7 @@ def offload(
     prefetch: bool | None = None,
     prefetch_config: PrefetchConfig | None = None,
     reader=None,
+    slot_dtype: str = "same",
 ) -> OffloadRuntime:
     """``with offload(model, OffloadConfig(0.25, "option:4")) as rt:`` — generate, read ``rt.totals()``.
 
@@ -447,5 +461,6 @@ def offload(
             async_loads=async_loads,
             prefetch=prefetch,
             prefetch_config=prefetch_config or PrefetchConfig(),
+            slot_dtype=slot_dtype,
         )
     return OffloadRuntime(model, config, reader=reader)

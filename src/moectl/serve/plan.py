@@ -22,6 +22,7 @@ from pathlib import Path
 from torch import nn
 
 from moectl.adapters import inspect
+from moectl.serve.int8 import expert_slot_bytes
 
 HEADROOM_BYTES = 640 * 2**20
 
@@ -96,14 +97,17 @@ def _expert_params(module: nn.Module, num_experts: int) -> list:
     return [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts]
 
 
-def plan_memory(model: nn.Module, budget_experts: list[int], min_experts: list[int]) -> MemoryPlan:
-    """The plan for ``model`` (any device, meta included) with ``budget_experts`` resident."""
+def plan_memory(
+    model: nn.Module, budget_experts: list[int], min_experts: list[int], slot_dtype: str = "same"
+) -> MemoryPlan:
+    """The plan for ``model`` (any device, meta included) with ``budget_experts`` resident in slots
+    of ``slot_dtype`` (``serve/int8.py``)."""
     info = inspect(model)
     expert_ids, per_expert = set(), []
     for layer in info.layers:
         params = _expert_params(layer.block.experts, layer.num_experts)
         expert_ids |= {id(p) for p in params}
-        per_expert.append(sum(p[0].numel() * p.element_size() for p in params))
+        per_expert.append(expert_slot_bytes(params, slot_dtype))
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in expert_ids:
@@ -145,7 +149,7 @@ def check_plan(plan: MemoryPlan) -> None:
     )
 
 
-def preflight(model: nn.Module, budget: float | int, policy) -> MemoryPlan:
+def preflight(model: nn.Module, budget: float | int, policy, slot_dtype: str = "same") -> MemoryPlan:
     """Check ``budget`` against the policy's minimum and the plan against the memory limit, for a
     model not loaded yet (built on meta): ``BudgetError`` / ``MemoryError`` naming the minimum."""
     from moectl.serve.offload import BudgetError, resolve_budget
@@ -162,6 +166,6 @@ def preflight(model: nn.Module, budget: float | int, policy) -> MemoryPlan:
                 f"MoE layer {layer.index}: a budget of {b} resident experts is too small: at least {m} are "
                 f"needed (top-k = {layer.top_k}, {layer.num_experts} experts per layer)"
             )
-    plan = plan_memory(model, budgets, minimum)
+    plan = plan_memory(model, budgets, minimum, slot_dtype)
     check_plan(plan)
     return plan

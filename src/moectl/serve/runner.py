@@ -118,7 +118,7 @@ def serve_offload(
     decode_loads = [e for e in events if e[0] in decode_steps]
     expert_bytes = totals["expert_bytes"]
     total_expert_bytes = sum(
-        b * layer.num_experts for b, layer in zip(expert_bytes, info.layers, strict=True)
+        b * layer.num_experts for b, layer in zip(totals["stored_expert_bytes"], info.layers, strict=True)
     )
     accesses = totals["hits"] + totals["misses"]
     token_s = max(wall - totals["stall_s"], 1e-9) / max(generated, 1)  # per-token time not held by loads

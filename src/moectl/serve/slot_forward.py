@@ -14,6 +14,11 @@ computes each expert while it is resident. Supported layouts: transformers' conc
 ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], no biases, not transposed, no post-expert
 norm (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek, Phi-MoE); the gate is the module's own
 ``_apply_gate``. Other layouts (gpt-oss: biases, transposed) keep the eager loop.
+
+int8 slots (``serve/int8.py``) hold each weight as int8 with per-row scales; the groups are then
+multiplied one resident slot at a time by the int8 weight-only kernel (a decode step touches
+top-k slots per layer: k products per projection, no per-token loop; one host sync per layer for
+the group sizes).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.models.grouped_mm import grouped_mm
+from moectl.serve.int8 import SCALE, int8_linear
 
 NAMES = frozenset({"gate_up_proj", "down_proj"})
 
@@ -49,8 +55,25 @@ def slot_experts_forward(
     offsets = flat.bincount(minlength=num_slots).cumsum(0).to(torch.int32)
     rows = order // k
     x = hidden[rows]
-    gate_up = grouped_mm(x, slots["gate_up_proj"].transpose(-2, -1), offsets)
-    out = grouped_mm(experts._apply_gate(gate_up), slots["down_proj"].transpose(-2, -1), offsets)
+    if slots["gate_up_proj"].dtype == torch.int8:
+        out = _int8_groups(experts, slots, x, flat.bincount(minlength=num_slots).tolist())
+    else:
+        gate_up = grouped_mm(x, slots["gate_up_proj"].transpose(-2, -1), offsets)
+        out = grouped_mm(experts._apply_gate(gate_up), slots["down_proj"].transpose(-2, -1), offsets)
     out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     result = hidden.new_zeros(num_tokens, hidden.shape[-1], dtype=out.dtype)
     return result.index_add_(0, rows, out).to(hidden.dtype)
+
+
+def _int8_groups(experts: nn.Module, slots: dict[str, Tensor], x: Tensor, counts: list[int]) -> Tensor:
+    """The experts of int8 slots over ``x`` (rows sorted by slot, ``counts[s]`` rows for slot s)."""
+    outs, start = [], 0
+    for slot, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = x[start : start + count]
+        start += count
+        gate_up = int8_linear(rows, slots["gate_up_proj"][slot], slots["gate_up_proj" + SCALE][slot])
+        h = experts._apply_gate(gate_up)
+        outs.append(int8_linear(h, slots["down_proj"][slot], slots["down_proj" + SCALE][slot]))
+    return torch.cat(outs)

@@ -1,0 +1,104 @@
+"""int8 weight-only resident slots: half the bytes of bf16 per resident expert, read at twice the speed.
+
+Issue 18 (kernels that read at memory speed): a decode step is bound by the bytes of expert
+weights it reads. ``benchmarks/decode_kernels.py`` measured, on OLMoE's expert shapes, bf16
+``F.linear`` / ``grouped_mm`` at ≈ 27 GB/s and PyTorch's int8 weight-only kernel
+(``aten._weight_int8pack_mm``: int8 weights, one scale per output row, bf16 activations) at
+≈ 31 GB/s of int8 read = 62 GB/s bf16-equivalent, 2.28× bf16 (2 threads). With ``slot_dtype="int8"``
+the offloading runtime keeps each resident expert's 3-D weights as int8 plus one scale per output
+row (symmetric absmax, round to nearest), quantised when the expert is loaded; the checkpoint
+and the store keep the original weights, so leaving the block restores them exactly.
+
+Deviation: not exact — a weight's error is at most half a step (absmax/254 of its row); the
+effect on logits and perplexity is measured by ``benchmarks/int8_slots.py``, not assumed.
+
+The kernel is used where it is known to be right: on the CPU, with 2-D contiguous activations,
+K (the reduction width) a multiple of 16 — with other K this PyTorch 2.13 CPU kernel returns
+garbage or crashes (measured: K = 8, 24, 33, 36, 40) — and few rows (decode; a long prefill
+multiplies the dequantised weight instead, where a GEMM is compute-bound anyway). Elsewhere
+(CUDA, other widths) the weight is dequantised for the product: the memory saving stays, the
+read speed-up does not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SLOT_DTYPES = ("same", "int8")
+SCALE = "_scale"  # slot name suffix of a quantised weight's per-row scales
+KERNEL_MAX_ROWS = 16  # rows (tokens) up to which the int8 kernel beats a dequantised GEMM
+
+
+def quantized(t: Tensor) -> bool:
+    """Whether a [E, ...] expert parameter is quantised in int8 slots: weights (≥ 2 dims per expert),
+    not biases."""
+    return t.dim() >= 3
+
+
+def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per output row: ``w ≈ q * scale[..., None]``; ``q`` int8 of ``w``'s shape,
+    ``scale`` in ``w``'s dtype with one value per row (the last dimension is reduced over)."""
+    w32 = w.float()
+    scale = w32.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    q = (w32 / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(w.dtype)
+
+
+def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
+    """``q * scale`` per row, in the scale's dtype."""
+    return q.to(scale.dtype) * scale.unsqueeze(-1)
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """``x @ (q * scale).T`` for x [M, K], q [N, K] int8, scale [N] (in x's dtype)."""
+    fast = (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[0] <= KERNEL_MAX_ROWS
+        and x.shape[1] % 16 == 0
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and scale.dtype == x.dtype
+    )
+    if fast:
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q.contiguous(), scale.contiguous())
+    return F.linear(x, dequantize_rows(q, scale.to(x.dtype)))
+
+
+def slot_templates(params: dict[str, Tensor], slot_dtype: str) -> dict[str, Tensor]:
+    """What a resident slot holds per expert parameter, as meta tensors [E, ...]: the parameter
+    itself (``"same"``), or for ``"int8"`` each weight as int8 plus its ``NAME_scale`` [E, rows]."""
+    if slot_dtype not in SLOT_DTYPES:
+        raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
+    out: dict[str, Tensor] = {}
+    for name, p in params.items():
+        if slot_dtype == "int8" and quantized(p):
+            out[name] = torch.empty(p.shape, dtype=torch.int8, device="meta")
+            out[name + SCALE] = torch.empty(p.shape[:-1], dtype=p.dtype, device="meta")
+        else:
+            out[name] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+    return out
+
+
+def expert_slot_bytes(params: dict[str, Tensor] | list[Tensor], slot_dtype: str) -> int:
+    """Bytes one resident expert takes in slots of ``slot_dtype`` (``params``: [E, ...] tensors)."""
+    items = params if isinstance(params, dict) else {str(i): p for i, p in enumerate(params)}
+    return sum(t[0].numel() * t.element_size() for t in slot_templates(items, slot_dtype).values())
+
+
+class QuantizingStore:
+    """An expert store whose ``load`` returns the int8 slot form of the ``inner`` store's experts
+    (the names of ``slot_templates``). ``inner`` stays the source of truth for restoring."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def load(self, layer: int, expert: int) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for name, w in self.inner.load(layer, expert).items():
+            if w.dim() >= 2:
+                out[name], out[name + SCALE] = quantize_rows(w)
+            else:
+                out[name] = w
+        return out
