@@ -17,7 +17,9 @@ drift hits each alike; medians printed, per wall second and per process-CPU seco
 torch/C++ built-ins, other), the top functions by own time, and moectl's by cumulative time.
 Profiler overhead inflates Python-heavy paths: compare groups and call counts between runs, and
 trust the unprofiled tokens/s for speed. ``serve-offload`` at budget 1.0 loads every expert once
-per run (each run is a fresh offload context, as each command is), included in its time.
+per run (each run is a fresh offload context, as each command is), included in its time; the
+``warm`` row is the same offloaded model entered once with every budgeted expert already
+resident — the routing and residency machinery of a steady-state decode step, no loads.
 
     python benchmarks/decode_profile.py [--model models/moectl-small-standard] [--budget 1.0]
         [--max-new-tokens 128] [--threads 2] [--rounds 3] [--llama-cpp] [--no-profile] [--top 15] [--json out/decode_profile.json]
@@ -94,6 +96,28 @@ def _serve(setup, prompts, n: int, out: dict) -> None:
     out.update(serve_offload(net, tok, prompts, config, n, progress=False, reader=reader))
 
 
+def _warm(setup):
+    """The offloaded model entered once, every budgeted expert made resident: what a decode step
+    costs in steady state, without the one-time loads a fresh ``serve-offload`` run includes."""
+    from moectl.routing import route
+    from moectl.serve import offload
+
+    net, tok, config, reader = setup
+    if hasattr(net, "set_experts_implementation"):
+        net.set_experts_implementation("eager")
+    rt = offload(net, config, reader=reader).__enter__()
+    for res in rt.resident_sets:
+        for expert in range(res.budget):
+            res.ensure(expert)
+        res.drain()
+
+    def run(prompts, n: int) -> None:
+        with route(net, rt.policy.routing(rt.info)):
+            _plain(net, tok, prompts, n)
+
+    return rt, run
+
+
 def profile(label: str, fn, tokens: int, top: int) -> dict:
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
@@ -150,11 +174,14 @@ def main() -> None:
     setup = _serve_setup(args.model, float(args.budget))
     eager = (*setup[:2], setup[2].with_(experts_forward="eager"), setup[3])  # the per-expert loop it replaced
     served: dict = {}
+    warm_setup = _serve_setup(args.model, float(args.budget))  # a second lazily loaded copy, kept offloaded
+    warm_rt, warm_run = _warm(warm_setup)
     runners = {
         f"transformers ({impl} experts)": plain(impl),
         "transformers (eager experts)": plain("eager"),
         f"serve-offload --budget {args.budget}": lambda: _serve(setup, prompts, n, served),
         f"serve-offload --budget {args.budget} (eager)": lambda: _serve(eager, prompts, n, served),
+        f"serve-offload --budget {args.budget}, warm": lambda: warm_run(prompts, n),
     }
     with tempfile.TemporaryDirectory() as tmp:
         if args.llama_cpp:
@@ -179,6 +206,8 @@ def main() -> None:
     names = [] if args.no_profile else list(runners)[:3]
     profiles = [profile(name, runners[name], tokens, args.top) for name in names]
     setup[3].close()
+    warm_rt.close()
+    warm_setup[3].close()
     for fn in runners.values():
         if hasattr(fn, "llm"):
             fn.llm.close()

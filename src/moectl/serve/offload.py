@@ -149,14 +149,24 @@ class OffloadedExperts(nn.Module):
         weights = args[1] if len(args) > 1 else kwargs.get("top_k_weights")
         if weights is None:
             return None
-        distinct = torch.unique(idx)  # sorted: the order the eager loop visits experts in
-        experts = distinct.tolist()  # one host sync per layer (the eager loop syncs once per expert)
-        if len(experts) > self.res.budget:
-            return None
-        slots = [self.res.access(e) for e in experts]
-        slot_of = torch.zeros(self.num_experts, dtype=torch.long, device=idx.device)
-        slot_of[distinct] = torch.tensor(slots, dtype=torch.long).to(idx.device, non_blocking=True)
-        return slot_experts_forward(self.inner, self.res.slots, hidden_states, slot_of[idx], weights)
+        if idx.numel() == idx.shape[-1]:  # one token (a decoding step): map its k ids on the host
+            chosen = idx.reshape(-1).tolist()  # one host sync per layer (the eager loop: one per expert)
+            experts = sorted(set(chosen))  # the order the eager loop visits experts in
+            if len(experts) > self.res.budget:
+                return None
+            slot = {e: self.res.access(e) for e in experts}
+            slot_index = torch.tensor([slot[e] for e in chosen], dtype=torch.long).view(idx.shape)
+            slot_index = slot_index.to(idx.device, non_blocking=True)
+        else:
+            distinct = torch.unique(idx)  # sorted: the order the eager loop visits experts in
+            experts = distinct.tolist()  # one host sync per layer
+            if len(experts) > self.res.budget:
+                return None
+            slots = [self.res.access(e) for e in experts]
+            slot_of = torch.zeros(self.num_experts, dtype=torch.long, device=idx.device)
+            slot_of[distinct] = torch.tensor(slots, dtype=torch.long).to(idx.device, non_blocking=True)
+            slot_index = slot_of[idx]
+        return slot_experts_forward(self.inner, self.res.slots, hidden_states, slot_index, weights)
 
 
 def resolve_budget(budget: float | int, num_experts: int) -> int:
