@@ -13,6 +13,7 @@ import moectl
 from _eval_data import small_cache
 from moectl.eval.multiple_choice import MCItem
 from moectl.models.load import load_model
+from moectl.options import curves as options_curves_lib
 from moectl.options.controller import build_controller
 from moectl.options.random_options import RandomOptions
 from moectl.routing import ExpertMask
@@ -34,27 +35,27 @@ def _log(run: Path, rewards: list[float], switch: list[float]) -> Path:
     return run
 
 
-# -- options_curves.py -----------------------------------------------------------------------------
+# -- options_curves.py (moectl.options.curves) ------------------------------------------------------
 def test_read_log_skips_a_half_written_last_row_and_refuses_a_broken_one(tmp_path):
     run = _log(tmp_path / "r", [-1.0, -0.5], [0.1, 0.2])
     with (run / "log.jsonl").open("a") as f:
         f.write('{"step": 3, "rew')  # the trainer is appending right now
-    assert [r["step"] for r in options_curves.read_log(run)] == [1, 2]
+    assert [r["step"] for r in options_curves_lib.read_log(run)] == [1, 2]
     (run / "log.jsonl").write_text('{"step": 1, "rew\n' + json.dumps({"step": 2}) + "\n")
     with pytest.raises(ValueError, match="line 1 is not JSON"):
-        options_curves.read_log(run)
+        options_curves_lib.read_log(run)
     with pytest.raises(ValueError, match=r"no log\.jsonl"):
-        options_curves.read_log(tmp_path / "missing")
+        options_curves_lib.read_log(tmp_path / "missing")
 
 
 def test_running_mean_and_bootstrap_band():
     values = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert np.allclose(options_curves.running_mean(values, 2), [1.0, 1.5, 2.5, 3.5, 4.5])
-    low, high = options_curves.bootstrap_band(np.full(7, 0.3), 3)
+    assert np.allclose(options_curves_lib.running_mean(values, 2), [1.0, 1.5, 2.5, 3.5, 4.5])
+    low, high = options_curves_lib.bootstrap_band(np.full(7, 0.3), 3)
     assert np.allclose(low, 0.3) and np.allclose(high, 0.3)  # nothing to resample
     noisy = np.random.default_rng(0).normal(size=40)
-    low, high = options_curves.bootstrap_band(noisy, 20)
-    mean = options_curves.running_mean(noisy, 20)
+    low, high = options_curves_lib.bootstrap_band(noisy, 20)
+    mean = options_curves_lib.running_mean(noisy, 20)
     assert low[0] == high[0] == noisy[0]  # a window of one value
     assert np.all(low <= mean + 1e-12) and np.all(mean <= high + 1e-12) and np.all(high[5:] > low[5:])
 

@@ -1,5 +1,5 @@
-"""``moectl options train | generate | eval`` (TE-MoE controllers) and ``moectl baselines`` (its
-pruning baselines, :mod:`moectl.cli.baselines`)."""
+"""``moectl options train | generate | eval | card`` (TE-MoE controllers) and ``moectl baselines``
+(its pruning baselines, :mod:`moectl.cli.baselines`)."""
 
 from __future__ import annotations
 
@@ -335,3 +335,61 @@ def eval_cmd(
             "switching": switching,
         },
     )
+
+
+@options_app.command("card")
+def card_cmd(
+    run: Annotated[Path, typer.Argument(help="The run folder of `moectl options train` (its --out).")],
+    base: Annotated[
+        Path,
+        typer.Option("--base", help="The base model's folder (config.json): the model it was trained on."),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="The folder to write: controller files, log, curves, README.md.")
+    ],
+    checkpoint: Annotated[
+        str,
+        typer.Option(
+            "--checkpoint", help="final (default), latest (the newest checkpoint) or a step number."
+        ),
+    ] = "final",
+    name: Annotated[
+        str | None, typer.Option("--name", help="The card's title (default: the folder's name).")
+    ] = None,
+    license: Annotated[
+        str | None, typer.Option("--license", help="The card's license id (default: moectl's, apache-2.0).")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")] = False,
+    json_path: JsonOpt = None,
+) -> None:
+    """Write a self-contained controller folder with a Hugging Face model card (use it as controller:OUT).
+
+    The controller of RUN's final/ (or a checkpoint, without its trainer state), the training log up to
+    that step, the training curves (TE-MoE Fig. 5) and README.md, every figure read from files."""
+    from rich.markup import escape
+
+    from moectl.options.card import write_controller_card
+
+    try:
+        result = write_controller_card(
+            run, base, out, checkpoint=checkpoint, name=name, license=license, overwrite=overwrite
+        )
+    except (ValueError, OSError) as err:
+        fail(err)
+    summary = result["summary"]
+    n = min(summary["window"], summary["steps_logged"])
+    where = f"{result['checkpoint']} (step {result['step']})"
+    table = Table(title=escape(f"{result['name']}: k̂={result['k_hat']}, η={result['eta']}, {where}"))
+    for col in ("", f"first {n} steps", f"last {n} steps"):
+        table.add_column(col)
+    for key, label in (("reward", "reward"), ("switch_rate", "switch rate"), ("kl", "KL per token"),
+                       ("teacher_ppl", "teacher ppl")):  # fmt: skip
+        cells = [summary[key][f"{which}_{n}"] for which in ("first", "last")]
+        table.add_row(label, *(f"{c['mean']:.4f} [{c['ci95'][0]:.4f}, {c['ci95'][1]:.4f}]" for c in cells))
+    console.print(table)
+    console.print(f"[dim]{summary['steps_logged']} steps logged; base model {result['base_model']}[/dim]")
+    console.print(f"wrote {escape(str(out))} ({', '.join(result['files'])})")
+    console.print(
+        f"[dim]use: moectl serve-offload {escape(str(base))} --policy controller:{escape(str(out))}[/dim]"
+    )
+    write_json(json_path, result)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from moectl.options.curves import WINDOW, running_mean
 
 _PANELS = (
     ("reward", "reward (−reverse KL)"),
@@ -16,15 +19,6 @@ _PANELS = (
     ("teacher_ppl", "teacher ppl of samples"),
 )
 
-
-def running_mean(values: list[float], window: int = 20) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
@@ -38,7 +32,7 @@ def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
     for ax, (key, label) in zip(axes.flat, _PANELS, strict=False):
         values = [row[key] for row in log]
         ax.plot(steps, values, alpha=0.3, color="tab:blue")
-        ax.plot(steps, running_mean(values), color="tab:blue")
+        ax.plot(steps, running_mean(np.asarray(values, dtype=np.float64), WINDOW), color="tab:blue")
         ax.set_title(label)
         ax.set_xlabel("step")
     axes.flat[-1].axis("off")
