@@ -55,7 +55,7 @@ def test_forward_and_gradients_equal_peft(family):
     peft_grads = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     checked = 0
     for name, module in expert_lora_modules(cheap):  # gradients reach A and B, equal to PEFT's
-        for (proj, which), key in _peft_keys(name, module).items():
+        for (proj, which), key in _peft_keys(name, module.experts).items():
             grad = (module.lora_A if which == "A" else module.lora_B)[proj].grad
             peft_key = key.replace(".weight", ".default.weight")
             assert grad is not None and grad.abs().sum() > 0, key

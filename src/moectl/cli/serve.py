@@ -57,11 +57,25 @@ def _preflight(folder: str, dtype: str, budget: float | int, policy: str, slot_d
     from moectl.serve.policies import parse_policy
 
     meta = build_meta(load_config(folder), None if dtype == "auto" else dtype)
-    try:
-        residency = parse_policy(policy, meta)
-    except Exception:  # e.g. a controller folder: it merges adapters into a loaded model
+    k_hat = _controller_k_hat(policy)
+    try:  # a controller's minimum is its k-hat: read it, do not merge its adapters into the meta model
+        residency = parse_policy(f"option:{k_hat}" if k_hat is not None else policy, meta)
+    except Exception:  # a policy that needs the loaded model
         residency = None
     preflight(meta, budget, residency, slot_dtype)
+
+
+def _controller_k_hat(policy: str) -> int | None:
+    """k-hat of a ``controller:DIR`` policy (or a controller / run folder), None for other policies."""
+    import json
+
+    from moectl.options.state import controller_dir
+
+    path = Path(policy.removeprefix("controller:"))
+    try:
+        return int(json.loads((controller_dir(path) / "controller.json").read_text())["k_hat"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @serve_app.command("serve-offload")

@@ -36,10 +36,12 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
+from moectl.serve.delta_store import PENDING  # the offloading runtime reads the pending deltas there
 
 __all__ = [
     "ExpertLoRA",
     "add_expert_lora",
+    "attach_pending_expert_lora",
     "expert_lora_disabled",
     "expert_lora_modules",
     "expert_lora_state_dict",
@@ -236,12 +238,12 @@ def merge_expert_lora(model: nn.Module) -> nn.Module:
 
 
 # -- PEFT-compatible saving ------------------------------------------------------------------
-def _peft_keys(name: str, module: ExpertLoRA) -> dict[tuple[str, str], str]:
+def _peft_keys(name: str, experts: nn.Module) -> dict[tuple[str, str], str]:
     """``{(projection, "A"|"B"): PEFT key}``. PEFT wraps the targeted parameters of one module in
     declaration order, each new ``ParamWrapper`` around the last, so the first-declared parameter
     sits deepest (``experts.base_layer.lora_A.weight``) and the last outermost (``experts.lora_A.weight``)."""
-    projections = set(_projections(module.experts))
-    declared = [n for n, _ in module.experts.named_parameters(recurse=False) if n in projections]
+    projections = set(_projections(experts))
+    declared = [n for n, _ in experts.named_parameters(recurse=False) if n in projections]
     keys = {}
     for depth, proj in enumerate(reversed(declared)):
         stem = f"{PEFT_PREFIX}{name}." + "base_layer." * depth
@@ -254,7 +256,7 @@ def expert_lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """Every expert adapter under PEFT's keys (as ``get_peft_model_state_dict`` names them)."""
     out = {}
     for name, module in expert_lora_modules(model):
-        for (proj, which), key in _peft_keys(name, module).items():
+        for (proj, which), key in _peft_keys(name, module.experts).items():
             p = module.lora_A[proj] if which == "A" else module.lora_B[proj]
             out[key] = p.detach().contiguous().cpu()
     return out
@@ -266,7 +268,7 @@ def load_expert_lora_state_dict(model: nn.Module, state: dict[str, Tensor]) -> s
     used = set()
     with torch.no_grad():
         for name, module in expert_lora_modules(model):
-            for (proj, which), key in _peft_keys(name, module).items():
+            for (proj, which), key in _peft_keys(name, module.experts).items():
                 if key not in state:
                     raise KeyError(f"the adapter file has no {key} (expert LoRA of {name}.{proj})")
                 p = module.lora_A[proj] if which == "A" else module.lora_B[proj]
@@ -292,3 +294,52 @@ def expert_lora_rank(model: nn.Module) -> tuple[int, float] | None:
     """(r, alpha) of the expert adapters, None when the model has none."""
     modules = expert_lora_modules(model)
     return (modules[0][1].r, modules[0][1].alpha) if modules else None
+
+
+# -- experts not in memory (a lazily loaded checkpoint) ---------------------------------------
+
+
+class PendingExpertLoRA:
+    """The expert adapters of an experts module whose weights are not in memory (the meta device:
+    ``serve-offload`` of a checkpoint reads each expert from its shards when it is needed). Nothing
+    can be merged into such weights, so each expert's s·B_e·A_e is added when the expert is loaded
+    (``moectl.serve.offload`` looks for it under ``PENDING``): what ``merge_expert_lora`` would have
+    folded in, one expert at a time."""
+
+    def __init__(
+        self, experts: nn.Module, factors: dict[str, tuple[Tensor, Tensor]], r: int, alpha: float
+    ) -> None:
+        self.factors, self.r, self.scaling = factors, int(r), alpha / r
+        self.num_experts = int(experts.num_experts)
+        self.transposed = bool(experts.is_transposed)
+
+    def delta(self, expert: int) -> dict[str, Tensor]:
+        """``{projection: s·B_e·A_e}`` of ``expert`` in the layout of the experts' parameter, float32."""
+        out = {}
+        for name, (a, b) in self.factors.items():
+            a_e = a.float().view(self.num_experts, self.r, -1)[expert]  # [r, in]
+            b_e = b.float().view(-1, self.r, self.num_experts)[:, :, expert]  # [out, r]
+            d = (b_e @ a_e) * self.scaling
+            out[name] = d.T if self.transposed else d
+        return out
+
+
+def attach_pending_expert_lora(model: nn.Module, state: dict[str, Tensor], r: int, alpha: float) -> set[str]:
+    """Attach the expert adapters of ``state`` (PEFT keys) to the experts modules whose weights are
+    on the meta device, as :class:`PendingExpertLoRA`; returns the keys used. KeyError when a
+    module has some of its keys but not all."""
+    used: set[str] = set()
+    for name, experts in experts_modules(model):
+        projections = _projections(experts)
+        if not all(getattr(getattr(experts, p, None), "is_meta", False) for p in projections):
+            continue
+        keys = _peft_keys(name, experts)
+        if not any(k in state for k in keys.values()):
+            continue
+        missing = [k for k in keys.values() if k not in state]
+        if missing:
+            raise KeyError(f"the adapter file has no {missing[0]} (expert LoRA of {name})")
+        factors = {p: (state[keys[(p, "A")]], state[keys[(p, "B")]]) for p in projections}
+        setattr(experts, PENDING, PendingExpertLoRA(experts, factors, r, alpha))
+        used |= set(keys.values())
+    return used

@@ -21,6 +21,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.options.controller import OptionController
 from moectl.options.expert_lora import (
     add_expert_lora,
+    attach_pending_expert_lora,
     expert_lora_rank,
     expert_lora_state_dict,
     expert_lora_target_parameters,
@@ -105,6 +106,9 @@ def load_weights(path: Path, model: nn.Module, info: ModelInfo) -> None:
     if (path / "adapter.safetensors").exists():
         state = load_file(str(path / "adapter.safetensors"))
         used = load_expert_lora_state_dict(model, state)
+        if (path / "adapter_config.json").exists():  # experts not in memory: their deltas wait for the loads
+            cfg = json.loads((path / "adapter_config.json").read_text())
+            used |= attach_pending_expert_lora(model, state, cfg["r"], cfg["lora_alpha"])
         if hasattr(model, "peft_config"):
             from peft import set_peft_model_state_dict
 
@@ -158,15 +162,18 @@ def load_controlled(
         targets = cfg.get("target_modules") or None
         experts = cfg.get("target_parameters") or None
         found = experts_modules(model, info) if experts else []
-        cheap = bool(found) and all(unsupported_reason(m) is None for _, m in found)
+        # experts on the meta device (a lazily loaded checkpoint): no weight to merge into; their
+        # adapters are attached as pending deltas, added as each expert is loaded (load_weights)
+        lazy = any(getattr(getattr(m, "down_proj", None), "is_meta", False) for _, m in found)
+        cheap = bool(found) and not lazy and all(unsupported_reason(m) is None for _, m in found)
         snapshot = router_snapshot(info)
         peft_model = model
-        if targets or (experts and not cheap):
+        if targets or (experts and not cheap and not lazy):
             lora = LoraConfig(
                 r=cfg["r"],
                 lora_alpha=cfg["lora_alpha"],
                 target_modules=targets,
-                target_parameters=None if cheap else experts,
+                target_parameters=None if cheap or lazy else experts,
             )
             peft_model = get_peft_model(model, lora)
         if cheap:  # the expert adapters on the selected experts' activations (expert_lora.py)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from moectl.adapters import inspect
 from moectl.serve.config import OffloadConfig
+from moectl.serve.delta_store import PENDING, DeltaStore
 from moectl.serve.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
 from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
@@ -295,6 +296,14 @@ class OffloadRuntime:
             if self.store_dir is None:
                 self._tmp = tempfile.mkdtemp(prefix="moectl-experts-")
             self.store = DiskStore.write(self.store_dir or self._tmp, layers, verify=self.verify)
+        deltas = {
+            layer.index: getattr(experts, PENDING)
+            for layer, experts in zip(info.layers, experts_modules, strict=True)
+            if getattr(experts, PENDING, None) is not None
+        }
+        self.slot_store = DeltaStore(self.store, deltas) if deltas else self.store  # adapters of lazy experts
+        if self.config.slot_dtype == "int8":
+            self.slot_store = QuantizingStore(self.slot_store)
         devices = [
             self._device_of(experts, params) for experts, params in zip(experts_modules, layers, strict=True)
         ]
@@ -309,7 +318,7 @@ class OffloadRuntime:
         ):
             self.stored_expert_bytes.append(sum(p[0].numel() * p.element_size() for p in params.values()))
             templates = slot_templates(params, self.config.slot_dtype)
-            store = QuantizingStore(self.store) if self.config.slot_dtype == "int8" else self.store
+            store = self.slot_store
             res = ResidentSet(layer.index, store, b, templates, device, self.loaders[device])
             meta = {
                 n: (experts._parameters[n].requires_grad, tuple(p.shape), p.dtype) for n, p in params.items()

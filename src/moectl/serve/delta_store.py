@@ -1,0 +1,36 @@
+"""Expert weights with an adapter's delta added as they are loaded.
+
+A trained controller's adapters on the experts (TE-MoE §4.3) are merged into the expert weights
+when the model holds them. A model served from a checkpoint's shards holds none (its experts are
+on the meta device, ``moectl.serve.lazy``), so ``moectl.options`` attaches the adapters to each
+experts module instead (``PENDING``: an object with ``delta(expert) -> {parameter: Tensor}``), and
+the offloading runtime reads experts through :class:`DeltaStore`, which adds the delta to each
+expert on its way into a resident slot: the weights served are the merged ones, one expert at a
+time, and the checkpoint is never changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+PENDING = "moectl_pending_lora"  # the attribute name moectl.options.expert_lora sets
+
+
+class DeltaStore:
+    """``load(layer, expert)`` of ``inner`` plus ``deltas[layer].delta(expert)`` where a layer has one."""
+
+    def __init__(self, inner, deltas: dict[int, Any]) -> None:
+        self.inner, self.deltas = inner, deltas
+
+    def load(self, layer: int, expert: int) -> dict[str, Tensor]:
+        weights = self.inner.load(layer, expert)
+        pending = self.deltas.get(layer)
+        if pending is None:
+            return weights
+        out = dict(weights)
+        for name, delta in pending.delta(expert).items():
+            w = weights[name]
+            out[name] = w + delta.to(w.device, w.dtype)  # merge_expert_lora's arithmetic; out of place
+        return out
