@@ -88,7 +88,14 @@ def copy_aside(folder: Path, dest: Path) -> Path:
 
 
 def folder_step(folder: Path) -> int | None:
-    """The training step a controller folder holds (``step-N``, or ``final/``'s configured steps)."""
+    """The training step a controller folder holds: its ``trainer_state.pt``'s step (a checkpoint,
+    or a copy of one set aside under any name), else ``step-N`` in its name, else ``final/``'s
+    configured steps."""
+    state = folder / "trainer_state.pt"
+    if state.exists():
+        step = torch.load(state, map_location="cpu", weights_only=True).get("step")
+        if step is not None:
+            return int(step)
     match = re.search(r"step-0*(\d+)$", folder.name)  # also a copy named RUN-step-N
     if match:
         return int(match.group(1))

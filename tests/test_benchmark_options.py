@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import moectl
 from _eval_data import small_cache
@@ -132,8 +133,8 @@ def test_run_folders_and_controller_overrides(tmp_path):
     assert options_headline.run_dir(Path("runs"), "std", 8, 0.02) == Path("runs/std-k8-eta0.02")
     run = tmp_path / "std-k8-eta0.02"
     (run / "checkpoints" / "step-000040").mkdir(parents=True)
-    for name in ("controller.json", "trainer_state.pt"):  # a complete checkpoint has its trainer state
-        (run / "checkpoints" / "step-000040" / name).write_text("{}")
+    (run / "checkpoints" / "step-000040" / "controller.json").write_text("{}")
+    torch.save({"step": 40}, run / "checkpoints" / "step-000040" / "trainer_state.pt")  # a complete checkpoint
     (run / "checkpoints" / "latest").write_text("step-000040")
     assert options_headline.controller_folder(run) is None  # unfinished: skipped unless --latest
     latest = options_headline.controller_folder(run, latest=True)
@@ -144,6 +145,11 @@ def test_run_folders_and_controller_overrides(tmp_path):
     assert options_headline.controller_folder(run, latest=True) == run / "final"
     assert options_headline.folder_step(run / "final") == 300
     assert options_headline.folder_step(tmp_path / "std-k16-eta0.02-step-000120") == 120  # a copy set aside
+    kept = tmp_path / "kept" / "std-k16-eta0.02"  # a checkpoint copied aside under the run's name
+    kept.mkdir(parents=True)
+    (kept / "options.json").write_text(json.dumps({"steps": 300}))
+    torch.save({"step": 120}, kept / "trainer_state.pt")
+    assert options_headline.folder_step(kept) == 120  # its trainer state, not the planned 300
     assert options_headline.parse_overrides([f"k16-eta0.02={latest}"]) == {(16, 0.02): latest}
     with pytest.raises(ValueError, match="expected kK-etaE=PATH"):
         options_headline.parse_overrides(["16=x"])
