@@ -103,6 +103,27 @@ def folder_step(folder: Path) -> int | None:
     return json.loads(options.read_text()).get("steps") if options.exists() else None
 
 
+def paired_kl(rows: list[dict]) -> list[dict]:
+    """Each controller's KL minus each baseline's at the same k-hat, on the same held-out documents:
+    the mean difference and its paired bootstrap 95% interval (documents resampled together)."""
+    import numpy as np
+
+    from moectl.eval.intervals import bootstrap_interval
+
+    out = []
+    for row in rows:
+        if not row["method"].startswith("controller"):
+            continue
+        for other in rows:
+            if other["k_hat"] != row["k_hat"] or other["method"].startswith(("controller", "base")):
+                continue
+            diff = np.asarray(row["kl_docs"]) - np.asarray(other["kl_docs"])
+            lo, hi = bootstrap_interval(lambda c, d=diff: (c @ d) / len(d), len(diff))
+            out.append({"k_hat": row["k_hat"], "method": row["method"], "against": other["method"],
+                        "difference": float(diff.mean()), "ci95": [lo, hi], "documents": len(diff)})  # fmt: skip
+    return out
+
+
 def parse_overrides(specs: list[str]) -> dict[tuple[int, float], Path]:
     """``kK-etaE=PATH`` → {(K, E): PATH}; ``ValueError`` naming the bad one."""
     out = {}
@@ -147,6 +168,7 @@ def quality_row(name, model, info, tokenizer, policies, teacher, k_hat, heldout,
         "k_hat": k_hat,
         "kl": quality["kl"],
         "kl_ci95": quality["kl_ci95"],
+        "kl_docs": quality["kl_docs"],
         "ppl_ratio": quality["ppl_ratio"],
         "per_domain": {
             d: {
@@ -422,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             add(row, acc, t0)
     scratch.cleanup()
+    doc["paired"] = paired_kl(doc["rows"])
+    for p in doc["paired"]:
+        print(f"  k̂={p['k_hat']} {p['method']} − {p['against']}: KL {p['difference']:+.4f} "
+              f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}] over {p['documents']} documents")  # fmt: skip
     doc["time"] = spent(t_start)
     write(args.out, doc)
     print()

@@ -192,3 +192,17 @@ def test_headline_end_to_end_on_a_tiny_model(tiny_eval, corpus, tmp_path, capsys
     assert options_headline.main([*common, "--limit", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "k-hat = 99" in err[0] and "--limit (7)" in err[1]
+
+
+def test_paired_kl_compares_controllers_with_baselines_on_the_same_documents():
+    docs = [0.10, 0.20, 0.30, 0.40]
+    rows = [
+        {"method": "base model", "k_hat": 16, "kl_docs": [0.0] * 4},
+        {"method": "wanda", "k_hat": 16, "kl_docs": docs},
+        {"method": "controller η=0.02", "k_hat": 16, "kl_docs": [d - 0.05 for d in docs]},
+        {"method": "wanda", "k_hat": 8, "kl_docs": docs},
+    ]
+    (p,) = options_headline.paired_kl(rows)
+    assert (p["method"], p["against"], p["k_hat"], p["documents"]) == ("controller η=0.02", "wanda", 16, 4)
+    assert p["difference"] == pytest.approx(-0.05)
+    assert p["ci95"][0] == pytest.approx(-0.05) and p["ci95"][1] == pytest.approx(-0.05)  # a constant shift

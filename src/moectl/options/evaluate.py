@@ -116,6 +116,7 @@ def heldout_quality(
     mean, half = ci95(all_kl)
     doms = result["domains"].values()
     result["kl"], result["kl_ci95"] = mean, half
+    result["kl_docs"] = all_kl  # per document, in the order of texts_by_domain: for paired comparisons
     result["ppl_ratio"] = sum(d["ppl"] / d["teacher_ppl"] for d in doms) / max(len(doms), 1)
     return result
 
