@@ -89,8 +89,8 @@ def copy_aside(folder: Path, dest: Path) -> Path:
 
 def folder_step(folder: Path) -> int | None:
     """The training step a controller folder holds: its ``trainer_state.pt``'s step (a checkpoint,
-    or a copy of one set aside under any name), else ``step-N`` in its name, else ``final/``'s
-    configured steps."""
+    or a copy of one set aside under any name), else ``step-N`` in its name, else the last step of
+    its ``training_log.jsonl`` (a ``moectl options card`` folder), else ``final/``'s configured steps."""
     state = folder / "trainer_state.pt"
     if state.exists():
         step = torch.load(state, map_location="cpu", weights_only=True).get("step")
@@ -99,6 +99,11 @@ def folder_step(folder: Path) -> int | None:
     match = re.search(r"step-0*(\d+)$", folder.name)  # also a copy named RUN-step-N
     if match:
         return int(match.group(1))
+    log = folder / "training_log.jsonl"  # a `moectl options card` folder: its log ends at its step
+    if log.exists():
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        if rows:
+            return int(rows[-1]["step"])
     options = folder / "options.json"
     return json.loads(options.read_text()).get("steps") if options.exists() else None
 

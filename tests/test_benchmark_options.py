@@ -150,6 +150,11 @@ def test_run_folders_and_controller_overrides(tmp_path):
     (kept / "options.json").write_text(json.dumps({"steps": 300}))
     torch.save({"step": 120}, kept / "trainer_state.pt")
     assert options_headline.folder_step(kept) == 120  # its trainer state, not the planned 300
+    card = tmp_path / "models" / "controller-k16"  # `moectl options card`: no trainer state, the log up to its step
+    card.mkdir(parents=True)
+    (card / "options.json").write_text(json.dumps({"steps": 300}))
+    (card / "training_log.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 120)))
+    assert options_headline.folder_step(card) == 120
     assert options_headline.parse_overrides([f"k16-eta0.02={latest}"]) == {(16, 0.02): latest}
     with pytest.raises(ValueError, match="expected kK-etaE=PATH"):
         options_headline.parse_overrides(["16=x"])
