@@ -36,3 +36,5 @@ if __name__ == "__main__":
         doc = run(root, name)
         if doc is not None:  # rank 0
             (root / f"{name}.dp.json").write_text(json.dumps(doc, default=str))
+    if torch.distributed.is_initialized():  # gloo's threads torn down before exit, not by std::terminate
+        torch.distributed.destroy_process_group()

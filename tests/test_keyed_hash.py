@@ -26,7 +26,9 @@ def test_roe_noise_draws_are_unchanged():
         0.37348222732543945, -0.9996837377548218, 1.1433473825454712, 0.343534380197525,
         0.607780933380127, 1.6949495077133179, -1.231029748916626, -0.5810598731040955,
     ]  # fmt: skip
-    assert torch.equal(g.flatten(), torch.tensor(expected, dtype=torch.float32))
+    # the integer hash (keys above) is exact everywhere; -log(-log(u)) goes through the CPU's vector
+    # log, whose last bits differ between instruction sets (measured: two Xeon machines), so a few ulps
+    torch.testing.assert_close(g.flatten(), torch.tensor(expected, dtype=torch.float32), rtol=4e-7, atol=4e-7)
 
 
 def test_request_noise_draws_are_unchanged():
