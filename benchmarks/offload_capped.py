@@ -63,10 +63,22 @@ def _run(cmd: list[str], cap: int | None, out: Path, timeout: int) -> dict:
         row.update(json.loads(out.read_text()))
     else:
         row["status"] = "killed (out of memory)" if rc in (137, -9) else f"failed (exit {rc})"
-        row["stderr_tail"] = stderr.strip().splitlines()[-3:]
+        row["stderr_tail"] = [line for line in stderr.strip().splitlines() if not PEAK.search(line)][-3:]
     row.pop("texts", None)
     row.pop("timeline", None)
     return row
+
+
+def corpus_prompts(args) -> list[str]:
+    """The first 200 characters of the first ``--prompt-docs`` test documents of each domain."""
+    per_domain: dict[str, list[str]] = {}
+    with open(args.corpus / "test.jsonl") as f:
+        for line in f:
+            doc = json.loads(line)
+            texts = per_domain.setdefault(doc.get("domain", "all"), [])
+            if len(texts) < args.prompt_docs:
+                texts.append(doc["text"][:200])
+    return [text for domain in sorted(per_domain) for text in per_domain[domain]]
 
 
 def moectl_cmd(args, policy: str, slot_dtype: str, out: Path, prompts: Path) -> list[str]:
@@ -119,9 +131,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--read-method", default="direct", choices=["direct", "fadvise", "plain"])
     ap.add_argument("--prompt", default="The history of the city begins with")
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        help="prompts from this corpus's test split: --prompt-docs documents per domain",
+    )
+    ap.add_argument("--prompt-docs", type=int, default=2, help="with --corpus: documents per domain")
+    ap.add_argument(
+        "--prompts",
+        type=Path,
+        help='a JSONL of prompts ({"prompt": ...} per line) instead of --prompt (moectl rows)',
+    )
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per row")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.corpus is not None and not (args.corpus / "test.jsonl").is_file():
+        print(
+            f"error: --corpus {args.corpus} has no test.jsonl (a folder from moectl corpus build)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.prompts is not None and not args.prompts.is_file():
+        print(f"error: --prompts {args.prompts} is not a file (a JSONL of prompts)", file=sys.stderr)
+        return 2
     total = checkpoint_bytes(args.checkpoint)
     if total == 0:
         print(f"error: {args.checkpoint} holds no *.safetensors", file=sys.stderr)
@@ -137,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     with tempfile.TemporaryDirectory(prefix="moectl-capped-") as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text(json.dumps({"prompt": args.prompt}) + "\n")
+        prompts = args.prompts or Path(tmp) / "prompts.jsonl"
+        if args.corpus is not None:
+            prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in corpus_prompts(args)))
+        elif args.prompts is None:
+            prompts.write_text(json.dumps({"prompt": args.prompt}) + "\n")
         slot_dtypes = args.slot_dtypes.split(",")
         systems = [("moectl", p, d) for d in slot_dtypes for p in args.policies.split(",")]
         if args.gguf is not None:
@@ -171,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\ncheckpoint {args.checkpoint} ({total / 1e9:.2f} GB), budget {args.budget}, {args.tokens} tokens"
+        f" per prompt"
     )
     print(header)
     for row in rows:

@@ -43,3 +43,34 @@ def test_unknown_slot_dtype_is_refused(capsys):
     ]
     assert _module().main(args) == 2
     assert "--slot-dtypes takes same and int8, got int4" in capsys.readouterr().err
+
+
+def test_corpus_prompts_and_a_controller_row(tmp_path):
+    """Prompts from a corpus's test split (documents per domain), and a trained controller as a policy:
+    the table on the reference model where switch rates mean something (issue 18, item 4)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = [{"text": f"{d} document {i} " * 40, "domain": d} for d in ("code", "math") for i in range(3)]
+    (corpus / "test.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    module = _module()
+    args = module.argparse.Namespace(corpus=corpus, prompt_docs=2)
+    prompts = module.corpus_prompts(args)
+    assert [p.split()[:2] for p in prompts] == [["code", "document"]] * 2 + [["math", "document"]] * 2
+    assert all(len(p) == 200 for p in prompts)
+    controller = ROOT / "models" / "moectl-small-standard-controller-k8-eta0.02"
+    out = tmp_path / "ref.json"
+    argv = ["--checkpoint", str(ROOT / "models" / "moectl-small-standard"), "--caps", "none",
+            "--policies", f"controller:{controller}", "--budget", "0.5", "--corpus", str(corpus),
+            "--prompt-docs", "1", "--tokens", "3", "--threads", "1", "--json", str(out)]  # fmt: skip
+    assert module.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["exit"] == 0, row
+    assert row["generated_tokens"] == 2 * 3
+    assert row["switch_rate"] is not None and 0.0 <= row["switch_rate"] <= 1.0
+
+
+def test_missing_corpus_is_refused(tmp_path, capsys):
+    argv = ["--checkpoint", str(ROOT / "models" / "moectl-small-standard"), "--caps", "none",
+            "--corpus", str(tmp_path)]  # fmt: skip
+    assert _module().main(argv) == 2
+    assert "has no test.jsonl" in capsys.readouterr().err

@@ -19,6 +19,8 @@ from rich.markup import escape
 from moectl.fileio import write_text_atomic
 
 console = Console(width=None if Console().is_terminal else 160)
+err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
+"""Errors go to standard error, so a verb's standard output stays its results."""
 
 ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
 OptionalModelArg = Annotated[
@@ -118,6 +120,6 @@ def check_json_path(path: Path | None) -> Path | None:
 
 
 def fail(err: Exception | str) -> NoReturn:
-    """Print ``error: ERR`` and leave with exit code 2."""
-    console.print(f"[bold red]error:[/bold red] {escape(str(err))}")
+    """Print ``error: ERR`` on standard error and leave with exit code 2."""
+    err_console.print(f"[bold red]error:[/bold red] {escape(str(err))}")
     raise typer.Exit(code=2) from (err if isinstance(err, BaseException) else None)

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.common import write_json
+from moectl.cli.common import err_console, write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app", "tokenizer_app"]
@@ -86,7 +86,7 @@ def build_command(
     try:
         stats = build_corpus(out, cache, chosen, max_docs_per_source, progress=progress, sources=SOURCES)
     except FetchError as exc:
-        _console.print(f"[red]error:[/] {exc}")
+        err_console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from exc
     _console.print(corpus_table(stats))
     _console.print(f"corpus written to {out} (stats in {out / 'stats.json'})")

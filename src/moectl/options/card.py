@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.options.curves import CURVES, RESAMPLES, WINDOW, plot, read_log, summarise
+from moectl.train.checkpoint import complete_checkpoints
 
 CARD = "README.md"
 LOG_NAME = "training_log.jsonl"
@@ -69,13 +70,8 @@ def parse_checkpoint(spec: str) -> str | int:
 
 
 def _checkpoints(run: Path) -> dict[int, Path]:
-    """The complete checkpoints of ``run`` (those with ``trainer_state.pt``) by step."""
-    found = {}
-    for path in (run / "checkpoints").glob("step-*"):
-        step = path.name.removeprefix("step-")
-        if step.isdigit() and (path / "trainer_state.pt").is_file():
-            found[int(step)] = path
-    return dict(sorted(found.items()))
+    """The complete checkpoints of ``run`` by step."""
+    return complete_checkpoints(run / "checkpoints")
 
 
 def _allowed(run: Path) -> str:
@@ -404,7 +400,7 @@ def write_controller_card(
     ``FileNotFoundError`` or ``FileExistsError`` naming what is wrong); DEST appears complete or not at all.
     """
     from moectl.train.checkpoint import write_dir_atomic
-    from moectl.train.model_card import _license
+    from moectl.train.model_card import package_license
 
     run, base, dest = Path(run), Path(base), Path(dest)
     checkpoint = parse_checkpoint(str(checkpoint)) if not isinstance(checkpoint, int) else checkpoint
@@ -427,7 +423,7 @@ def write_controller_card(
     summary["first_window_steps"] = [int(rows[0]["step"]), int(rows[n - 1]["step"])]
     summary["last_window_steps"] = [int(rows[-n]["step"]), int(rows[-1]["step"])]
     name = name or dest.resolve().name
-    license = license or _license()
+    license = license or package_license()
     files = sorted({p.name for p in copies} | {LOG_NAME, CURVES_NAME, CARD})
     text = card_text(
         name=name, dest=dest, base=base, base_config=base_config, controller=controller, options=options,

@@ -92,6 +92,16 @@ def latest_in(root: Path) -> Path | None:
     return None
 
 
+def complete_checkpoints(root: Path) -> dict[int, Path]:
+    """Every complete checkpoint (one with ``trainer_state.pt``) in ``root``'s ``step-N`` folders, by step."""
+    found = {}
+    for path in Path(root).glob("step-*"):
+        step = path.name.removeprefix("step-")
+        if step.isdigit() and (path / "trainer_state.pt").is_file():
+            found[int(step)] = path
+    return dict(sorted(found.items()))
+
+
 def latest_checkpoint(out: Path) -> Path | None:
     """The newest complete checkpoint under ``out`` (or ``out`` itself if it is one), else None."""
     if (out / "trainer_state.pt").exists():

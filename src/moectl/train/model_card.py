@@ -242,7 +242,8 @@ def _eval_scope(config: dict[str, Any]) -> str:
     return f"{batches} batches of the validation split" if batches else "the whole validation split"
 
 
-def _license() -> str:
+def package_license() -> str:
+    """moectl's own licence, lower-cased for a card's ``license:`` (``other`` if unknown)."""
     try:
         text = metadata.metadata("moectl").get("License") or "other"
     except metadata.PackageNotFoundError:
@@ -479,7 +480,7 @@ def write_card(
         copies["effective"] = (Path(effective_plot), EFFECTIVE_NAME)
     files = {key: target for key, (_, target) in copies.items()} if copy_files else {}
     text = card_text(model_dir, facts, model, sources, effective, results, name or model_dir.name,
-                     license or _license(), files)  # fmt: skip
+                     license or package_license(), files)  # fmt: skip
     written = []
     if copy_files:
         for source, target in copies.values():
