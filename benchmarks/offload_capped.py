@@ -38,6 +38,22 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
+def active_weight_bytes(folder: Path) -> int:
+    """Bytes of the weights one decoded token reads: every matrix but the routed experts it is not
+    routed to and the embedding table (``parameter_counts``' active_without_embedding, at the
+    checkpoint's dtype). Times decode tokens/s, the GB/s of weights a decode step reads (item 3)."""
+    import torch
+    from transformers import AutoConfig
+
+    from moectl.models.shapes import build_from_config, parameter_counts
+
+    config = AutoConfig.from_pretrained(folder)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = build_from_config(config, dtype=dtype, device="meta")
+    return parameter_counts(model)["active_without_embedding"] * dtype.itemsize
+
+
 def _run(cmd: list[str], cap: int | None, out: Path, timeout: int) -> dict:
     """Run ``cmd`` (which writes its JSON to ``out``) under the cap; the row's measured figures."""
     full = [str(MEMCAP), str(cap), "--", *cmd] if cap is not None else cmd
@@ -111,7 +127,7 @@ def _fmt(row: dict) -> str:
         f"| {row['system']} | {row.get('policy_label', '-')} | {cap} | {row.get('status', 'ok')} | "
         f"{g('decode_tokens_per_s')} | {g('time_to_first_token_s')} | {g('cgroup_peak_bytes', 2**30)} | "
         f"{g('peak_rss_bytes', 2**30)} | {g('disk_read_bytes_per_token', 2**20, 1)} | {g('hit_rate', 1, 3)} | "
-        f"{g('switch_rate', 1, 3)} |"
+        f"{g('switch_rate', 1, 3)} | {g('weights_gb_per_s')} |"
     )
 
 
@@ -158,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if total == 0:
         print(f"error: {args.checkpoint} holds no *.safetensors", file=sys.stderr)
         return 2
+    active = active_weight_bytes(args.checkpoint)
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
     if any(c is not None for c in caps) and not MEMCAP.exists():
         print(f"error: {MEMCAP} not found (the memory-cap tool beside the project)", file=sys.stderr)
@@ -197,12 +214,15 @@ def main(argv: list[str] | None = None) -> int:
                     cap_fraction=fraction,
                     cap_bytes=cap,
                     checkpoint_bytes=total,
+                    active_weight_bytes_per_token=active,
                 )
+                if row.get("decode_tokens_per_s"):
+                    row["weights_gb_per_s"] = active * row["decode_tokens_per_s"] / 1e9
                 rows.append(row)
                 print(_fmt(row), flush=True)
     header = (
         "| system | policy | cap | status | decode tok/s | TTFT s | cgroup peak GiB | peak RSS GiB | "
-        "disk MiB/token | hit rate | switch rate |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "disk MiB/token | hit rate | switch rate | weights GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     print(
         f"\ncheckpoint {args.checkpoint} ({total / 1e9:.2f} GB), budget {args.budget}, {args.tokens} tokens"
@@ -214,7 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
-            json.dumps({"checkpoint": str(args.checkpoint), "bytes": total, "rows": rows}, indent=1)
+            json.dumps(
+                {
+                    "checkpoint": str(args.checkpoint),
+                    "bytes": total,
+                    "active_weight_bytes_per_token": active,
+                    "rows": rows,
+                },
+                indent=1,
+            )
         )
     return 0
 

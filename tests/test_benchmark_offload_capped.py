@@ -30,6 +30,10 @@ def test_rows_per_policy_and_slot_dtype(tmp_path):
     assert [r["config"]["slot_dtype"] for r in rows] == ["same", "int8"]
     same, int8 = rows
     assert int8["resident_expert_bytes"] < 0.6 * same["resident_expert_bytes"]
+    active = json.loads(out.read_text())["active_weight_bytes_per_token"]
+    assert 0 < active < same["total_expert_bytes"] + same["non_expert_bytes"]
+    for row in rows:  # GB/s of weights a decode step reads = active bytes per token x decode tokens/s
+        assert row["weights_gb_per_s"] == active * row["decode_tokens_per_s"] / 1e9
 
 
 def test_unknown_slot_dtype_is_refused(capsys):
