@@ -78,3 +78,27 @@ def test_missing_corpus_is_refused(tmp_path, capsys):
             "--corpus", str(tmp_path)]  # fmt: skip
     assert _module().main(argv) == 2
     assert "has no test.jsonl" in capsys.readouterr().err
+
+
+def test_report_groups_by_cap_with_ratios_to_llama_cpp(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "offload_capped_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    base = {"checkpoint_bytes": 100, "cap_bytes": None}
+    rows = [
+        {**base, "system": "moectl", "policy_label": "lru", "cap_fraction": 0.45, "decode_tokens_per_s": 3.0,
+         "budget_experts_per_layer": [16, 16], "num_experts": [64, 64]},
+        {**base, "system": "llama.cpp", "policy_label": "mmap", "cap_fraction": 0.45, "decode_tokens_per_s": 1.5},
+        {**base, "system": "moectl", "policy_label": "lru", "cap_fraction": None, "decode_tokens_per_s": 2.0,
+         "budget_experts_per_layer": [16, 16], "num_experts": [64, 64]},
+        {**base, "system": "moectl", "policy_label": "lru", "cap_fraction": 0.35, "status": "killed (out of memory)"},
+    ]  # fmt: skip
+    path = tmp_path / "capped.json"
+    path.write_text(json.dumps({"rows": rows, "active_weight_bytes_per_token": 2e9}))
+    assert report.main([str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[2:]
+    assert [line.split(" | ")[3] for line in lines] == ["none", "45%", "45%", "35%"]
+    assert lines[1].startswith("| llama.cpp") and "| 2.0× |" in lines[2] and "| 16 of 64 |" in lines[2]
+    assert "| 6.0 |" in lines[2]  # weights GB/s = 2 GB per token x 3 tokens/s
+    assert "killed (out of memory)" in lines[3]
+    assert report.main([str(tmp_path / "nope.json")]) == 2
