@@ -164,6 +164,29 @@ def test_fused_checkpoint_is_sliced(tmp_path):
                 assert torch.equal(t, model.get_parameter(f"{layer.module}.{param}")[e])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_read_rows_reads_only_the_kept_experts(shapes_root, tmp_path, fused):
+    """A subset's experts (any order) from per-expert tensors and from fused ones: equal to the
+    whole tensor's rows, and only their bytes read (the GGUF export of a subset relies on it)."""
+    if fused:
+        model = moectl.tiny("qwen3_moe")
+        model.save_pretrained(tmp_path, save_original_format=False)
+        path = tmp_path
+    else:
+        path = _shape_dir(shapes_root, "olmoe-1b-7b")
+    reader = ShardReader.for_checkpoint(path)
+    layer = reader.layers[0]
+    rows = [5, 1, 3]
+    for param in layer.params:
+        name = f"{layer.module}.{param}"
+        whole = reader.read_tensor(name)
+        before = reader.stats.bytes
+        got = reader.read_rows(name, rows)
+        assert torch.equal(got, whole[rows])
+        assert reader.stats.bytes - before == sum(s.nbytes for r in rows for s in reader.map[name].segments(r))
+        assert reader.stats.bytes - before == whole[rows].numel() * whole.element_size()
+
+
 def test_tied_embeddings(tmp_path):
     model = moectl.tiny("olmoe", tie_word_embeddings=True)
     model.save_pretrained(tmp_path)

@@ -152,15 +152,15 @@ def plan(
 
 def arrays(reader: ShardReader, planned: Sequence[Planned]) -> Iterator[tuple[Planned, np.ndarray]]:
     """Each planned tensor's values as the numpy array the file stores (bf16 as its int16 bits).
-    Holds one source tensor at a time (a MoE layer's fused experts at most), reused by the two
-    halves of ``gate_up_proj``."""
-    last: tuple[str, torch.Tensor] | None = None
+    Holds one source tensor at a time (a MoE layer's fused experts at most, only the kept ones for a
+    subset), reused by the two halves of ``gate_up_proj``."""
+    last: tuple[tuple, torch.Tensor] | None = None
     for p in planned:
-        if last is None or last[0] != p.source:
-            last = (p.source, reader.read_tensor(p.source))
+        key = (p.source, p.experts)
+        if last is None or last[0] != key:  # a subset reads only its experts' bytes
+            whole = p.experts is None
+            last = (key, reader.read_tensor(p.source) if whole else reader.read_rows(p.source, p.experts))
         t = last[1]
-        if p.experts is not None:
-            t = t[list(p.experts)]
         if p.rows is not None:
             t = t[:, p.rows[0] : p.rows[1]]
         t = t.reshape(p.shape).to(_TORCH[p.qtype]).contiguous()

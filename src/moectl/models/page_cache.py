@@ -18,25 +18,14 @@ import mmap
 import os
 from pathlib import Path
 
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-CGROUP_V2 = Path("/sys/fs/cgroup")
+from moectl.models.cgroup import memory_cgroups
 
 
 def memory_cgroup() -> Path | None:
     """The ``memory.stat`` of this process's memory cgroup (v1 or v2), if it can be read."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            stat = CGROUP_V1 / path.lstrip("/") / "memory.stat"
-            return stat if stat.is_file() else None
-    for line in lines:
-        if line.startswith("0::"):
-            stat = CGROUP_V2 / line[3:].lstrip("/") / "memory.stat"
-            return stat if stat.is_file() else None
+    for group in memory_cgroups():
+        stat = group.folder / "memory.stat"
+        return stat if stat.is_file() else None
     return None
 
 

@@ -30,6 +30,7 @@ tensor when the reader is made; a missing or truncated shard raises ``ValueError
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +214,14 @@ class ShardReader:
         elif tuple(out.shape) != source.shape:
             raise ValueError(f"{name}: destination is {list(out.shape)}, the tensor is {list(source.shape)}")
         self._fill([(out, seg) for seg in source.segments()])
+        return out
+
+    def read_rows(self, name: str, rows: Sequence[int]) -> Tensor:
+        """Slices ``rows`` of dim 0 of model tensor ``name`` (a subset's experts, or their router
+        rows), stacked in that order: only those slices' bytes are read."""
+        source = self.map[name]
+        out = torch.empty((len(rows), *source.shape[1:]), dtype=source.dtype)
+        self._fill([(out[i], seg) for i, row in enumerate(rows) for seg in source.segments(row)])
         return out
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.models.grouped_mm import combine, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
 from moectl.serve.delta_store import PENDING  # the offloading runtime reads the pending deltas there
@@ -139,22 +140,15 @@ class ExpertLoRA(nn.Module):
         if not self.enabled:
             return base(hidden_states, top_k_index, top_k_weights)
         dtype = _compute_dtype(hidden_states)
-        num_tokens, hidden = hidden_states.shape
-        k = top_k_index.shape[-1]
-        chosen = top_k_index.reshape(-1)
-        order = torch.argsort(chosen, stable=True)
-        offsets = torch.bincount(chosen, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        rows = order // k
-        sorted_experts = chosen[order]
+        groups = group_by_expert(top_k_index, self.num_experts)
+        sorted_experts = top_k_index.reshape(-1)[groups.order]
         first, down = _projections(base)
-        h = self._project(first, hidden_states.to(dtype)[rows], offsets, sorted_experts)
+        h = self._project(first, hidden_states.to(dtype)[groups.rows], groups.offsets, sorted_experts)
         h = base._apply_gate(h) if base.has_gate else base.act_fn(h)
-        out = self._project(down, h, offsets, sorted_experts)
+        out = self._project(down, h, groups.offsets, sorted_experts)
         if getattr(base, "has_post_expert_norm", False):
             out = base.post_expert_norm(out)
-        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        result = torch.zeros(num_tokens, hidden, dtype=out.dtype, device=out.device)
-        return result.index_add_(0, rows, out).to(hidden_states.dtype)
+        return combine(out, top_k_weights, groups, hidden_states.shape[0]).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, experts={self.num_experts}, enabled={self.enabled}"

@@ -17,44 +17,19 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from torch import nn
 
 from moectl.adapters import inspect
+from moectl.models.cgroup import memory_limits
 from moectl.serve.int8 import expert_slot_bytes
 
 HEADROOM_BYTES = 640 * 2**20
 
 
-def _cgroup_limits() -> list[int]:
-    limits = []
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return limits
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2
-            root, leaf = Path("/sys/fs/cgroup"), "memory.max"
-        elif "memory" in controllers.split(","):
-            root, leaf = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
-        else:
-            continue
-        here = Path(path.lstrip("/"))
-        for folder in [here, *here.parents]:
-            try:
-                text = (root / folder / leaf).read_text().strip()
-            except OSError:
-                continue
-            if text.isdigit() and int(text) < 2**60:  # "max" / a huge number: no limit
-                limits.append(int(text))
-    return limits
-
-
 def memory_limit() -> int | None:
     """Bytes this process may use: the tightest cgroup limit, else physical memory (None if unknown)."""
-    limits = _cgroup_limits()
+    limits = memory_limits()
     with contextlib.suppress(ValueError, OSError, AttributeError):
         limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return min(limits) if limits else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moectl.models.grouped_mm import grouped_mm
+from moectl.models.grouped_mm import combine, group_by_expert, grouped_mm
 from moectl.serve.int8 import SCALE, int8_linear
 
 NAMES = frozenset({"gate_up_proj", "down_proj"})
@@ -48,21 +48,15 @@ def slot_experts_forward(
     experts: nn.Module, slots: dict[str, Tensor], hidden: Tensor, slot_index: Tensor, weights: Tensor
 ) -> Tensor:
     """Σ_k w_k · E_{slot_k}(x) per token: hidden [T, H], slot_index and weights [T, k]."""
-    num_tokens, k = slot_index.shape
-    flat = slot_index.reshape(-1)
-    order = flat.argsort(stable=True)
     num_slots = slots["gate_up_proj"].shape[0]
-    offsets = flat.bincount(minlength=num_slots).cumsum(0).to(torch.int32)
-    rows = order // k
-    x = hidden[rows]
+    groups = group_by_expert(slot_index, num_slots)
+    x = hidden[groups.rows]
     if slots["gate_up_proj"].dtype == torch.int8:
-        out = _int8_groups(experts, slots, x, flat.bincount(minlength=num_slots).tolist())
+        out = _int8_groups(experts, slots, x, groups.counts.tolist())
     else:
-        gate_up = grouped_mm(x, slots["gate_up_proj"].transpose(-2, -1), offsets)
-        out = grouped_mm(experts._apply_gate(gate_up), slots["down_proj"].transpose(-2, -1), offsets)
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    result = hidden.new_zeros(num_tokens, hidden.shape[-1], dtype=out.dtype)
-    return result.index_add_(0, rows, out).to(hidden.dtype)
+        gate_up = grouped_mm(x, slots["gate_up_proj"].transpose(-2, -1), groups.offsets)
+        out = grouped_mm(experts._apply_gate(gate_up), slots["down_proj"].transpose(-2, -1), groups.offsets)
+    return combine(out, weights, groups, hidden.shape[0]).to(hidden.dtype)
 
 
 def _int8_groups(experts: nn.Module, slots: dict[str, Tensor], x: Tensor, counts: list[int]) -> Tensor:

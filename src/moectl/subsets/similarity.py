@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.metrics.effective_experts import effective_number
 from moectl.progress import progress_bar
 from moectl.routing import route
 from moectl.subsets.calibrate import tokenize
@@ -109,14 +110,12 @@ def document_statistics(documents: Mapping[int, Sequence[Tensor]]) -> dict[int, 
     for index, per_domain in documents.items():
         v = torch.cat(list(per_domain)).double()
         label = torch.cat([torch.full((len(d),), i) for i, d in enumerate(per_domain)])
-        p = v / v.sum(-1, keepdim=True).clamp(min=1e-12)
-        entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)
         unit = F.normalize(v, dim=-1)
         cos = unit @ unit.T
         same = label[:, None] == label[None, :]
         other = ~torch.eye(len(v), dtype=torch.bool)
         out[index] = {
-            "effective_experts": float(entropy.exp().mean()),
+            "effective_experts": float(effective_number(v).mean()),
             "within_domain": float(cos[same & other].mean()),
             "across_domains": float(cos[~same].mean()),
         }

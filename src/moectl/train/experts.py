@@ -14,9 +14,9 @@ Supports experts with concatenated ``gate_up_proj`` [E, 2I, H] and ``down_proj``
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from moectl.models.grouped_mm import combine, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
 
@@ -28,19 +28,12 @@ def grouped_experts_forward(
 ) -> Tensor:
     """Σ_k w_k · E_{i_k}(x) for every token, with one grouped GEMM per projection."""
     dtype = _compute_dtype(hidden_states)
-    num_tokens, hidden = hidden_states.shape
-    k = top_k_index.shape[-1]
-    experts = top_k_index.reshape(-1)
-    order = torch.argsort(experts, stable=True)
-    offsets = torch.bincount(experts, minlength=module.num_experts).cumsum(0).to(torch.int32)
-    rows = order // k
-    x = hidden_states.to(dtype)[rows]
-    gate_up = _grouped_mm(x, module.gate_up_proj.to(dtype).transpose(-2, -1), offsets)
+    groups = group_by_expert(top_k_index, module.num_experts)
+    x = hidden_states.to(dtype)[groups.rows]
+    gate_up = _grouped_mm(x, module.gate_up_proj.to(dtype).transpose(-2, -1), groups.offsets)
     gate, up = gate_up.chunk(2, dim=-1)
-    out = _grouped_mm(module.act_fn(gate) * up, module.down_proj.to(dtype).transpose(-2, -1), offsets)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(dtype)
-    result = torch.zeros(num_tokens, hidden, dtype=out.dtype, device=out.device)
-    return result.index_add_(0, rows, out).to(hidden_states.dtype)
+    out = _grouped_mm(module.act_fn(gate) * up, module.down_proj.to(dtype).transpose(-2, -1), groups.offsets)
+    return combine(out, top_k_weights, groups, hidden_states.shape[0]).to(hidden_states.dtype)
 
 
 def register() -> str:
