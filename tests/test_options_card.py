@@ -185,3 +185,16 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(trained, tmp_pa
     assert [p.name for p in dest.iterdir()] == ["keep.txt"]
     assert _card(run, base, dest, "--overwrite").exit_code == 0
     assert (dest / "README.md").exists() and not (dest / "keep.txt").exists()
+
+
+def test_final_step_is_the_last_logged_step(tmp_path):
+    """A finished run resumed with another --steps: options.json's planned steps are not the step
+    final/ holds; the log's last step is."""
+    from moectl.options.card import find_source
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "controller.json").write_text("{}")
+    (final / "options.json").write_text(json.dumps({"steps": 5}))
+    assert find_source(tmp_path / "run", "final", last_logged=3).step == 3
+    assert find_source(tmp_path / "run", "final").step == 5

@@ -83,9 +83,10 @@ def _allowed(run: Path) -> str:
     return ", ".join(choices) if choices else "none (the run has neither final/ nor a checkpoint yet)"
 
 
-def find_source(run: Path, checkpoint: str | int) -> Source:
+def find_source(run: Path, checkpoint: str | int, last_logged: int | None = None) -> Source:
     """The folder ``--checkpoint`` names in ``run`` and its step; ``FileNotFoundError`` naming the
-    choices the run has otherwise. A final folder's step is its ``options.json``'s ``steps``."""
+    choices the run has otherwise. A final folder's step is the run's last logged step (written
+    right after it), else its ``options.json``'s ``steps``."""
     run = Path(run)
     if checkpoint == "final":
         folder = run / "final"
@@ -93,7 +94,8 @@ def find_source(run: Path, checkpoint: str | int) -> Source:
             raise FileNotFoundError(
                 f"--checkpoint final: {run} has no final/ (training has not finished); allowed: {_allowed(run)}"
             )
-        return Source(folder, "final", int(_read_json(folder / "options.json")["steps"]))
+        step = last_logged if last_logged is not None else int(_read_json(folder / "options.json")["steps"])
+        return Source(folder, "final", step)
     found = _checkpoints(run)
     if checkpoint == "latest":
         if not found:
@@ -409,7 +411,7 @@ def write_controller_card(
             f"{run}: no such run folder (give the --out folder of `moectl options train`)"
         )
     logged = read_log(run)  # no log, or a broken one: said before the checkpoint is looked for
-    source = find_source(run, checkpoint)
+    source = find_source(run, checkpoint, int(logged[-1]["step"]))
     copies = check_source(source)
     base_config = read_base(base)
     controller = _read_json(source.folder / "controller.json")
