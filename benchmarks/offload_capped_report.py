@@ -41,6 +41,19 @@ def _budget(row: dict) -> str:
     return f"{'/'.join(map(str, n))} of {'/'.join(map(str, e))}"
 
 
+def _times(ratio: float) -> str:
+    return f"{ratio:.1f}×" if ratio >= 1 else f"{ratio:.2f}×"
+
+
+def _label(row: dict) -> str:
+    """The policy as given, a controller named by its folder's name rather than its path."""
+    label = row.get("policy_label", "–")
+    if label.startswith("controller:"):
+        head, _, tail = label.partition(",")
+        label = "controller:" + Path(head.removeprefix("controller:")).name + (f",{tail}" if tail else "")
+    return label
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: one line per row, ratios to llama.cpp's decode tokens/s under the same cap."""
     lines = [
@@ -54,21 +67,26 @@ def table(rows: list[dict]) -> str:
         v = row.get(key)
         return "–" if v is None else f"{v / scale:.{digits}f}"
 
-    ordered = sorted(rows, key=lambda r: (_cap_key(r), r["system"] != "llama.cpp"))
+    def order(row: dict) -> tuple:  # a cap's rows: llama.cpp, then moectl's by slot dtype and budget
+        budget = row.get("budget_experts_per_layer") or [0]
+        budget = max(budget) if isinstance(budget, list) else budget
+        return (_cap_key(row), row["system"] != "llama.cpp", "int8" in row.get("policy_label", ""), budget)
+
+    ordered = sorted(rows, key=order)
     for row in ordered:
         cap = "none" if row["cap_fraction"] is None else f"{row['cap_fraction']:.0%}"
         status = row.get("status")
         speed = g(row, "decode_tokens_per_s") if status is None else status
         base = llama.get(row["cap_fraction"])
         ratio = (
-            f"{row['decode_tokens_per_s'] / base:.1f}×"
+            _times(row["decode_tokens_per_s"] / base)
             if row["system"] == "moectl" and base and row.get("decode_tokens_per_s")
             else "–"
         )
         lines.append(
-            f"| {row['system']} | {row.get('policy_label', '–')} | {_budget(row)} | {cap} | {speed} | {ratio} | "
+            f"| {row['system']} | {_label(row)} | {_budget(row)} | {cap} | {speed} | {ratio} | "
             f"{g(row, 'time_to_first_token_s', digits=1)} | {g(row, 'cgroup_peak_bytes', 2**30)} | "
-            f"{g(row, 'peak_rss_bytes', 2**30)} | {g(row, 'disk_read_bytes_per_token', 2**20, 0)} | "
+            f"{g(row, 'peak_rss_bytes', 2**30)} | {g(row, 'disk_read_bytes_per_token', 2**20, 1 if (row.get('disk_read_bytes_per_token') or 0) < 10 * 2**20 else 0)} | "
             f"{g(row, 'hit_rate', digits=2)} | {g(row, 'switch_rate', digits=3)} | {g(row, 'weights_gb_per_s', digits=1)} |"
         )
     return "\n".join(lines)
