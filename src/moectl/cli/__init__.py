@@ -49,7 +49,9 @@ app.add_typer(
 )
 app.command("baselines")(baselines.baselines_command)
 app.add_typer(checkpoint.checkpoint_app, name="checkpoint", help="Write checkpoints of real models' shapes.")
-app.add_typer(export.export_app, name="export", help="Write a model in another engine's format (GGUF for llama.cpp).")
+app.add_typer(
+    export.export_app, name="export", help="Write a model in another engine's format (GGUF for llama.cpp)."
+)
 
 
 def main() -> None:
@@ -60,7 +62,20 @@ def main() -> None:
         from moectl.train.allocator import reexec_with_fast_allocator
 
         reexec_with_fast_allocator()  # training steps page-fault under glibc's defaults
-    app()
+    try:
+        app()
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Under ``accelerate launch``, tear the process group down before the interpreter exits: gloo's
+    threads still alive at exit end the process in ``std::terminate`` (SIGABRT) now and then."""
+    import sys
+
+    torch = sys.modules.get("torch")  # never imported just for this
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
