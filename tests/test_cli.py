@@ -107,3 +107,11 @@ def test_inspect_local_checkpoint(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path / "ckpt"), "--json", str(tmp_path / "i.json")])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "i.json").read_text())["family"] == "mixtral"
+
+
+def test_errors_go_to_standard_error():
+    """A verb's standard output is its results (tables, JSON on stdout); ``error: …`` is on stderr."""
+    result = runner.invoke(app, ["inspect", "--tiny", "nonesuch"])
+    assert result.exit_code == 2
+    assert "no tiny config for family 'nonesuch'" in result.stderr
+    assert "error" not in result.stdout
