@@ -72,6 +72,7 @@ def test_the_card_folder_is_the_final_controller_with_log_curves_and_card(traine
     assert all(p.stat().st_mode & 0o777 == default_mode() for p in dest.iterdir())
     rows = read_log(run)
     assert [json.loads(x) for x in (dest / "training_log.jsonl").read_text().splitlines()] == rows
+    assert read_log(dest) == rows  # curves and summaries read a controller folder as they read a run
     assert (dest / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     card = ModelCard.load(dest / "README.md")  # the Hub's own parser reads the front matter

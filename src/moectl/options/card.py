@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moectl.options.curves import CURVES, RESAMPLES, WINDOW, plot, read_log, summarise
+from moectl.options.curves import CARD_LOG, CURVES, RESAMPLES, WINDOW, plot, read_log, summarise
 from moectl.train.checkpoint import complete_checkpoints
 
 CARD = "README.md"
-LOG_NAME = "training_log.jsonl"
+LOG_NAME = CARD_LOG
 CURVES_NAME = "training_curves.png"
 SKIPPED = ("trainer_state.pt",)  # resuming state: not part of a controller
 REQUIRED = ("controller.json", "controller.safetensors", "options.json")

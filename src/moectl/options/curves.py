@@ -51,14 +51,23 @@ CURVES = (
 )
 
 
+CARD_LOG = "training_log.jsonl"  # the log's name in a controller folder (``options/card.py``)
+
+
 def read_log(run: Path) -> list[dict]:
-    """The rows of ``run/log.jsonl`` in step order; a last line still being written is left out.
+    """The rows of ``run/log.jsonl`` (a run folder) or ``run/training_log.jsonl`` (a controller
+    folder written by ``moectl options card``) in step order; a last line still being written is
+    left out.
 
     ``ValueError`` naming the file when there is no log, no row, or a broken line before the last.
     """
     path = run / "log.jsonl"
+    if not path.is_file() and (run / CARD_LOG).is_file():
+        path = run / CARD_LOG
     if not path.is_file():
-        raise ValueError(f"{run}: no log.jsonl (a folder written by `moectl options train` is needed)")
+        raise ValueError(
+            f"{run}: no log.jsonl (a folder written by `moectl options train` or `moectl options card` is needed)"
+        )
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     rows = []
     for i, line in enumerate(lines):
