@@ -30,6 +30,19 @@ from pathlib import Path
 from moectl.options.curves import WINDOW, plot, read_log, summarise
 
 
+def _short(names: list[str]) -> list[str]:
+    """The folder names without their common prefix up to a ``-`` (legend labels: ``k8-eta0.02``
+    rather than ``moectl-small-standard-controller-k8-eta0.02``); unchanged for a single run."""
+    if len(names) < 2:
+        return names
+    prefix = names[0]
+    for name in names[1:]:
+        while not name.startswith(prefix):
+            prefix = prefix[:-1]
+    cut = prefix.rfind("-") + 1
+    return [name[cut:] for name in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, nargs="+", required=True, help="run folders holding log.jsonl")
@@ -50,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--runs: two runs share a folder name ({', '.join(names)}); the legend needs each once"
             )
-        runs = {run.name: read_log(run) for run in args.runs}
+        runs = dict(zip(_short(names), (read_log(run) for run in args.runs), strict=True))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

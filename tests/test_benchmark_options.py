@@ -69,7 +69,7 @@ def test_curves_script_draws_every_run_and_summarises(tmp_path, capsys):
     assert options_curves.main(["--runs", str(a), str(b), "--out", str(png), "--json", str(out)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = {s["run"]: s for s in json.loads(out.read_text())["runs"]}
-    k8, k16 = summary["std-k8-eta0.02"], summary["std-k16-eta0.02"]
+    k8, k16 = summary["k8-eta0.02"], summary["k16-eta0.02"]  # the runs' common prefix left out
     assert k8["steps_logged"] == 30 and k8["last_step"] == 30
     assert k8["reward"]["last_20"]["mean"] == pytest.approx(np.mean(rewards[-20:]))
     assert k8["kl"]["last_20"]["mean"] == pytest.approx(-np.mean(rewards[-20:]))  # KL = −reward
