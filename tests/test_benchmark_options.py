@@ -211,3 +211,20 @@ def test_paired_kl_compares_controllers_with_baselines_on_the_same_documents():
     assert (p["method"], p["against"], p["k_hat"], p["documents"]) == ("controller η=0.02", "wanda", 16, 4)
     assert p["difference"] == pytest.approx(-0.05)
     assert p["ci95"][0] == pytest.approx(-0.05) and p["ci95"][1] == pytest.approx(-0.05)  # a constant shift
+
+
+def test_paired_kl_compares_a_later_controller_with_an_earlier_one():
+    """η = 0.04 against η = 0.02 at the same k-hat (Table 3's two columns), once, in list order."""
+    docs = [0.10, 0.20, 0.30, 0.40]
+    rows = [
+        {"method": "wanda", "k_hat": 8, "kl_docs": docs},
+        {"method": "controller η=0.02", "k_hat": 8, "kl_docs": [d - 0.05 for d in docs]},
+        {"method": "controller η=0.04", "k_hat": 8, "kl_docs": [d - 0.02 for d in docs]},
+    ]
+    pairs = {(p["method"], p["against"]): p for p in options_headline.paired_kl(rows)}
+    assert set(pairs) == {
+        ("controller η=0.02", "wanda"),
+        ("controller η=0.04", "wanda"),
+        ("controller η=0.04", "controller η=0.02"),
+    }
+    assert pairs["controller η=0.04", "controller η=0.02"]["difference"] == pytest.approx(0.03)
