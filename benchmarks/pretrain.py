@@ -24,7 +24,7 @@ validation split and their relative difference (issue 14.1's goal: within 1%). T
 they stopped (run it again with the same ``--out``):
 
     python benchmarks/pretrain.py --precision --preset small --corpus data/corpus --out runs \
-        --json benchmarks/results/pretrain_precision.json
+        --json benchmarks/results/pretrain_precision.json --plot benchmarks/results/pretrain_precision.png
 """
 
 from __future__ import annotations
@@ -62,13 +62,29 @@ def summarise(run: Path) -> dict:
 
 SPEED_VARIANTS = [
     # before: fp32, transformers' default experts (its grouped_mm: fp32 weights), transformers' loss
-    ("fp32, default experts, HF loss (before)", {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False}, "system"),
+    (
+        "fp32, default experts, HF loss (before)",
+        {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False},
+        "system",
+    ),
     # then one change at a time, all under tcmalloc (glibc's step times vary 1.3-8.8 s: allocator.py)
     ("+ tcmalloc", {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False}, "fast"),
     ("+ bf16 autocast", {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False}, "fast"),
-    ("+ grouped expert GEMMs in bf16", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False}, "fast"),
-    ("+ fused chunked cross-entropy (moectl pretrain)", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "fast"),
-    ("same, glibc allocator", {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True}, "system"),
+    (
+        "+ grouped expert GEMMs in bf16",
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False},
+        "fast",
+    ),
+    (
+        "+ fused chunked cross-entropy (moectl pretrain)",
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True},
+        "fast",
+    ),
+    (
+        "same, glibc allocator",
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True},
+        "system",
+    ),
 ]
 
 
@@ -89,7 +105,11 @@ def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None)
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for label, knobs, allocator in SPEED_VARIANTS:
-            env, _ = fast_allocator_env() if allocator == "fast" else (dict(os.environ, MOECTL_ALLOCATOR="system"), "")
+            env, _ = (
+                fast_allocator_env()
+                if allocator == "fast"
+                else (dict(os.environ, MOECTL_ALLOCATOR="system"), "")
+            )
             env["OMP_NUM_THREADS"] = str(threads)
             spec = json.dumps({"preset": preset, "out": out, "corpus": corpus, "max_steps": 400, **knobs})
             proc = subprocess.run(
@@ -117,7 +137,11 @@ def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None)
     )
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"preset": preset, "threads": threads, "peak_bf16_flops": peak, "rows": rows}, indent=2))
+        json_path.write_text(
+            json.dumps(
+                {"preset": preset, "threads": threads, "peak_bf16_flops": peak, "rows": rows}, indent=2
+            )
+        )
 
 
 def precision(args: argparse.Namespace) -> None:
@@ -151,10 +175,41 @@ def precision(args: argparse.Namespace) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**rows, "relative_difference": relative}, indent=2) + "\n")
+    if args.plot:
+        plot_precision(rows, args.plot)
+
+
+def plot_precision(rows: dict, path: Path) -> None:
+    """Training cross-entropy against the step for each precision (the steps the log records, the
+    same batches in both runs), each labelled with its final validation loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, row in rows.items():
+        logged = [
+            json.loads(x) for x in (Path(row["run"]) / "log.jsonl").read_text().splitlines() if x.strip()
+        ]
+        steps = [r for r in logged if "ce" in r and not r.get("final")]
+        ax.plot([r["step"] + 1 for r in steps], [r["ce"] for r in steps], lw=1.4,
+                label=f"{label}: validation loss {row['val_loss']:.4f}")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("training cross-entropy (nats)")
+    ax.set_title("bf16 autocast vs fp32: same data, order, seed and steps", fontsize=10)
+    ax.legend(frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="small")
     parser.add_argument("--corpus", default=None)
     parser.add_argument("--tokenizer", default=None)
@@ -162,11 +217,14 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--out", default="runs")
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--runs", nargs=2, type=Path, help="standard and EMO run directories (with --report-only)")
+    parser.add_argument(
+        "--runs", nargs=2, type=Path, help="standard and EMO run directories (with --report-only)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--speed", action="store_true", help="measure the training step's speed-ups and MFU")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", action="store_true", help="bf16 autocast vs fp32 validation loss")
+    parser.add_argument("--plot", type=Path, default=None, help="with --precision: both loss curves as a PNG")
     parser.add_argument("--speed-variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.precision:
@@ -180,8 +238,14 @@ def main() -> None:
     if not args.report_only:
         for objective, run in zip(("standard", "emo"), runs, strict=True):
             config = TrainConfig.from_preset(
-                args.preset, out=str(run), objective=objective, corpus=args.corpus, tokenizer=args.tokenizer,
-                max_steps=args.max_steps, micro_batch=args.micro_batch, eval_every=100,
+                args.preset,
+                out=str(run),
+                objective=objective,
+                corpus=args.corpus,
+                tokenizer=args.tokenizer,
+                max_steps=args.max_steps,
+                micro_batch=args.micro_batch,
+                eval_every=100,
             )
             pretrain(config)
     std, emo = (summarise(run) for run in runs)
@@ -189,11 +253,15 @@ def main() -> None:
     print(f"{'':<14}{'standard':>12}{'EMO':>12}{'EMO/std':>10}")
     print(f"{'tokens':<14}{std['tokens']:>12,}{emo['tokens']:>12,}")
     ratio = std["tokens_per_s"] / emo["tokens_per_s"]
-    print(f"{'tokens/s':<14}{std['tokens_per_s']:>12.0f}{emo['tokens_per_s']:>12.0f}{ratio:>10.3f}  (time overhead, goal <= 1.05)")
+    print(
+        f"{'tokens/s':<14}{std['tokens_per_s']:>12.0f}{emo['tokens_per_s']:>12.0f}{ratio:>10.3f}  (time overhead, goal <= 1.05)"
+    )
     for domain in domains:
         a, b = std["val_loss_per_domain"][domain], emo["val_loss_per_domain"].get(domain, float("nan"))
         print(f"{'val ' + domain:<14}{a:>12.4f}{b:>12.4f}{b / a:>10.3f}")
-    print(f"{'val all':<14}{std['val_loss']:>12.4f}{emo['val_loss']:>12.4f}{emo['val_loss'] / std['val_loss']:>10.3f}  (goal: within 2%)")
+    print(
+        f"{'val all':<14}{std['val_loss']:>12.4f}{emo['val_loss']:>12.4f}{emo['val_loss'] / std['val_loss']:>10.3f}  (goal: within 2%)"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"standard": std, "emo": emo, "emo_time_overhead": ratio}, indent=2))
     for summary, run in zip((std, emo), runs, strict=True):
