@@ -144,3 +144,37 @@ def test_add_lora_saves_a_folder_peft_loads_and_options_merge(tmp_path):
     load_weights(folder, fresh, moectl.inspect(fresh))
     with torch.no_grad():
         assert torch.allclose(fresh(input_ids=ids).logits, trained, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])  # gpt_oss: biases gathered per padded row
+def test_padded_groups_under_bf16_autocast_change_nothing(family, monkeypatch):
+    """On the CPU in bf16 the groups are padded (``cpu_pad``: oneDNN compiles a kernel per new group
+    size); outputs and the factors' gradients are those of the unpadded grouping."""
+    import moectl.options.expert_lora as expert_lora
+
+    model = moectl.tiny(family)
+    add_expert_lora(model, r=4, alpha=8)
+    g = torch.Generator().manual_seed(2)
+    for _, module in expert_lora_modules(model):
+        for p in module.parameters():
+            if p.requires_grad:
+                p.data = 0.1 * torch.randn(p.shape, generator=g)
+    ids = torch.randint(3, 200, (4, 160), generator=torch.Generator().manual_seed(0))
+    pads, results, real = [], [], expert_lora.cpu_pad
+    for force_plain in (False, True):
+        if force_plain:
+            monkeypatch.setattr(expert_lora, "cpu_pad", lambda *a: 1)
+        else:
+            monkeypatch.setattr(expert_lora, "cpu_pad", lambda *a: pads.append(real(*a)) or pads[-1])
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits.float()
+        logits.square().mean().backward()
+        grads = [
+            p.grad.clone() for _, m in expert_lora_modules(model) for p in m.parameters() if p.requires_grad
+        ]
+        results.append((logits, grads))
+    assert pads and all(p == 32 for p in pads)  # the padded path ran
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b)

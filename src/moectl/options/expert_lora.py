@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.models.grouped_mm import combine, group_by_expert
+from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
 from moectl.serve.delta_store import PENDING  # the offloading runtime reads the pending deltas there
@@ -140,10 +140,13 @@ class ExpertLoRA(nn.Module):
         if not self.enabled:
             return base(hidden_states, top_k_index, top_k_weights)
         dtype = _compute_dtype(hidden_states)
-        groups = group_by_expert(top_k_index, self.num_experts)
-        sorted_experts = top_k_index.reshape(-1)[groups.order]
+        rows = hidden_states.shape[0] * top_k_index.shape[-1]
+        groups = group_by_expert(
+            top_k_index, self.num_experts, cpu_pad(hidden_states, dtype, rows, self.num_experts)
+        )
+        sorted_experts = groups.row_experts()
         first, down = _projections(base)
-        h = self._project(first, hidden_states.to(dtype)[groups.rows], groups.offsets, sorted_experts)
+        h = self._project(first, groups.gather(hidden_states.to(dtype)), groups.offsets, sorted_experts)
         h = base._apply_gate(h) if base.has_gate else base.act_fn(h)
         out = self._project(down, h, groups.offsets, sorted_experts)
         if getattr(base, "has_post_expert_norm", False):

@@ -6,7 +6,8 @@ ran in float32 — the largest matmuls of the step at half the speed (profiled o
 preset). This forward casts the expert weights to the autocast dtype instead (the cast is part of
 the graph, so gradients reach the float32 masters, as autocast does for ``nn.Linear``), sorts the
 (token, expert) pairs by expert and runs one grouped GEMM per projection. Without autocast it is
-the same computation in the weights' dtype.
+the same computation in the weights' dtype. On the CPU the groups are padded to repeat their sizes
+(``models.grouped_mm.cpu_pad``: oneDNN compiles a kernel per new size).
 
 Supports experts with concatenated ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
 (Qwen2-MoE, OLMoE, Qwen3-MoE, Mixtral layouts), no biases: moectl's pretraining models.
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from moectl.models.grouped_mm import combine, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
+from moectl.models.grouped_mm import cpu_pad as _cpu_pad
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
 
 NAME = "moectl_grouped"
@@ -28,8 +30,11 @@ def grouped_experts_forward(
 ) -> Tensor:
     """Σ_k w_k · E_{i_k}(x) for every token, with one grouped GEMM per projection."""
     dtype = _compute_dtype(hidden_states)
-    groups = group_by_expert(top_k_index, module.num_experts)
-    x = hidden_states.to(dtype)[groups.rows]
+    rows = hidden_states.shape[0] * top_k_index.shape[-1]
+    groups = group_by_expert(
+        top_k_index, module.num_experts, _cpu_pad(hidden_states, dtype, rows, module.num_experts)
+    )
+    x = groups.gather(hidden_states.to(dtype))
     gate_up = _grouped_mm(x, module.gate_up_proj.to(dtype).transpose(-2, -1), groups.offsets)
     gate, up = gate_up.chunk(2, dim=-1)
     out = _grouped_mm(module.act_fn(gate) * up, module.down_proj.to(dtype).transpose(-2, -1), groups.offsets)

@@ -1,0 +1,41 @@
+"""Grouped expert products: padding groups to repeat their sizes (for oneDNN's kernel cache on the CPU)
+changes nothing but the layout — outputs and gradients are the unpadded ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert, grouped_mm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_grouping_gives_the_same_outputs_and_gradients(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    tokens, k, experts, d_in, d_out = 300, 4, 8, 16, 24
+    index = torch.multinomial(torch.rand(tokens, experts) ** 3, k)  # uneven groups, one may be empty
+    index[index == 7] = 6
+    weights = torch.softmax(torch.randn(tokens, k), -1)
+    x = torch.randn(tokens, d_in, dtype=dtype, requires_grad=True)
+    w = torch.randn(experts, d_in, d_out, dtype=dtype, requires_grad=True)
+    results = []
+    for pad in (1, 32):
+        groups = group_by_expert(index, experts, pad)
+        y = combine(grouped_mm(groups.gather(x), w, groups.offsets), weights, groups, tokens)
+        results.append((y, *torch.autograd.grad(y.float().square().sum(), [x, w])))
+        if pad > 1:
+            sizes = torch.diff(groups.offsets, prepend=groups.offsets.new_zeros(1))
+            assert (sizes % pad == 0).all() and sizes[7] == 0
+            assert groups.padded_rows == int(groups.offsets[-1]) > tokens * k
+            assert (groups.row_experts()[groups.slots] == index.reshape(-1)[groups.order]).all()
+        else:
+            assert (groups.row_experts() == index.reshape(-1)[groups.order]).all()
+    for plain, padded in zip(*results, strict=True):
+        torch.testing.assert_close(padded, plain)  # the same products; a kernel may block by size
+
+
+def test_cpu_pad_only_for_large_low_precision_cpu_batches() -> None:
+    x = torch.zeros(1)
+    assert cpu_pad(x, torch.bfloat16, 64 * 32, 32) == 32
+    assert cpu_pad(x, torch.bfloat16, 64 * 32 - 1, 32) == 1  # decoding-sized batches: no padding
+    assert cpu_pad(x, torch.float32, 10**6, 32) == 1  # fp32 runs MKL, no per-size compile
