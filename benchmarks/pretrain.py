@@ -20,11 +20,15 @@ process (``moectl.train.speed``):
 ``--precision`` trains ``--preset`` twice for ``--max-steps`` steps (default 400), same data, order,
 seed and configuration (the reference models': ``--lb-window 64``), once with bf16 autocast (moectl
 pretrain's default on CPU) and once in fp32, and prints both validation losses on the whole
-validation split and their relative difference (issue 14.1's goal: within 1%). The runs resume where
-they stopped (run it again with the same ``--out``):
+validation split and their relative difference (issue 14.1's goal: within 1%). ``--seeds 0 1 2``
+repeats the pair per seed and adds the mean paired difference with its 95% t interval and each
+precision's seed-to-seed spread (one pair cannot tell a precision effect from a seed's); ``--jobs 2``
+runs two at once, one thread each. The runs resume where they stopped (run it again with the same
+``--out``):
 
     python benchmarks/pretrain.py --precision --preset small --corpus data/corpus --out runs \
-        --json benchmarks/results/pretrain_precision.json --plot benchmarks/results/pretrain_precision.png
+        --seeds 0 1 2 --jobs 2 --json benchmarks/results/pretrain_precision.json \
+        --plot benchmarks/results/pretrain_precision.png
 """
 
 from __future__ import annotations
@@ -144,61 +148,109 @@ def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None)
         )
 
 
-def precision(args: argparse.Namespace) -> None:
-    """bf16 autocast vs fp32 after the same steps (see the module docstring). Each run is a
-    ``moectl pretrain`` process of its own (accelerate fixes the precision once per process)."""
+def _precision_run(args: argparse.Namespace, label: str, seed: int) -> tuple[Path, list[str] | None]:
+    """The run folder of one (precision, seed) and the ``moectl pretrain`` command that finishes it
+    (None: already finished). Seed 0 keeps the folder name of the first runs."""
+    run = Path(args.out) / (f"precision-{label}-{args.preset}" + (f"-seed{seed}" if seed else ""))
+    if (run / "final").exists():
+        return run, None
+    command = [sys.executable, "-m", "moectl", "pretrain"]
+    if (run / "config.json").exists():
+        return run, [*command, "--resume", str(run)]
     steps = args.max_steps or 400
-    rows = {}
-    for label, flag in (("bf16", "--bf16"), ("fp32", "--no-bf16")):
-        run = Path(args.out) / f"precision-{label}-{args.preset}"
-        if not (run / "final").exists():
-            command = [sys.executable, "-m", "moectl", "pretrain"]
-            if (run / "config.json").exists():
-                command += ["--resume", str(run)]
-            else:
-                command += [
-                    "--preset", args.preset, "--objective", "standard", "--out", str(run), flag,
-                    "--max-steps", str(steps), "--warmup-steps", str(min(40, steps // 10)),
-                    "--eval-every", "0", "--lb-window", "64",
-                ]  # fmt: skip
-                for option, value in (("--corpus", args.corpus), ("--tokenizer", args.tokenizer)):
-                    command += [option, str(value)] if value else []
-                command += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
-            if subprocess.run(command).returncode != 0:
-                raise SystemExit(f"{label}: moectl pretrain failed (resume: run this benchmark again)")
-        rows[label] = summarise(run)
-    a, b = rows["bf16"]["val_loss"], rows["fp32"]["val_loss"]
-    relative = a / b - 1
-    print(f"{'':<12}{'bf16':>10}{'fp32':>10}")
-    print(f"{'tokens/s':<12}{rows['bf16']['tokens_per_s']:>10.0f}{rows['fp32']['tokens_per_s']:>10.0f}")
-    print(f"{'val loss':<12}{a:>10.4f}{b:>10.4f}   bf16/fp32 - 1 = {100 * relative:+.2f}% (goal: within 1%)")
+    command += [
+        "--preset", args.preset, "--objective", "standard", "--out", str(run),
+        "--bf16" if label == "bf16" else "--no-bf16", "--max-steps", str(steps),
+        "--warmup-steps", str(min(40, steps // 10)), "--eval-every", "0", "--lb-window", "64",
+        "--seed", str(seed),
+    ]  # fmt: skip
+    for option, value in (("--corpus", args.corpus), ("--tokenizer", args.tokenizer)):
+        command += [option, str(value)] if value else []
+    command += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
+    return run, command
+
+
+def precision(args: argparse.Namespace) -> None:
+    """bf16 autocast vs fp32 after the same steps, for each seed (see the module docstring). Each run
+    is a ``moectl pretrain`` process of its own (accelerate fixes the precision once per process);
+    ``--jobs N`` runs N at once, one thread each."""
+    seeds = args.seeds or [0]
+    runs = {(label, seed): _precision_run(args, label, seed) for seed in seeds for label in ("bf16", "fp32")}
+    pending = [(key, command) for key, (_, command) in runs.items() if command]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.jobs > 1 else None
+    while pending:
+        batch, pending = pending[: args.jobs], pending[args.jobs :]
+        procs = [(key, subprocess.Popen(command, env=env)) for key, command in batch]
+        for (label, seed), proc in procs:
+            if proc.wait() != 0:
+                raise SystemExit(
+                    f"{label} seed {seed}: moectl pretrain failed (resume: run this benchmark again)"
+                )
+    rows = {
+        f"{label}" + (f"_seed{seed}" if seed else ""): summarise(run)
+        for (label, seed), (run, _) in runs.items()
+    }
+    per_seed = []
+    print(f"{'seed':<6}{'bf16':>10}{'fp32':>10}{'bf16/fp32 - 1':>16}")
+    for seed in seeds:
+        suffix = f"_seed{seed}" if seed else ""
+        a, b = rows[f"bf16{suffix}"]["val_loss"], rows[f"fp32{suffix}"]["val_loss"]
+        per_seed.append(a / b - 1)
+        print(f"{seed:<6}{a:>10.4f}{b:>10.4f}{100 * per_seed[-1]:>+15.2f}%")
+    mean = statistics.fmean(per_seed)
+    summary: dict = {"seeds": seeds, "relative_difference_per_seed": per_seed, "relative_difference": mean}
+    if len(seeds) > 1:
+        half = _t95(len(seeds)) * statistics.stdev(per_seed) / len(seeds) ** 0.5
+        summary["relative_difference_ci95"] = [mean - half, mean + half]
+        for label in ("bf16", "fp32"):
+            losses = [rows[f"{label}" + (f"_seed{s}" if s else "")]["val_loss"] for s in seeds]
+            summary[f"seed_spread_{label}"] = max(losses) / min(losses) - 1
+        print(
+            f"mean {100 * mean:+.2f}% [{100 * (mean - half):+.2f}%, {100 * (mean + half):+.2f}%] (paired over "
+            f"{len(seeds)} seeds, t interval; goal: within 1%); seed spread bf16 "
+            f"{100 * summary['seed_spread_bf16']:.2f}%, fp32 {100 * summary['seed_spread_fp32']:.2f}%"
+        )
+    print(
+        f"tokens/s (one run each): bf16 {rows['bf16']['tokens_per_s']:.0f}, fp32 {rows['fp32']['tokens_per_s']:.0f}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**rows, "relative_difference": relative}, indent=2) + "\n")
+        args.json.write_text(json.dumps({**rows, **summary}, indent=2) + "\n")
     if args.plot:
         plot_precision(rows, args.plot)
 
 
+def _t95(n: int) -> float:
+    """Two-sided 95% Student t quantile for n paired differences (n − 1 degrees of freedom)."""
+    table = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+    return table.get(n, 1.96)
+
+
 def plot_precision(rows: dict, path: Path) -> None:
-    """Training cross-entropy against the step for each precision (the steps the log records, the
-    same batches in both runs), each labelled with its final validation loss."""
+    """Training cross-entropy against the step for each run (the steps the log records; a seed's two
+    runs see the same batches): bf16 solid, fp32 dashed, one colour per seed, each labelled with its
+    final validation loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    colours = {}
     for label, row in rows.items():
+        precision_name, _, seed = label.partition("_seed")
+        colour = colours.setdefault(seed or "0", f"C{len(colours)}")
         logged = [
             json.loads(x) for x in (Path(row["run"]) / "log.jsonl").read_text().splitlines() if x.strip()
         ]
         steps = [r for r in logged if "ce" in r and not r.get("final")]
-        ax.plot([r["step"] + 1 for r in steps], [r["ce"] for r in steps], lw=1.4,
-                label=f"{label}: validation loss {row['val_loss']:.4f}")  # fmt: skip
+        ax.plot([r["step"] + 1 for r in steps], [r["ce"] for r in steps], lw=1.2, color=colour,
+                ls="-" if precision_name == "bf16" else "--",
+                label=f"{precision_name} seed {seed or 0}: validation loss {row['val_loss']:.4f}")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("training cross-entropy (nats)")
-    ax.set_title("bf16 autocast vs fp32: same data, order, seed and steps", fontsize=10)
-    ax.legend(frameon=False)
+    ax.set_title("bf16 autocast (solid) vs fp32 (dashed): same data, order and steps per seed", fontsize=10)
+    ax.legend(frameon=False, fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +276,11 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true", help="measure the training step's speed-ups and MFU")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", action="store_true", help="bf16 autocast vs fp32 validation loss")
-    parser.add_argument("--plot", type=Path, default=None, help="with --precision: both loss curves as a PNG")
+    parser.add_argument("--plot", type=Path, default=None, help="with --precision: the loss curves as a PNG")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="with --precision: seeds (default 0)"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="with --precision: runs at once, one thread each")
     parser.add_argument("--speed-variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.precision:

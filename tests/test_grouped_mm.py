@@ -39,3 +39,28 @@ def test_cpu_pad_only_for_large_low_precision_cpu_batches() -> None:
     assert cpu_pad(x, torch.bfloat16, 64 * 32, 32) == 32
     assert cpu_pad(x, torch.bfloat16, 64 * 32 - 1, 32) == 1  # decoding-sized batches: no padding
     assert cpu_pad(x, torch.float32, 10**6, 32) == 1  # fp32 runs MKL, no per-size compile
+
+
+def test_models_loaded_in_bf16_on_the_cpu_get_the_padded_forward(tmp_path) -> None:
+    """``load_model`` gives a bf16 checkpoint on the CPU moectl's padded grouped forward instead of
+    transformers' ``grouped_mm`` (same products); float32 and biased experts (gpt-oss) keep theirs."""
+    import moectl
+    from moectl.models.grouped_experts import NAME, prefer_on_cpu
+    from moectl.models.load import load_model
+
+    model = moectl.tiny("qwen2_moe").to(torch.bfloat16)
+    model.set_experts_implementation("grouped_mm")
+    model.save_pretrained(tmp_path / "m")
+    loaded, _ = load_model(str(tmp_path / "m"), with_tokenizer=False)
+    assert loaded.config._experts_implementation == NAME
+    ids = torch.randint(3, 200, (4, 160), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = loaded(input_ids=ids).logits.float()
+        loaded.set_experts_implementation("grouped_mm")
+        theirs = loaded(input_ids=ids).logits.float()
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)  # bf16: summation order differs
+    fp32, _ = load_model(str(tmp_path / "m"), dtype="float32", with_tokenizer=False)
+    assert fp32.config._experts_implementation == "grouped_mm"
+    biased = moectl.tiny("gpt_oss").to(torch.bfloat16)
+    biased.set_experts_implementation("grouped_mm")
+    assert prefer_on_cpu(biased) is None and biased.config._experts_implementation == "grouped_mm"

@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
+from moectl.models.grouped_experts import grouped_experts_forward, register
 from moectl.train.allocator import fast_allocator_env
 from moectl.train.config import TrainConfig
-from moectl.train.experts import grouped_experts_forward, register
 from moectl.train.fused_ce import linear_cross_entropy
 from moectl.train.loop import Trainer, TrainingInterrupted, pretrain, truncate_log
 from moectl.train.model import build_model
@@ -98,7 +98,7 @@ def test_flops_per_token_counts_active_parameters():
     # every matmul weight (2-D, not the embedding lookup) plus top-k of each layer's routed experts
     dense = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
     experts = model.model.layers[0].mlp.experts
-    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel())
+    per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
     active = dense + c.num_hidden_layers * c.num_experts_per_tok * per_expert
     active += c.hidden_size * c.vocab_size  # the tied LM head is a matmul
     attention = 12 * c.num_hidden_layers * 256 * c.num_attention_heads * c.head_dim

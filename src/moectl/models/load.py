@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from moectl.models.grouped_experts import prefer_on_cpu
 from moectl.models.shapes import MARKER, SPEC_PREFIX, build_shape, check_checkpoint, known_shapes
 from moectl.models.tiny import FAMILIES, tiny
 
@@ -153,12 +154,15 @@ def load_model(
         check_checkpoint(local)
         model = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch_dtype, **placed)
         tokenizer = byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
-        return (model if device_map else model.to(device)).eval(), tokenizer
+        model = model if device_map else model.to(device)
+        prefer_on_cpu(model)
+        return model.eval(), tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(local) if local.exists() else spec, dtype=torch_dtype, **placed
         )
         model = model if device_map else model.to(device)
+        prefer_on_cpu(model)  # padded groups: oneDNN compiles a bf16 kernel per new group size
         if not with_tokenizer:
             return model.eval(), None
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.models.grouped_experts import pays_on_cpu
+from moectl.models.grouped_experts import register as register_grouped_experts
 from moectl.roe.config import RoEConfig
 from moectl.roe.noise import SampleGumbel
 from moectl.roe.variants import SampleVariant, make_variant
@@ -65,6 +67,8 @@ def experts_implementation(model: nn.Module, implementation: str | None) -> Iter
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if implementation == "grouped_mm" and dtype not in _GROUPED_DTYPES:  # e.g. float64 reference runs
         implementation = None
+    if implementation == "grouped_mm" and pays_on_cpu(model):  # the same products, groups padded
+        implementation = register_grouped_experts()
     if implementation is None or setter is None:
         yield
         return

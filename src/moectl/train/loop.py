@@ -27,12 +27,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moectl.adapters.inspect import inspect
 from moectl.fileio import usual_modes
+from moectl.models.grouped_experts import register as register_grouped_experts
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
 from moectl.stopping import StopRequest, TrainingInterrupted, stop_on_signals
 from moectl.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from moectl.train.config import TrainConfig
-from moectl.train.experts import register as register_grouped_experts
 from moectl.train.lb_window import CountWindow
 from moectl.train.losses import all_reduce_sum, expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.model import build_model

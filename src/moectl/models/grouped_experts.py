@@ -1,4 +1,4 @@
-"""Grouped expert GEMMs that follow autocast, for training (registered as ``"moectl_grouped"``).
+"""Grouped expert GEMMs that follow autocast (registered with transformers as ``"moectl_grouped"``).
 
 transformers' ``grouped_mm`` experts cast the activations to the weights' dtype, because
 ``grouped_mm`` is not autocast-aware: under bf16 autocast with float32 master weights the experts
@@ -11,10 +11,14 @@ the same computation in the weights' dtype. On the CPU the groups are padded to 
 
 Supports experts with concatenated ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
 (Qwen2-MoE, OLMoE, Qwen3-MoE, Mixtral layouts), no biases: moectl's pretraining models.
+:func:`prefer_on_cpu` also gives it to such models loaded in bf16/fp16 on the CPU in place of
+transformers' ``grouped_mm``, for the padding (a bf16 forward of the reference model over 20 batches
+of varying length: 3.2–3.5 s → 1.9–2.0 s).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from moectl.models.grouped_mm import combine, group_by_expert
@@ -39,6 +43,44 @@ def grouped_experts_forward(
     gate, up = gate_up.chunk(2, dim=-1)
     out = _grouped_mm(module.act_fn(gate) * up, module.down_proj.to(dtype).transpose(-2, -1), groups.offsets)
     return combine(out, top_k_weights, groups, hidden_states.shape[0]).to(hidden_states.dtype)
+
+
+def supported(model) -> bool:
+    """Whether every fused experts module of ``model`` has this forward's layout (gated, no bias,
+    [E, out, in] weights, no post-expert norm)."""
+    found = False
+    for module in model.modules():
+        if (
+            hasattr(module, "gate_up_proj")
+            and hasattr(module, "down_proj")
+            and hasattr(module, "num_experts")
+        ):
+            found = True
+            if not getattr(module, "has_gate", True) or getattr(module, "has_bias", False):
+                return False
+            if getattr(module, "is_transposed", False) or getattr(module, "has_post_expert_norm", False):
+                return False
+    return found
+
+
+def pays_on_cpu(model) -> bool:
+    """Whether ``model`` has this forward's layout and bf16/fp16 weights on the CPU, where its padded
+    groups beat transformers' ``grouped_mm``."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return supported(model)
+
+
+def prefer_on_cpu(model) -> str | None:
+    """Give ``model`` this forward where it runs transformers' ``grouped_mm`` experts and
+    :func:`pays_on_cpu`; returns the implementation it now runs (None: unchanged)."""
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return None
+    if not pays_on_cpu(model):
+        return None
+    model.set_experts_implementation(register())
+    return NAME
 
 
 def register() -> str:
