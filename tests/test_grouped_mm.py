@@ -64,3 +64,22 @@ def test_models_loaded_in_bf16_on_the_cpu_get_the_padded_forward(tmp_path) -> No
     biased = moectl.tiny("gpt_oss").to(torch.bfloat16)
     biased.set_experts_implementation("grouped_mm")
     assert prefer_on_cpu(biased) is None and biased.config._experts_implementation == "grouped_mm"
+
+
+def test_grouped_experts_cpu_benchmark_writes_both_timings(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    command = [sys.executable, str(root / "benchmarks" / "grouped_experts_cpu.py"), "--model",
+               str(root / "models" / "moectl-small-standard"), "--batches", "2", "--rounds", "1",
+               "--min-len", "64", "--max-len", "96", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert set(record["median_s"]) == {"transformers grouped_mm", "moectl padded grouped"}
+    assert record["speedup"] > 0 and len(record["lengths"]) == 2
+    assert "speed-up" in done.stdout

@@ -78,3 +78,25 @@ def test_a_forward_wider_than_the_budget_falls_back_to_the_loop():
 def test_unknown_experts_forward_refused():
     with pytest.raises(ValueError, match="experts forward must be one of grouped, eager"):
         OffloadConfig(experts_forward="fast")
+
+
+def test_bf16_slots_pad_long_prompts_and_compute_the_same(monkeypatch):
+    """bf16 slots on the CPU: a long prompt's groups are padded (``cpu_pad``), decoding's are not;
+    the padded forward equals the unpadded one."""
+    import moectl.serve.slot_forward as slot_forward
+
+    model = moectl.tiny("olmoe")
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    g = torch.Generator().manual_seed(0)
+    slots = {n: getattr(experts, n).detach()[:4].to(torch.bfloat16) for n in ("gate_up_proj", "down_proj")}
+    hidden = torch.randn(400, experts.gate_up_proj.shape[-1], generator=g).to(torch.bfloat16)
+    index = torch.randint(0, 4, (400, 2), generator=g)
+    weights = torch.rand(400, 2, generator=g)
+    pads = []
+    real = slot_forward.cpu_pad
+    monkeypatch.setattr(slot_forward, "cpu_pad", lambda *a: pads.append(real(*a)) or pads[-1])
+    padded = slot_forward.slot_experts_forward(experts, slots, hidden, index, weights)
+    slot_forward.slot_experts_forward(experts, slots, hidden[:1], index[:1], weights[:1])
+    assert pads == [32, 1]  # the prompt padded, the decoding step not
+    monkeypatch.setattr(slot_forward, "cpu_pad", lambda *a: 1)
+    torch.testing.assert_close(padded, slot_forward.slot_experts_forward(experts, slots, hidden, index, weights))

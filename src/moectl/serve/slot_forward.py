@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moectl.models.grouped_mm import combine, group_by_expert, grouped_mm
+from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert, grouped_mm
 from moectl.serve.int8 import SCALE, int8_linear
 
 NAMES = frozenset({"gate_up_proj", "down_proj"})
@@ -49,11 +49,14 @@ def slot_experts_forward(
 ) -> Tensor:
     """Σ_k w_k · E_{slot_k}(x) per token: hidden [T, H], slot_index and weights [T, k]."""
     num_slots = slots["gate_up_proj"].shape[0]
-    groups = group_by_expert(slot_index, num_slots)
-    x = hidden[groups.rows]
-    if slots["gate_up_proj"].dtype == torch.int8:
-        out = _int8_groups(experts, slots, x, groups.counts.tolist())
-    else:
+    dtype = slots["gate_up_proj"].dtype
+    if dtype == torch.int8:
+        groups = group_by_expert(slot_index, num_slots)
+        out = _int8_groups(experts, slots, hidden[groups.rows], groups.counts.tolist())
+    else:  # a long prompt's groups are padded on the CPU (oneDNN compiles a kernel per group size)
+        pad = cpu_pad(hidden, dtype, slot_index.numel(), num_slots)
+        groups = group_by_expert(slot_index, num_slots, pad)
+        x = groups.gather(hidden)
         gate_up = grouped_mm(x, slots["gate_up_proj"].transpose(-2, -1), groups.offsets)
         out = grouped_mm(experts._apply_gate(gate_up), slots["down_proj"].transpose(-2, -1), groups.offsets)
     return combine(out, weights, groups, hidden.shape[0]).to(hidden.dtype)
