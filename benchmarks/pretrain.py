@@ -9,11 +9,11 @@ standard). Writes the table to ``--json`` and copies each run's config and log (
     python benchmarks/pretrain.py --preset small --corpus data/corpus --max-steps 400 --micro-batch 8
     python benchmarks/pretrain.py --report-only --runs runs/standard-small runs/emo-small
 
-``--speed`` measures one training step of ``--preset`` under each optimisation in turn (fp32 and
-transformers' eager experts as before; bf16 autocast; moectl's grouped expert GEMMs; the fused
-chunked LM-head cross-entropy; a page-keeping allocator), each in a fresh process, and prints
-tokens/s, speed-up over the first row, and MFU against the bf16 matmul peak measured in the same
-process (``moectl.train.speed``):
+``--speed`` measures one training step of ``--preset`` under each optimisation in turn (fp32,
+transformers' default experts and loss, foreach AdamW as before; bf16 autocast; moectl's padded
+grouped expert GEMMs; the fused chunked LM-head cross-entropy; fused AdamW; a page-keeping
+allocator), each in a fresh process, and prints tokens/s, speed-up over the first row, and MFU
+against the bf16 matmul peak measured in the same process (``moectl.train.speed``):
 
     python benchmarks/pretrain.py --speed --preset small --json benchmarks/results/pretrain_speed.json
 
@@ -65,28 +65,42 @@ def summarise(run: Path) -> dict:
 
 
 SPEED_VARIANTS = [
-    # before: fp32, transformers' default experts (its grouped_mm: fp32 weights), transformers' loss
+    # before: fp32, transformers' default experts (its grouped_mm: fp32 weights), transformers' loss,
+    # torch's default (foreach) AdamW
     (
         "fp32, default experts, HF loss (before)",
-        {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False},
+        {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False},
         "system",
     ),
     # then one change at a time, all under tcmalloc (glibc's step times vary 1.3-8.8 s: allocator.py)
-    ("+ tcmalloc", {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False}, "fast"),
-    ("+ bf16 autocast", {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False}, "fast"),
     (
-        "+ grouped expert GEMMs in bf16",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False},
+        "+ tcmalloc",
+        {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False},
         "fast",
     ),
     (
-        "+ fused chunked cross-entropy (moectl pretrain)",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True},
+        "+ bf16 autocast",
+        {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False},
+        "fast",
+    ),
+    (
+        "+ grouped expert GEMMs in bf16",
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False, "fused_adamw": False},
+        "fast",
+    ),
+    (
+        "+ fused chunked cross-entropy",
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True, "fused_adamw": False},
+        "fast",
+    ),
+    (
+        "+ fused AdamW (moectl pretrain)",
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True, "fused_adamw": True},
         "fast",
     ),
     (
         "same, glibc allocator",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True},
+        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True, "fused_adamw": True},
         "system",
     ),
 ]

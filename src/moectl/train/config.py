@@ -88,6 +88,7 @@ class TrainConfig:
     bf16: bool = True  # bf16 autocast (CPU and GPU); False trains in float32
     experts_implementation: str = "moectl_grouped"  # grouped GEMMs under autocast; "eager": transformers'
     fused_ce: bool = True  # LM head + cross-entropy in row chunks, no [B, T, V] logits (train/fused_ce.py)
+    fused_adamw: bool = True  # AdamW's fused kernel (CPU and CUDA); False: torch's default (foreach)
     anneal_from: str | None = None  # start from this checkpoint's weights (EMO §B.4)
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the model preset
 
