@@ -64,46 +64,29 @@ def summarise(run: Path) -> dict:
     }
 
 
-SPEED_VARIANTS = [
+def _speed_chain() -> list[tuple[str, dict, str]]:
+    """(label, knobs, allocator) of each ``--speed`` row: each row adds one change to the row above."""
     # before: fp32, transformers' default experts (its grouped_mm: fp32 weights), transformers' loss,
-    # torch's default (foreach) AdamW
-    (
-        "fp32, default experts, HF loss (before)",
-        {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False},
-        "system",
-    ),
-    # then one change at a time, all under tcmalloc (glibc's step times vary 1.3-8.8 s: allocator.py)
-    (
-        "+ tcmalloc",
-        {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False},
-        "fast",
-    ),
-    (
-        "+ bf16 autocast",
-        {"bf16": True, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False},
-        "fast",
-    ),
-    (
-        "+ grouped expert GEMMs in bf16",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": False, "fused_adamw": False},
-        "fast",
-    ),
-    (
-        "+ fused chunked cross-entropy",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True, "fused_adamw": False},
-        "fast",
-    ),
-    (
-        "+ fused AdamW (moectl pretrain)",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True, "fused_adamw": True},
-        "fast",
-    ),
-    (
-        "same, glibc allocator",
-        {"bf16": True, "experts_implementation": "moectl_grouped", "fused_ce": True, "fused_adamw": True},
-        "system",
-    ),
-]
+    # torch's default (foreach) AdamW; then one change at a time, all under tcmalloc (glibc's step
+    # times vary 1.3-8.8 s: allocator.py); the last row is moectl pretrain's step under glibc
+    steps = [
+        ("fp32, default experts, HF loss (before)", {}, "system"),
+        ("+ tcmalloc", {}, "fast"),
+        ("+ bf16 autocast", {"bf16": True}, "fast"),
+        ("+ grouped expert GEMMs in bf16", {"experts_implementation": "moectl_grouped"}, "fast"),
+        ("+ fused chunked cross-entropy", {"fused_ce": True}, "fast"),
+        ("+ fused AdamW (moectl pretrain)", {"fused_adamw": True}, "fast"),
+        ("same, glibc allocator", {}, "system"),
+    ]
+    knobs = {"bf16": False, "experts_implementation": "grouped_mm", "fused_ce": False, "fused_adamw": False}
+    rows = []
+    for label, change, allocator in steps:
+        knobs = {**knobs, **change}
+        rows.append((label, knobs, allocator))
+    return rows
+
+
+SPEED_VARIANTS = _speed_chain()
 
 
 def _speed_variant(spec: str) -> None:
