@@ -15,14 +15,14 @@ def test_padded_grouping_gives_the_same_outputs_and_gradients(dtype: torch.dtype
     tokens, k, experts, d_in, d_out = 300, 4, 8, 16, 24
     index = torch.multinomial(torch.rand(tokens, experts) ** 3, k)  # uneven groups, one may be empty
     index[index == 7] = 6
-    weights = torch.softmax(torch.randn(tokens, k), -1)
+    weights = torch.softmax(torch.randn(tokens, k), -1).requires_grad_()
     x = torch.randn(tokens, d_in, dtype=dtype, requires_grad=True)
     w = torch.randn(experts, d_in, d_out, dtype=dtype, requires_grad=True)
     results = []
     for pad in (1, 32):
         groups = group_by_expert(index, experts, pad)
         y = combine(grouped_mm(groups.gather(x), w, groups.offsets), weights, groups, tokens)
-        results.append((y, *torch.autograd.grad(y.float().square().sum(), [x, w])))
+        results.append((y, *torch.autograd.grad(y.float().square().sum(), [x, w, weights])))
         if pad > 1:
             sizes = torch.diff(groups.offsets, prepend=groups.offsets.new_zeros(1))
             assert (sizes % pad == 0).all() and sizes[7] == 0

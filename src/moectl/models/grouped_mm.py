@@ -32,13 +32,16 @@ class Grouping:
     counts: Tensor  # [E] rows per expert
     slots: Tensor | None = None  # [T·k] each sorted position's row in the padded layout (pad_to > 1)
     padded_rows: int = 0  # rows of the padded layout (pad_to > 1)
+    padded_tokens: Tensor | None = None  # [padded rows] the token of each row; T (a zero row) for pads
 
     def gather(self, x: Tensor) -> Tensor:
-        """The grouped rows of ``x`` [T, H]: [T·k, H], or the padded layout with zero pad rows."""
-        picked = x[self.rows]
-        if self.slots is None:
-            return picked
-        return picked.new_zeros(self.padded_rows, x.shape[-1]).index_copy(0, self.slots, picked)
+        """The grouped rows of ``x`` [T, H]: [T·k, H], or the padded layout with zero pad rows.
+
+        A row gather as ``F.embedding``: its backward on the CPU is ≈ 4× faster than indexing's
+        (an ``index_put`` with accumulation), measured on a training step's [T·k, H] bf16 rows."""
+        if self.padded_tokens is None:
+            return F.embedding(self.rows, x)
+        return F.embedding(self.padded_tokens, torch.cat([x, x.new_zeros(1, x.shape[-1])]))
 
     def row_experts(self) -> Tensor:
         """The group (expert) id of each grouped row, pad rows included: [T·k or padded rows]."""
@@ -64,7 +67,9 @@ def group_by_expert(index: Tensor, num_experts: int, pad_to: int = 1) -> Groupin
     slots = torch.arange(flat.numel(), device=flat.device) + shift[flat[order]]
     ends = padded.cumsum(0)
     total = int(ends[-1]) if num_experts else 0  # a host read: padding is for the CPU only
-    return Grouping(order, order // k, ends.to(torch.int32), counts, slots, total)
+    tokens = torch.full((total,), index.shape[0], dtype=torch.long, device=flat.device)
+    tokens[slots] = order // k
+    return Grouping(order, order // k, ends.to(torch.int32), counts, slots, total, tokens)
 
 
 def cpu_pad(x: Tensor, dtype: torch.dtype, rows: int, num_experts: int) -> int:
@@ -78,9 +83,13 @@ def cpu_pad(x: Tensor, dtype: torch.dtype, rows: int, num_experts: int) -> int:
 
 def combine(out: Tensor, weights: Tensor, grouping: Grouping, num_tokens: int) -> Tensor:
     """Σ_k w_k · out_k per token: ``out`` [T·k or padded rows, H] in grouped order, ``weights`` [T, k] → [T, H]."""
-    if grouping.slots is not None:
-        out = out.index_select(0, grouping.slots)
-    out = out * weights.reshape(-1)[grouping.order].unsqueeze(-1).to(out.dtype)
+    w = weights.reshape(-1)[grouping.order]
+    if grouping.padded_tokens is not None:  # pad rows weigh 0 and land on a dropped row T
+        w = w.new_zeros(grouping.padded_rows).index_copy(0, grouping.slots, w)
+        out = out * w.unsqueeze(-1).to(out.dtype)
+        result = out.new_zeros(num_tokens + 1, out.shape[-1])
+        return result.index_add_(0, grouping.padded_tokens, out)[:num_tokens]
+    out = out * w.unsqueeze(-1).to(out.dtype)
     result = out.new_zeros(num_tokens, out.shape[-1])
     return result.index_add_(0, grouping.rows, out)
 
