@@ -183,15 +183,11 @@ def precision(args: argparse.Namespace) -> None:
                 raise SystemExit(
                     f"{label} seed {seed}: moectl pretrain failed (resume: run this benchmark again)"
                 )
-    rows = {
-        f"{label}" + (f"_seed{seed}" if seed else ""): summarise(run)
-        for (label, seed), (run, _) in runs.items()
-    }
+    rows = {_key(label, seed): summarise(run) for (label, seed), (run, _) in runs.items()}
     per_seed = []
     print(f"{'seed':<6}{'bf16':>10}{'fp32':>10}{'bf16/fp32 - 1':>16}")
     for seed in seeds:
-        suffix = f"_seed{seed}" if seed else ""
-        a, b = rows[f"bf16{suffix}"]["val_loss"], rows[f"fp32{suffix}"]["val_loss"]
+        a, b = rows[_key("bf16", seed)]["val_loss"], rows[_key("fp32", seed)]["val_loss"]
         per_seed.append(a / b - 1)
         print(f"{seed:<6}{a:>10.4f}{b:>10.4f}{100 * per_seed[-1]:>+15.2f}%")
     mean = statistics.fmean(per_seed)
@@ -200,7 +196,7 @@ def precision(args: argparse.Namespace) -> None:
         half = _t95(len(seeds)) * statistics.stdev(per_seed) / len(seeds) ** 0.5
         summary["relative_difference_ci95"] = [mean - half, mean + half]
         for label in ("bf16", "fp32"):
-            losses = [rows[f"{label}" + (f"_seed{s}" if s else "")]["val_loss"] for s in seeds]
+            losses = [rows[_key(label, s)]["val_loss"] for s in seeds]
             summary[f"seed_spread_{label}"] = max(losses) / min(losses) - 1
         print(
             f"mean {100 * mean:+.2f}% [{100 * (mean - half):+.2f}%, {100 * (mean + half):+.2f}%] (paired over "
@@ -217,10 +213,21 @@ def precision(args: argparse.Namespace) -> None:
         plot_precision(rows, args.plot)
 
 
+def _key(label: str, seed: int) -> str:
+    """A run's key in the results JSON: ``bf16``, ``fp32`` for seed 0, ``bf16_seed1`` … otherwise."""
+    return label + (f"_seed{seed}" if seed else "")
+
+
+# two-sided 95% Student t quantiles by degrees of freedom (1–30)
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)  # fmt: skip
+
+
 def _t95(n: int) -> float:
-    """Two-sided 95% Student t quantile for n paired differences (n − 1 degrees of freedom)."""
-    table = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
-    return table.get(n, 1.96)
+    """Two-sided 95% Student t quantile for n paired differences (n − 1 degrees of freedom); beyond
+    30 degrees of freedom the quantile at 30 (an interval slightly wider than exact)."""
+    return _T95[min(n - 1, len(_T95)) - 1]
 
 
 def plot_precision(rows: dict, path: Path) -> None:

@@ -36,9 +36,10 @@ def test_padded_grouping_gives_the_same_outputs_and_gradients(dtype: torch.dtype
 
 def test_cpu_pad_only_for_large_low_precision_cpu_batches() -> None:
     x = torch.zeros(1)
-    assert cpu_pad(x, torch.bfloat16, 64 * 32, 32) == 32
-    assert cpu_pad(x, torch.bfloat16, 64 * 32 - 1, 32) == 1  # decoding-sized batches: no padding
-    assert cpu_pad(x, torch.float32, 10**6, 32) == 1  # fp32 runs MKL, no per-size compile
+    choices = torch.zeros(64 * 32 // 4, 4, dtype=torch.long)  # T·k = 64 rows per expert of 32
+    assert cpu_pad(x, torch.bfloat16, choices, 32) == 32
+    assert cpu_pad(x, torch.bfloat16, choices.reshape(-1)[1:], 32) == 1  # decoding-sized: no padding
+    assert cpu_pad(x, torch.float32, torch.zeros(10**6, 1), 32) == 1  # fp32 runs MKL, no per-size compile
 
 
 def test_models_loaded_in_bf16_on_the_cpu_get_the_padded_forward(tmp_path) -> None:

@@ -34,10 +34,8 @@ def grouped_experts_forward(
 ) -> Tensor:
     """Σ_k w_k · E_{i_k}(x) for every token, with one grouped GEMM per projection."""
     dtype = _compute_dtype(hidden_states)
-    rows = hidden_states.shape[0] * top_k_index.shape[-1]
-    groups = group_by_expert(
-        top_k_index, module.num_experts, _cpu_pad(hidden_states, dtype, rows, module.num_experts)
-    )
+    pad = _cpu_pad(hidden_states, dtype, top_k_index, module.num_experts)
+    groups = group_by_expert(top_k_index, module.num_experts, pad)
     x = groups.gather(hidden_states.to(dtype))
     gate_up = _grouped_mm(x, module.gate_up_proj.to(dtype).transpose(-2, -1), groups.offsets)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -45,22 +43,28 @@ def grouped_experts_forward(
     return combine(out, top_k_weights, groups, hidden_states.shape[0]).to(hidden_states.dtype)
 
 
+def fits(experts) -> bool:
+    """Whether a transformers experts module has the layout this forward (and the offloaded slot
+    forward) computes: gated, concatenated ``gate_up_proj``, no bias, [E, out, in] weights, no
+    post-expert norm."""
+    flags = (
+        getattr(experts, "has_gate", None) is True,
+        getattr(experts, "has_bias", None) is False,
+        getattr(experts, "is_transposed", None) is False,
+        getattr(experts, "is_concatenated", True) is True,
+        getattr(experts, "has_post_expert_norm", False) is False,
+    )
+    return all(flags)
+
+
 def supported(model) -> bool:
-    """Whether every fused experts module of ``model`` has this forward's layout (gated, no bias,
-    [E, out, in] weights, no post-expert norm)."""
-    found = False
-    for module in model.modules():
-        if (
-            hasattr(module, "gate_up_proj")
-            and hasattr(module, "down_proj")
-            and hasattr(module, "num_experts")
-        ):
-            found = True
-            if not getattr(module, "has_gate", True) or getattr(module, "has_bias", False):
-                return False
-            if getattr(module, "is_transposed", False) or getattr(module, "has_post_expert_norm", False):
-                return False
-    return found
+    """Whether ``model`` has fused experts modules and every one :func:`fits`."""
+    experts = [
+        m
+        for m in model.modules()
+        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "num_experts")
+    ]
+    return bool(experts) and all(fits(m) for m in experts)
 
 
 def pays_on_cpu(model) -> bool:

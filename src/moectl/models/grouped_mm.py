@@ -72,13 +72,14 @@ def group_by_expert(index: Tensor, num_experts: int, pad_to: int = 1) -> Groupin
     return Grouping(order, order // k, ends.to(torch.int32), counts, slots, total, tokens)
 
 
-def cpu_pad(x: Tensor, dtype: torch.dtype, rows: int, num_experts: int) -> int:
-    """The ``pad_to`` that keeps oneDNN's kernel cache warm for ``rows`` (token, expert) rows of ``x``'s
-    device in ``dtype``: 32 for bf16/fp16 on the CPU when groups average ≥ 64 rows (padding adds
-    ≤ 25%), else 1 (smaller batches, as in decoding, repeat their few sizes anyway; fp32 runs MKL)."""
+def cpu_pad(x: Tensor, dtype: torch.dtype, index: Tensor, num_experts: int) -> int:
+    """The ``pad_to`` that keeps oneDNN's kernel cache warm for the (token, expert) choices ``index``
+    [T, k] over ``x``'s device in ``dtype``: 32 for bf16/fp16 on the CPU when groups average ≥ 64 rows
+    (padding adds ≤ 25%), else 1 (smaller batches, as in decoding, repeat their few sizes anyway;
+    fp32 runs MKL)."""
     if x.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return 1
-    return 32 if rows >= 64 * num_experts else 1
+    return 32 if index.numel() >= 64 * num_experts else 1
 
 
 def combine(out: Tensor, weights: Tensor, grouping: Grouping, num_tokens: int) -> Tensor:

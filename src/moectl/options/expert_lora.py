@@ -140,10 +140,8 @@ class ExpertLoRA(nn.Module):
         if not self.enabled:
             return base(hidden_states, top_k_index, top_k_weights)
         dtype = _compute_dtype(hidden_states)
-        rows = hidden_states.shape[0] * top_k_index.shape[-1]
-        groups = group_by_expert(
-            top_k_index, self.num_experts, cpu_pad(hidden_states, dtype, rows, self.num_experts)
-        )
+        pad = cpu_pad(hidden_states, dtype, top_k_index, self.num_experts)
+        groups = group_by_expert(top_k_index, self.num_experts, pad)
         sorted_experts = groups.row_experts()
         first, down = _projections(base)
         h = self._project(first, groups.gather(hidden_states.to(dtype)), groups.offsets, sorted_experts)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moectl.models.grouped_experts import fits
 from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert, grouped_mm
 from moectl.serve.int8 import SCALE, int8_linear
 
@@ -34,14 +35,7 @@ NAMES = frozenset({"gate_up_proj", "down_proj"})
 
 def supports(experts: nn.Module, offloaded: set[str] | frozenset[str]) -> bool:
     """Whether ``experts`` (transformers' experts module) has the layout this forward computes."""
-    flags = (
-        getattr(experts, "has_gate", None) is True,
-        getattr(experts, "has_bias", None) is False,
-        getattr(experts, "is_transposed", None) is False,
-        getattr(experts, "is_concatenated", True) is True,
-        getattr(experts, "has_post_expert_norm", False) is False,
-    )
-    return all(flags) and set(offloaded) == NAMES and callable(getattr(experts, "_apply_gate", None))
+    return fits(experts) and set(offloaded) == NAMES and callable(getattr(experts, "_apply_gate", None))
 
 
 def slot_experts_forward(
@@ -54,7 +48,7 @@ def slot_experts_forward(
         groups = group_by_expert(slot_index, num_slots)
         out = _int8_groups(experts, slots, hidden[groups.rows], groups.counts.tolist())
     else:  # a long prompt's groups are padded on the CPU (oneDNN compiles a kernel per group size)
-        pad = cpu_pad(hidden, dtype, slot_index.numel(), num_slots)
+        pad = cpu_pad(hidden, dtype, slot_index, num_slots)
         groups = group_by_expert(slot_index, num_slots, pad)
         x = groups.gather(hidden)
         gate_up = grouped_mm(x, slots["gate_up_proj"].transpose(-2, -1), groups.offsets)
