@@ -17,6 +17,15 @@ against the bf16 matmul peak measured in the same process (``moectl.train.speed`
 
     python benchmarks/pretrain.py --speed --preset small --json benchmarks/results/pretrain_speed.json
 
+A second table splits each row's step into matmul kernels, attention kernels and the rest (two
+profiled steps) and prints the MFU ceiling: the MFU if the rest took no time. ``--model KEY=INT``
+(repeatable) widens or narrows the preset, to see how MFU moves with the matrices' sizes; ``--rows
+0,5`` measures only those rows of the first table (the speed-up column is over the first one given):
+
+    python benchmarks/pretrain.py --speed --rows 0,5 --model hidden_size=1024 --model head_dim=64 \
+        --model num_attention_heads=16 --model num_key_value_heads=8 --model moe_intermediate_size=512 \
+        --model shared_expert_intermediate_size=1024 --json benchmarks/results/pretrain_speed_wide.json
+
 ``--precision`` trains ``--preset`` twice for ``--max-steps`` steps (default 400), same data, order,
 seed and configuration (the reference models': ``--lb-window 64``), once with bf16 autocast (moectl
 pretrain's default on CPU) and once in fp32, and prints both validation losses on the whole
@@ -96,23 +105,41 @@ def _speed_variant(spec: str) -> None:
 
     args = json.loads(spec)
     config = TrainConfig.from_preset(args.pop("preset"), **args)
-    result = measure_training(config)
+    result = measure_training(config, breakdown=True)
     print(json.dumps({**result, "allocator": current_allocator()}))
 
 
-def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None) -> None:
+def speed(
+    preset: str,
+    corpus: str | None,
+    threads: int,
+    json_path: Path | None,
+    model: dict | None = None,
+    only: list[int] | None = None,
+) -> None:
     from moectl.train.allocator import fast_allocator_env
 
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for label, knobs, allocator in SPEED_VARIANTS:
+        for i, (label, knobs, allocator) in enumerate(SPEED_VARIANTS):
+            if only is not None and i not in only:
+                continue
             env, _ = (
                 fast_allocator_env()
                 if allocator == "fast"
                 else (dict(os.environ, MOECTL_ALLOCATOR="system"), "")
             )
             env["OMP_NUM_THREADS"] = str(threads)
-            spec = json.dumps({"preset": preset, "out": out, "corpus": corpus, "max_steps": 400, **knobs})
+            spec = json.dumps(
+                {
+                    "preset": preset,
+                    "out": out,
+                    "corpus": corpus,
+                    "max_steps": 400,
+                    "model": model or {},
+                    **knobs,
+                }
+            )
             proc = subprocess.run(
                 [sys.executable, __file__, "--speed-variant", spec], env=env, capture_output=True, text=True
             )
@@ -131,18 +158,61 @@ def speed(preset: str, corpus: str | None, threads: int, json_path: Path | None)
             f"{r['variant']:<48}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / base:>10.2f}"
             f"{100 * r['mfu']:>7.1f}%{r['step_s']:>13.3f}, {r['step_s_min']:.3f}  {r['allocator']}"
         )
-    r = rows[4]
+    r = rows[-1]
     print(
         f"\nmodel {r['flops_per_token'] / 1e6:.1f} MFLOP/token; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s "
         f"(best of the rows' 2048² measurements, {threads} threads); fp32 {r['peak_fp32_flops'] / 1e9:.0f}; goal MFU >= 40%"
     )
+    print_kernels(rows, peak)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(
             json.dumps(
-                {"preset": preset, "threads": threads, "peak_bf16_flops": peak, "rows": rows}, indent=2
+                {
+                    "preset": preset,
+                    "model": model or {},
+                    "threads": threads,
+                    "peak_bf16_flops": peak,
+                    "rows": rows,
+                },
+                indent=2,
             )
         )
+
+
+def model_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
+    """``--model KEY=INT`` pairs as a dict; a key the preset lacks or a non-integer exits with 2."""
+    from moectl.train.config import MODEL_PRESETS
+
+    allowed = MODEL_PRESETS.get(args.preset, {})
+    out = {}
+    for item in args.model:
+        key, _, value = item.partition("=")
+        if key not in allowed or not value.isdigit() or int(value) < 1:
+            parser.error(
+                f"--model {item}: expected KEY=INT with INT >= 1 and KEY one of {', '.join(allowed)}"
+            )
+        out[key] = int(value)
+    return out
+
+
+def print_kernels(rows: list[dict], peak: float) -> None:
+    """Where each row's step goes (``moectl.train.speed.kernel_breakdown``, two profiled steps) and
+    the MFU ceiling: the MFU if everything but the matmul and attention kernels took no time."""
+    print(
+        f"\n{'variant':<48}{'step ms':>8}{'matmul':>8}{'attn':>8}{'other':>8}"
+        f"{'matmul GFLOP/s':>16}{'attn GFLOP/s':>14}{'MFU ceiling':>13}"
+    )
+    for r in rows:
+        k = r["kernels"]
+        tokens = r["tokens_per_s"] * r["step_s"]
+        r["mfu_ceiling"] = r["flops_per_token"] * tokens / (k["matmul_s"] + k["attention_s"]) / peak
+        attn = f"{r['attention_flops'] / 1e9:>14.0f}" if r["attention_flops"] else f"{'–':>14}"
+        print(
+            f"{r['variant']:<48}{1e3 * k['step_s']:>8.0f}{1e3 * k['matmul_s']:>8.0f}{1e3 * k['attention_s']:>8.0f}"
+            f"{1e3 * k['other_s']:>8.0f}{r['matmul_flops'] / 1e9:>16.0f}{attn}{100 * r['mfu_ceiling']:>12.1f}%"
+        )
+    print("(ms per profiled step; GFLOP/s = the model's FLOPs of that kind over its kernels' time)")
 
 
 def _precision_run(args: argparse.Namespace, label: str, seed: int) -> tuple[Path, list[str] | None]:
@@ -279,6 +349,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--speed", action="store_true", help="measure the training step's speed-ups and MFU")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="with --speed: override a model dimension of the preset (repeatable), e.g. hidden_size=512",
+    )
+    parser.add_argument("--rows", help="with --speed: only these rows (0-based, comma-separated), e.g. 0,5")
     parser.add_argument("--precision", action="store_true", help="bf16 autocast vs fp32 validation loss")
     parser.add_argument("--plot", type=Path, default=None, help="with --precision: the loss curves as a PNG")
     parser.add_argument(
@@ -292,7 +370,14 @@ def main() -> None:
     if args.speed_variant:
         return _speed_variant(args.speed_variant)
     if args.speed:
-        return speed(args.preset, args.corpus, args.threads, args.json)
+        only = None
+        if args.rows:
+            only = [int(x) for x in args.rows.split(",") if x.isdigit() and int(x) < len(SPEED_VARIANTS)]
+            if len(only) != len(args.rows.split(",")):
+                parser.error(
+                    f"--rows {args.rows}: expected comma-separated row numbers 0..{len(SPEED_VARIANTS) - 1}"
+                )
+        return speed(args.preset, args.corpus, args.threads, args.json, model_overrides(parser, args), only)
     args.json = args.json or RESULTS / "summary.json"
     runs = args.runs or [Path(args.out) / f"{objective}-{args.preset}" for objective in ("standard", "emo")]
     if not args.report_only:

@@ -18,7 +18,7 @@ from moectl.train.fused_ce import linear_cross_entropy
 from moectl.train.loop import Trainer, TrainingInterrupted, pretrain, truncate_log
 from moectl.train.model import build_model
 from moectl.train.objective import NextTokenLoss
-from moectl.train.speed import flops_per_token
+from moectl.train.speed import flops_per_token, kernel_kind, measure_training
 from test_train import MICRO_MODEL
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
@@ -168,3 +168,20 @@ def test_fast_allocator_env_marks_the_restart():
     env, name = fast_allocator_env({"PATH": "/bin"})
     assert env["MOECTL_ALLOCATOR"] == name and name in ("tcmalloc", "system")
     assert ("tcmalloc" in env.get("LD_PRELOAD", "")) == (name == "tcmalloc")
+
+
+def test_kernel_breakdown_splits_a_step_and_bounds_mfu(tmp_path, corpus):
+    config = _tiny_config(tmp_path / "run", corpus, max_steps=10)
+    result = measure_training(config, steps=2, warmup=1, breakdown=True)
+    k = result["kernels"]
+    assert k["matmul_s"] > 0 and k["attention_s"] >= 0 and k["other_s"] >= 0
+    assert k["matmul_s"] + k["attention_s"] + k["other_s"] == pytest.approx(k["step_s"])
+    # everything but the kernels taking no time can only raise MFU
+    assert result["mfu_ceiling"] > result["mfu_bf16"] * result["step_s"] / k["step_s"] * 0.999
+    assert result["matmul_flops"] > 0
+
+
+def testkernel_kinds():
+    assert kernel_kind("aten::mm") == kernel_kind("aten::addmm") == "matmul"
+    assert kernel_kind("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert kernel_kind("aten::mul") == "other"

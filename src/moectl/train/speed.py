@@ -6,6 +6,10 @@ Model FLOPs follow the PaLM convention (Chowdhery et al. 2022, App. B): 6 per ac
 parameter per token (forward 2, backward 4) — the attention projections, the top-k routed experts,
 the shared expert, the routers and the LM head; embeddings are a lookup — plus 12·L·T·d_attn for
 the attention scores and values (non-causal count, as PaLM: causal kernels may skip half).
+
+:func:`kernel_breakdown` profiles steps and splits their time into matmul kernels, attention kernels
+and everything else, which bounds MFU from above for a model and machine: the MFU the step would
+reach if every other op took no time (the ``ceiling``).
 """
 
 from __future__ import annotations
@@ -43,15 +47,61 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     per_layer = attn_params + experts + shared + router
     head = h * config.vocab_size
     matmul_params = config.num_hidden_layers * per_layer + head
-    attention = 12 * config.num_hidden_layers * seq_len * heads * head_dim
-    return 6.0 * matmul_params + attention
+    return 6.0 * matmul_params + attention_flops_per_token(config, seq_len)
 
 
-def measure_training(train_config: Any, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+
+
+def kernel_kind(name: str) -> str:
+    if name in MATMUL_OPS:
+        return "matmul"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    return "other"
+
+
+def kernel_breakdown(trainer: Any, first_step: int, steps: int = 2) -> dict[str, float]:
+    """Seconds per step in matmul kernels, attention kernels and the rest, over ``steps`` profiled
+    training steps from ``first_step``.
+
+    Each op's self time is counted once (a ``linear``'s time lands on its ``mm``); "other" is the
+    step's wall time minus the two kernel kinds, so it holds the elementwise ops, copies, indexing,
+    the optimizer and the Python between ops. The profiler adds a little to every op, so the
+    figures are of a slightly slower step than :func:`measure_training` times.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for step in range(first_step, first_step + steps):
+            trainer.train_step(step)
+        wall = (time.perf_counter() - start) / steps
+    kinds = {"matmul": 0.0, "attention": 0.0}
+    for event in prof.key_averages():
+        kind = kernel_kind(event.key)
+        if kind != "other":
+            kinds[kind] += event.self_cpu_time_total / 1e6 / steps
+    return {"step_s": wall, **{f"{k}_s": v for k, v in kinds.items()}, "other_s": wall - sum(kinds.values())}
+
+
+def attention_flops_per_token(config: Any, seq_len: int) -> float:
+    """The attention-score and -value part of :func:`flops_per_token` (what its kernels compute)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 12.0 * config.num_hidden_layers * seq_len * config.num_attention_heads * head_dim
+
+
+def measure_training(
+    train_config: Any, steps: int = 10, warmup: int = 20, breakdown: bool = False
+) -> dict[str, Any]:
     """Median tokens/s of ``Trainer.train_step`` over ``steps`` steps after ``warmup``, with MFU.
 
     Runs the real step (routing hooks, load balancing, optimizer) on the configured data; the run
-    folder is a temporary one unless ``train_config.out`` is given.
+    folder is a temporary one unless ``train_config.out`` is given. The warm-up is long because
+    oneDNN compiles a kernel per new expert-group size (``models.grouped_mm``): a run's first steps
+    meet new sizes, its thousands after them mostly cached ones (``small`` preset, bf16: 0.82 s a
+    step over steps 3–10, 0.77 s from step 15 on, measured). ``breakdown`` adds
+    :func:`kernel_breakdown` of two more steps and the MFU ceiling it implies.
     """
     from moectl.train.loop import Trainer
 
@@ -67,11 +117,24 @@ def measure_training(train_config: Any, steps: int = 10, warmup: int = 3) -> dic
             if step >= warmup:
                 times.append(time.perf_counter() - start)
         model_config = trainer.raw_model.config
+        kernels = kernel_breakdown(trainer, warmup + steps) if breakdown else None
     seconds = statistics.median(times)
     fpt = flops_per_token(model_config, train_config.seq_len)
     peak_bf16 = matmul_peak(torch.bfloat16)
     peak_fp32 = matmul_peak(torch.float32)
     tps = tokens / seconds
+    extra: dict[str, Any] = {}
+    if kernels is not None:
+        kernel_s = kernels["matmul_s"] + kernels["attention_s"]
+        attention = attention_flops_per_token(model_config, train_config.seq_len)
+        extra = {
+            "kernels": kernels,
+            "matmul_flops": (fpt - attention) * tokens / kernels["matmul_s"],
+            "attention_flops": attention * tokens / kernels["attention_s"]
+            if kernels["attention_s"]
+            else None,
+            "mfu_ceiling": fpt * tokens / kernel_s / peak_bf16,
+        }
     return {
         "tokens_per_s": tps,
         "step_s": seconds,
@@ -83,4 +146,5 @@ def measure_training(train_config: Any, steps: int = 10, warmup: int = 3) -> dic
         "peak_fp32_flops": peak_fp32,
         "mfu_bf16": fpt * tps / peak_bf16,
         "threads": torch.get_num_threads(),
+        **extra,
     }
