@@ -178,3 +178,24 @@ def test_padded_groups_under_bf16_autocast_change_nothing(family, monkeypatch):
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_adapters_over_a_bf16_model_are_float32_and_train():
+    """PEFT keeps adapters over a half-precision base in float32 (``autocast_adapter_dtype``): so do
+    the expert adapters, and an AdamW step moves them where bf16 factors would round it away."""
+    model = moectl.tiny("qwen2_moe").to(torch.bfloat16)
+    params = add_expert_lora(model, r=4, alpha=8)
+    assert params and all(p.dtype == torch.float32 for p in params)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16
+    logits.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+    a_factors = [p for _, m in expert_lora_modules(model) for p in m.lora_A.values()]
+    before = [p.detach().clone() for p in a_factors]
+    torch.optim.AdamW(params, lr=1e-5).step()
+    # every entry of A (≈ 0.1 in size) moves by ≈ 1e-5; in bf16 (spacing ≈ 5e-4 there) ≈ 4% would
+    for p, b in zip(a_factors, before, strict=True):
+        assert (p != b).float().mean() > 0.99

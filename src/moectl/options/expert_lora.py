@@ -81,6 +81,13 @@ def unsupported_reason(experts: nn.Module) -> str | None:
     return None
 
 
+def adapter_dtype(base: torch.dtype) -> torch.dtype:
+    """The dtype the adapter factors are stored in: float32 over a bf16/fp16 base (PEFT's
+    ``autocast_adapter_dtype=True``, its default for the attention adapters beside these: AdamW's
+    small updates vanish in bf16), else the base's. Forwards cast them to the compute dtype."""
+    return torch.float32 if base in (torch.bfloat16, torch.float16) else base
+
+
 class ExpertLoRA(nn.Module):
     """A fused experts module with LoRA on its two projections, computed on the selected experts.
 
@@ -108,10 +115,11 @@ class ExpertLoRA(nn.Module):
             w = getattr(experts, name)
             e, d_in, d_out = (w.shape[0], w.shape[1], w.shape[2]) if experts.is_transposed else (
                 w.shape[0], w.shape[2], w.shape[1])  # fmt: skip
-            a = torch.empty(e * r, d_in, device=w.device, dtype=w.dtype)
+            dtype = adapter_dtype(w.dtype)
+            a = torch.empty(e * r, d_in, device=w.device, dtype=dtype)
             nn.init.kaiming_uniform_(a, a=5**0.5)  # nn.Linear's (and PEFT's) initialisation of A
             self.lora_A[name] = nn.Parameter(a)
-            self.lora_B[name] = nn.Parameter(torch.zeros(d_out, r * e, device=w.device, dtype=w.dtype))
+            self.lora_B[name] = nn.Parameter(torch.zeros(d_out, r * e, device=w.device, dtype=dtype))
 
     def factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(A [E, in, r], B [E, r, out]) of projection ``name``: x·A[e]·B[e] is x·A_eᵀ·B_eᵀ."""
