@@ -184,4 +184,5 @@ def test_kernel_breakdown_splits_a_step_and_bounds_mfu(tmp_path, corpus):
 def testkernel_kinds():
     assert kernel_kind("aten::mm") == kernel_kind("aten::addmm") == "matmul"
     assert kernel_kind("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert kernel_kind("aten::_efficient_attention_backward") == "attention"  # CUDA's
     assert kernel_kind("aten::mul") == "other"

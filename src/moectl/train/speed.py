@@ -51,12 +51,14 @@ def flops_per_token(config: Any, seq_len: int) -> float:
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+# SDPA's CPU flash kernels and, on CUDA, its flash / memory-efficient / cuDNN kernels (forward, backward)
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
 
 def kernel_kind(name: str) -> str:
     if name in MATMUL_OPS:
         return "matmul"
-    if "scaled_dot_product" in name or "flash_attention" in name:
+    if any(part in name for part in ATTENTION_OPS):
         return "attention"
     return "other"
 
@@ -72,16 +74,21 @@ def kernel_breakdown(trainer: Any, first_step: int, steps: int = 2) -> dict[str,
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = trainer.accelerator.device.type == "cuda"  # then the kernels' device time (never run on a GPU)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for step in range(first_step, first_step + steps):
             trainer.train_step(step)
+        if cuda:
+            torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
     kinds = {"matmul": 0.0, "attention": 0.0}
     for event in prof.key_averages():
         kind = kernel_kind(event.key)
         if kind != "other":
-            kinds[kind] += event.self_cpu_time_total / 1e6 / steps
+            us = event.self_device_time_total if cuda else event.self_cpu_time_total
+            kinds[kind] += us / 1e6 / steps
     return {"step_s": wall, **{f"{k}_s": v for k, v in kinds.items()}, "other_s": wall - sum(kinds.values())}
 
 
