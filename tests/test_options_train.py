@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import moectl
@@ -16,6 +17,7 @@ from moectl.options.policy import ControllerPolicy
 from moectl.options.rollout import left_pad, rollout
 from moectl.options.teacher import add_lora, teacher_mode
 from moectl.options.trainer import OptionsConfig, OptionsTrainer, train_options
+from moectl.train.master_weights import MasterWeights
 
 PROMPTS = [
     "hello world",
@@ -258,3 +260,56 @@ def test_sigterm_checkpoints_the_finished_step_and_resume_continues(tmp_path, mo
     assert result["resumed"]
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4]
+
+
+def test_master_weights_step_float32_masters_of_bf16_parameters():
+    g = torch.Generator().manual_seed(0)
+    half = torch.nn.Parameter((0.1 * torch.randn(64, 32, generator=g)).bfloat16())
+    full = torch.nn.Parameter(torch.randn(8, generator=g))
+    masters = MasterWeights([half, full])
+    opt_params = masters.optimizer_params()
+    assert opt_params[0].dtype == torch.float32 and opt_params[1] is full
+    opt = torch.optim.AdamW(opt_params, lr=1e-5)
+    before = opt_params[0].detach().clone()
+    half.grad, full.grad = torch.randn(half.shape, generator=g).bfloat16(), torch.randn(8, generator=g)
+    masters.to_masters()
+    assert half.grad is None and opt_params[0].grad.dtype == torch.float32
+    opt.step()
+    masters.to_model()
+    assert (opt_params[0] != before).float().mean() > 0.99  # every entry moved by ≈ lr
+    assert torch.equal(half, opt_params[0].bfloat16())
+    state = masters.state_dict()
+    other = MasterWeights([torch.nn.Parameter(half.detach().clone()), full])
+    other.load_state_dict(state)
+    assert torch.equal(other.optimizer_params()[0], opt_params[0])  # the float32 bits, not the rounding
+
+
+def test_a_bf16_model_trains_its_routers_through_masters_and_resumes_exactly(tmp_path):
+    cfg = OptionsConfig(
+        k_hat=4, eta=0.5, steps=3, batch_size=3, max_new_tokens=6, save_every=1, lora_r=4, lora_alpha=4
+    )
+    model, tok = load_model("tiny:qwen2_moe", dtype="bfloat16")
+    trainer = OptionsTrainer(model, tok, PROMPTS, cfg, tmp_path / "t")
+    info = moectl.inspect(trainer.model)
+    routers = [layer.router.weight for layer in info.layers]
+    assert routers[0].requires_grad and routers[0].dtype == torch.bfloat16
+    assert len(trainer.masters.masters) == len(routers)  # the routers, and no adapter, need a master
+    start = [trainer.masters.masters[i].clone() for i in sorted(trainer.masters.masters)]
+    trainer.train_step()
+    for i, m0 in zip(sorted(trainer.masters.masters), start, strict=True):
+        master = trainer.masters.masters[i]
+        assert not torch.equal(master, m0)
+        assert torch.equal(trainer.masters.params[i], master.to(torch.bfloat16))
+    model, tok = load_model("tiny:qwen2_moe", dtype="bfloat16")
+    train_options(model, tok, PROMPTS, cfg, tmp_path / "a", progress=False)
+    model, tok = load_model("tiny:qwen2_moe", dtype="bfloat16")
+    train_options(model, tok, PROMPTS, cfg, tmp_path / "b", progress=False, stop_after=2)
+    model, tok = load_model("tiny:qwen2_moe", dtype="bfloat16")
+    assert train_options(model, tok, PROMPTS, cfg, tmp_path / "b", progress=False)["resumed"]
+    a = [json.loads(x) for x in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    for key in ("controller_loss", "intra_loss", "reward", "switch_rate"):
+        assert a[2][key] == b[2][key], key
+    # the step after the resume moved the float32 masters, not their bf16 rounding
+    ra, rb = (load_file(str(tmp_path / run / "final" / "routers.safetensors")) for run in "ab")
+    assert all(torch.equal(ra[k], rb[k]) for k in ra)

@@ -159,3 +159,25 @@ def test_cli_finetunes_an_export(tmp_path):
     data.write_text('{"prompt": "q"}\n')
     bad = runner.invoke(subset_app, [*args, "--overwrite"])
     assert bad.exit_code == 2 and "train.jsonl:1" in bad.output
+
+
+def test_a_bf16_model_is_fine_tuned_through_float32_masters():
+    """Without masters most bf16 updates of ≈ lr round away; with them the bf16 model follows the
+    float32 run (measured on the reference model: 92% of the entries whose bf16 rounding the float32
+    run moved, against 36%)."""
+    settings = dict(lr=1e-5, batch_size=4, micro_batch_size=4, max_steps=6, schedule="constant")
+    reference = _subset_model()
+    half = copy.deepcopy(reference).to(torch.bfloat16)
+    start = {n: p.detach().clone() for n, p in half.named_parameters()}
+    finetune_subset(reference, TOK, EXAMPLES, **settings)
+    target = {n: p.detach().bfloat16() for n, p in reference.named_parameters()}
+    moved = {n: target[n] != start[n] for n in target}
+    agree = {}
+    for masters in (False, True):
+        model = copy.deepcopy(half)
+        log = finetune_subset(model, TOK, EXAMPLES, master_weights=masters, **settings)
+        assert log["config"]["master_weights"] is masters
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        same = sum(((p.detach() == target[n]) & moved[n]).sum().item() for n, p in model.named_parameters())
+        agree[masters] = same / sum(m.sum().item() for m in moved.values())
+    assert agree[True] > agree[False] + 0.1, agree

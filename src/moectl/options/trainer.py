@@ -58,6 +58,7 @@ from moectl.options.state import latest_checkpoint, load_weights, save_checkpoin
 from moectl.options.step_stats import step_row, tokenize_prompts
 from moectl.options.teacher import add_lora
 from moectl.stopping import TrainingInterrupted, stop_on_signals
+from moectl.train.master_weights import MasterWeights
 
 __all__ = ["OptionsConfig", "OptionsTrainer", "check_resume", "train_options"]
 IGNORED_ON_RESUME = ("steps", "save_every")  # may change between a run and its resumption
@@ -104,8 +105,9 @@ class OptionsTrainer:
         self.controller.to(self.device)
         self.opt_ctrl = torch.optim.AdamW(self.controller.parameters(), lr=config.lr_controller)
         self.intra_params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = MasterWeights(self.intra_params)  # bf16/fp16 routers: float32 masters
         self.opt_intra = (
-            torch.optim.AdamW(self.intra_params, lr=config.lr_intra)
+            torch.optim.AdamW(self.masters.optimizer_params(), lr=config.lr_intra)
             if config.intra and self.intra_params
             else None
         )
@@ -150,7 +152,7 @@ class OptionsTrainer:
             self.model.train()
             loss_intra = intra_option_loss(self.model, self.info, roll, cfg.gamma, total)
             # line 20: θ ← θ + α_intra · dθ
-            self.update(self.opt_intra, loss_intra, self.intra_params)
+            self.update(self.opt_intra, loss_intra, self.intra_params, self.masters)
             self.model.eval()
         self.step += 1
         seconds = time.perf_counter() - t0
@@ -194,19 +196,31 @@ class OptionsTrainer:
             codes=codes,
         )
 
-    def update(self, optimizer: torch.optim.Optimizer, loss: Tensor, params: list[nn.Parameter]) -> None:
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss: Tensor,
+        params: list[nn.Parameter],
+        masters: MasterWeights | None = None,
+    ) -> None:
         """Line 20: one gradient step on ``loss``; the gradients summed over the processes first
-        (each process's loss is its share of the whole batch's)."""
+        (each process's loss is its share of the whole batch's). With ``masters``, the optimizer
+        steps their float32 masters and the model's half-precision parameters follow."""
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.ranks.reduce_gradients(params)
+        if masters is not None:
+            masters.to_masters()
         optimizer.step()
+        if masters is not None:
+            masters.to_model()
 
     # -- state --------------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
         return {
             "opt_ctrl": self.opt_ctrl.state_dict(),
             "opt_intra": self.opt_intra.state_dict() if self.opt_intra else None,
+            "masters": self.masters.state_dict(),
             "data_gen": self.data_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "world_size": self.ranks.world,  # for the record: any world size resumes it
@@ -241,6 +255,7 @@ class OptionsTrainer:
         load_weights(path, self.model, self.info)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.opt_ctrl.load_state_dict(state["opt_ctrl"])
+        self.masters.load_state_dict(state.get("masters"))  # absent: older checkpoints, from the weights
         if self.opt_intra is not None and state["opt_intra"] is not None:
             self.opt_intra.load_state_dict(state["opt_intra"])
         self.data_gen.set_state(state["data_gen"])

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from moectl.distributed import Ranks, check_divides, ranks
 from moectl.subsets.finetune_data import Example, as_example, collate, encode_example, targets
 from moectl.train.checkpoint import write_dir_atomic
+from moectl.train.master_weights import MasterWeights
 
 LOG = "finetune.json"
 SCHEDULES = ("linear", "constant", "cosine")
@@ -61,6 +62,7 @@ class FinetuneConfig:
     grad_clip: float = 1.0
     lora: int | None = None  # LoRA rank; None: full fine-tuning
     lora_alpha: float | None = None  # default 2·rank
+    master_weights: bool = True  # float32 masters of bf16/fp16 trained weights (train/master_weights.py)
     max_steps: int | None = None  # stop early (a budget); None: the whole epochs
     seed: int = 0
 
@@ -121,7 +123,12 @@ def finetune_subset(
     )
     train_model, merge = _with_lora(model, config) if config.lora else (model, None)
     params = [p for p in train_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    masters = MasterWeights(params if config.master_weights else [])
+    optimizer = torch.optim.AdamW(
+        masters.optimizer_params() if config.master_weights else params,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+    )
     scheduler = _scheduler(optimizer, config, total)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(config.seed)
@@ -135,7 +142,9 @@ def finetune_subset(
                 if len(steps) >= total:
                     break
                 batch = [usable[i] for i in order[first : first + config.batch_size]]
-                record = _step(train_model, batch, config, pad_id, device, params, optimizer, processes)
+                record = _step(
+                    train_model, batch, config, pad_id, device, params, optimizer, processes, masters
+                )
                 scheduler.step()
                 record.update(step=len(steps), epoch=epoch)
                 steps.append(record)
@@ -166,6 +175,7 @@ def _step(
     params: list[Tensor],
     optimizer: torch.optim.Optimizer,
     processes: Ranks,
+    masters: MasterWeights,
 ) -> dict:
     """One optimiser step: accumulate the summed token loss of each micro-batch / the step's tokens
     (this process's part of the step's examples; the gradients then summed over the processes)."""
@@ -187,7 +197,9 @@ def _step(
     processes.reduce_gradients(params)
     norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip) if config.grad_clip > 0 else None
     lr = optimizer.param_groups[0]["lr"]
+    masters.to_masters()
     optimizer.step()
+    masters.to_model()
     optimizer.zero_grad(set_to_none=True)
     return {
         "loss": float(processes.total(loss_sum)) / count,
