@@ -4,8 +4,8 @@ Mixed-precision training keeps a float32 master of every trained weight, steps t
 writes its rounding back into the half-precision model (Micikevicius et al. 2018, "Mixed Precision
 Training", §3.1). Without it, AdamW's updates are rounded in bf16: an update of ≈ lr is below
 bf16's spacing at a weight's size (8 significant bits: spacing ≈ 1.2e-4 at 0.02), so most vanish.
-Measured: four full fine-tuning steps of the reference model at lr 5e-5 changed 100% of its weights
-in float32 and 13% of them in bf16. Used where moectl trains a bf16 model's own weights: ``moectl
+Measured (``benchmarks/master_weights.py``): four full fine-tuning steps of the reference model at
+lr 5e-5 changed 100% of its weights in float32 and 13% of them in bf16. Used where moectl trains a bf16 model's own weights: ``moectl
 subset finetune`` without LoRA (EMO appendix C) and the routers of ``moectl options train`` (TE-MoE
 §4.3's intra-option step). Adapters need none: they are float32 already (PEFT's
 ``autocast_adapter_dtype``; ``options.expert_lora.adapter_dtype``).
