@@ -36,5 +36,6 @@ if __name__ == "__main__":
         doc = run(root, name)
         if doc is not None:  # rank 0
             (root / f"{name}.dp.json").write_text(json.dumps(doc, default=str))
-    if torch.distributed.is_initialized():  # gloo's threads torn down before exit, not by std::terminate
-        torch.distributed.destroy_process_group()
+    from moectl.cli import leave_process_group
+
+    leave_process_group(finished=True)  # as `moectl` does under accelerate launch

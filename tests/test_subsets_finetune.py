@@ -156,6 +156,9 @@ def test_cli_finetunes_an_export(tmp_path):
     again = runner.invoke(subset_app, args)  # --out exists
     assert again.exit_code == 2 and "--overwrite" in again.output
     assert runner.invoke(subset_app, [*args, "--overwrite"]).exit_code == 0
+    assert log["config"]["master_weights"] is True
+    assert runner.invoke(subset_app, [*args, "--overwrite", "--no-master-weights"]).exit_code == 0
+    assert json.loads((tmp_path / "ft.json").read_text())["config"]["master_weights"] is False
     data.write_text('{"prompt": "q"}\n')
     bad = runner.invoke(subset_app, [*args, "--overwrite"])
     assert bad.exit_code == 2 and "train.jsonl:1" in bad.output

@@ -60,14 +60,14 @@ def finetune_cmd(
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="float32 (default), bfloat16, auto.")] = "float32",
-    master_weights: Annotated[
+    no_master_weights: Annotated[
         bool,
         typer.Option(
-            "--master-weights/--no-master-weights",
-            help="bf16/fp16 weights: step float32 masters (+8 bytes per trained weight: the master, "
-            "and AdamW's state in float32); without, most updates round away.",
+            "--no-master-weights",
+            help="bf16/fp16 weights: step them in place, not through float32 masters (saves 8 bytes "
+            "per trained weight; most updates then round away).",
         ),
-    ] = True,
+    ] = False,
 ) -> None:
     """Fine-tune a subset checkpoint, prompt tokens masked (EMO appendix C); saves it atomically.
 
@@ -84,7 +84,7 @@ def finetune_cmd(
             epochs=epochs, lr=lr, batch_size=batch_size, micro_batch_size=micro_batch_size,
             max_length=max_length, schedule=schedule, warmup_ratio=warmup_ratio,
             weight_decay=weight_decay, lora=lora, max_steps=max_steps, seed=seed,
-            master_weights=master_weights,
+            master_weights=not no_master_weights,
         )  # fmt: skip
         check_divides(batch_size, launched_world_size(), "examples per optimiser step")
         examples = read_examples(data, max_examples)
