@@ -205,8 +205,7 @@ def print_kernels(rows: list[dict], peak: float) -> None:
     )
     for r in rows:
         k = r["kernels"]
-        tokens = r["tokens_per_s"] * r["step_s"]
-        r["mfu_ceiling"] = r["flops_per_token"] * tokens / (k["matmul_s"] + k["attention_s"]) / peak
+        r["mfu_ceiling"] *= r["peak_bf16_flops"] / peak  # measure_training's ceiling, over the common peak
         attn = f"{r['attention_flops'] / 1e9:>14.0f}" if r["attention_flops"] else f"{'–':>14}"
         print(
             f"{r['variant']:<48}{1e3 * k['step_s']:>8.0f}{1e3 * k['matmul_s']:>8.0f}{1e3 * k['attention_s']:>8.0f}"

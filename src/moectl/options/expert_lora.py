@@ -38,6 +38,7 @@ from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
 from moectl.serve.delta_store import PENDING  # the offloading runtime reads the pending deltas there
+from moectl.train.master_weights import HALF
 
 __all__ = [
     "ExpertLoRA",
@@ -85,7 +86,7 @@ def adapter_dtype(base: torch.dtype) -> torch.dtype:
     """The dtype the adapter factors are stored in: float32 over a bf16/fp16 base (PEFT's
     ``autocast_adapter_dtype=True``, its default for the attention adapters beside these: AdamW's
     small updates vanish in bf16), else the base's. Forwards cast them to the compute dtype."""
-    return torch.float32 if base in (torch.bfloat16, torch.float16) else base
+    return torch.float32 if base in HALF else base
 
 
 class ExpertLoRA(nn.Module):

@@ -123,12 +123,8 @@ def finetune_subset(
     )
     train_model, merge = _with_lora(model, config) if config.lora else (model, None)
     params = [p for p in train_model.parameters() if p.requires_grad]
-    masters = MasterWeights(params if config.master_weights else [])
-    optimizer = torch.optim.AdamW(
-        masters.optimizer_params() if config.master_weights else params,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-    )
+    masters = MasterWeights(params, enabled=config.master_weights)
+    optimizer = torch.optim.AdamW(masters.optimizer_params(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = _scheduler(optimizer, config, total)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(config.seed)

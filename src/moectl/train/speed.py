@@ -39,7 +39,7 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token of a Qwen2-MoE-style config (see the module docstring)."""
     h = config.hidden_size
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
+    head_dim = _head_dim(config)
     attn_params = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o; k, v
     experts = config.num_experts_per_tok * 3 * h * config.moe_intermediate_size
     shared = 3 * h * getattr(config, "shared_expert_intermediate_size", 0)
@@ -94,8 +94,11 @@ def kernel_breakdown(trainer: Any, first_step: int, steps: int = 2) -> dict[str,
 
 def attention_flops_per_token(config: Any, seq_len: int) -> float:
     """The attention-score and -value part of :func:`flops_per_token` (what its kernels compute)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 12.0 * config.num_hidden_layers * seq_len * config.num_attention_heads * head_dim
+    return 12.0 * config.num_hidden_layers * seq_len * config.num_attention_heads * _head_dim(config)
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def measure_training(
