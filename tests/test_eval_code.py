@@ -1,7 +1,7 @@
 """Execution-based code evaluation: the sandboxed runner, pass@k, and the HumanEval/MBPP tasks.
 
 HumanEval (Chen et al. 2021) and MBPP (Austin et al. 2021) count a completion as correct when the
-program it forms with the problem's tests exits cleanly. Hand-written fixtures always run; the real
+program it forms with the problem's tests runs to its end. Hand-written fixtures always run; the real
 converted sets are checked when present in the eval cache.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from moectl.eval.code_exec import (
     pass_at_k,
     run_program,
 )
+from moectl.eval.sandbox_check import sandbox_processes
 from moectl.eval.tasks.utils import (
     humaneval_process_results,
     humaneval_program,
@@ -120,22 +122,38 @@ def test_isolated_process(allowed, monkeypatch):
         "assert 'MOECTL_TEST_SECRET' not in os.environ\n"
         "assert sys.flags.isolated\n"
         "assert sys.stdin.read() == ''\n"
-        "assert sorted(os.listdir('.')) == ['program.py', 'stderr.txt']\n"
+        "assert sorted(os.listdir('.')) == ['program.py']\n"
     )
     assert run_program(program).passed
 
 
 def test_leftover_children_are_killed(allowed):
+    marker = f"moectl-test-{uuid.uuid4().hex}"
     program = (
         "import subprocess, sys\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(child.pid, file=sys.stderr)\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)  # {marker}'])\n"
     )
-    result = run_program(program)
-    assert result.passed
-    stat = Path(f"/proc/{int(result.stderr.split()[-1])}/stat")
-    time.sleep(0.2)
-    assert not stat.exists() or stat.read_text().split(") ")[-1].startswith("Z"), "the child was killed"
+    assert sandbox_processes(marker) == []
+    assert run_program(program).passed
+    assert sandbox_processes(marker) == [], "the child was killed"
+
+
+def test_exit_before_the_tests_is_not_a_pass(allowed):
+    """#29.3: exit status 0 alone is not success; the program must reach its end."""
+    for cheat in ("import sys; sys.exit(0)", "exit()", "quit()", "import os; os._exit(0)", "raise SystemExit"):
+        result = run_program(f"{cheat}\nassert False\n")
+        assert not result.passed and result.status == "error", cheat
+        assert "before the end of the program" in result.stderr or "before its end" in result.stderr, cheat
+    atexit = run_program("import atexit, os\natexit.register(os._exit, 0)\nassert False\n")
+    assert atexit.status == "failed" and not atexit.passed
+    assert run_program("import sys\nassert True\nsys.stdout.flush()\n").passed
+    # a completion that exits inside the function: check() never finishes
+    doc = HUMANEVAL_ROWS[0]
+    assert humaneval_process_results(doc, ["    import sys\n    sys.exit(0)\n"]) == {"pass_at_1": 0.0}
+    assert humaneval_process_results(doc, ["    import os\n    os._exit(0)\n"]) == {"pass_at_1": 0.0}
+    # MBPP: exit() before the asserts
+    assert mbpp_process_results(MBPP_ROWS[0], ["def square_all(xs):\n  return xs\nexit()\n[DONE]"]) == {"pass_at_1": 0.0}
+    assert mbpp_process_results(MBPP_ROWS[0], ["import sys\nsys.exit(0)\n[DONE]"]) == {"pass_at_1": 0.0}
 
 
 def test_refuses_without_opt_in(monkeypatch):

@@ -6,32 +6,29 @@ executing it against the problem's unit tests. Chen et al. warn that this runs u
 ask harnesses to make execution an explicit opt-in; moectl does so: nothing runs unless
 ``$MOECTL_ALLOW_CODE_EXEC=1`` or ``allow=True`` is given (``moectl eval --allow-code-exec``).
 
-Each program runs in a fresh ``python -I`` process (isolated mode: no ``PYTHON*`` variables, no user
-site, no current directory on ``sys.path``) inside an empty temporary directory, with stdin closed,
-a minimal environment, its own session (the whole process group is killed afterwards), a
-wall-clock timeout and ``setrlimit`` limits on address space, CPU seconds, core files, written file
-size and open files. This is damage limitation, not a security boundary: run untrusted models'
-code inside a container or VM.
+Each program runs in a fresh ``python -I`` process through moectl.eval.sandbox: where ``unshare``
+works, in its own PID, network, mount, IPC and UTS namespaces, in a new root with a size-capped
+tmpfs as its only writable place, as uid 65534 when the evaluator is root, under resource limits
+(address space, CPU seconds, written-file size, open files, processes, no core files) and a
+wall-clock timeout; everything it started dies with it. A completion passes only when the program
+runs to its end: the bootstrap then writes a per-run nonce, so ``sys.exit(0)``/``exit()``/
+``os._exit(0)`` before the tests is a failure, not a pass. This is damage limitation, not a proven
+security boundary: run untrusted models' code inside a container or VM.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import resource
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
+
+from moectl.eval.sandbox import Outcome, containment, launch
 
 ENV_VAR = "MOECTL_ALLOW_CODE_EXEC"
 Status = Literal["passed", "failed", "timeout", "error"]
-_STDERR_TAIL = 1000  # characters of stderr kept in the result
 
 
 class CodeExecutionNotAllowedError(PermissionError):
@@ -42,7 +39,7 @@ class CodeExecutionNotAllowedError(PermissionError):
 class ExecResult:
     """Outcome of one program.
 
-    ``status``: ``passed`` (exit 0), ``failed`` (a test's ``assert`` failed), ``timeout`` (killed at
+    ``status``: ``passed`` (ran to its end, exit 0), ``failed`` (a test's ``assert`` failed), ``timeout`` (killed at
     the wall-clock limit), ``error`` (any other exception, a crash, or a resource limit).
     """
 
@@ -76,9 +73,14 @@ def code_exec_tasks(tasks: Sequence[str]) -> list[str]:
 
 
 def check_code_tasks(tasks: Sequence[str], allow: bool | None = None) -> None:
-    """Refuse up front (before a model is loaded) if any of ``tasks`` executes code without opt-in."""
+    """Refuse up front (before a model is loaded) if any of ``tasks`` executes code without opt-in.
+
+    Also settles the sandbox's containment then: a bad ``$MOECTL_SANDBOX`` or an unavailable
+    ``namespace`` mode fails here, and the basic-mode warning comes before the run.
+    """
     if code_exec_tasks(tasks):
         require_allowed(allow)
+        containment()
 
 
 @contextmanager
@@ -98,34 +100,19 @@ def code_exec_allowed(enabled: bool = True) -> Iterator[None]:
             os.environ[ENV_VAR] = before
 
 
-def _limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> Callable[[], None]:
-    """A ``preexec_fn`` applying the resource limits in the child before ``exec``."""
-
-    def apply() -> None:
-        for name, value in (
-            (resource.RLIMIT_AS, memory_bytes),
-            (resource.RLIMIT_CPU, cpu_seconds),
-            (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_FSIZE, file_bytes),
-            (resource.RLIMIT_NOFILE, 64),
-        ):
-            hard = resource.getrlimit(name)[1]
-            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-            resource.setrlimit(name, (value, value))
-
-    return apply
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _classify(returncode: int, stderr: str) -> Status:
-    if returncode == 0:
-        return "passed"
+def _classify(outcome: Outcome) -> tuple[Status, str]:
+    """``passed`` only when the program ran to its end (the nonce came back) and exited 0."""
+    stderr = outcome.stderr
+    if outcome.timeout:
+        return "timeout", stderr
+    if outcome.finished and outcome.exit == 0:
+        return "passed", stderr
     last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    return "failed" if last.startswith("AssertionError") else "error"
+    if outcome.signal is not None and not stderr:
+        stderr = f"killed by signal {outcome.signal}"
+    elif outcome.exit == 0 and not outcome.finished and "moectl-sandbox:" not in stderr:
+        stderr = (stderr + "\nexited with status 0 before the end of the program: not a pass").lstrip()
+    return ("failed" if last.startswith("AssertionError") else "error"), stderr
 
 
 def run_program(
@@ -134,48 +121,21 @@ def run_program(
     memory_bytes: int = 2 * 1024**3,
     file_bytes: int = 16 * 1024**2,
     allow: bool | None = None,
+    max_processes: int = 64,
 ) -> ExecResult:
-    """Execute ``program`` (Python source) in a sandboxed subprocess; ``passed`` means exit status 0.
+    """Execute ``program`` (Python source) in the sandbox; ``passed`` means it ran to its end and exited 0.
 
     Refuses (:class:`CodeExecutionNotAllowedError`) unless ``allow=True`` or
     ``$MOECTL_ALLOW_CODE_EXEC=1``. stdout is discarded; the last characters of stderr are kept.
+    ``file_bytes`` caps each written file (the program's tmpfs holds four times that);
+    ``max_processes`` caps the processes it may add.
     """
     require_allowed(allow)
-    with tempfile.TemporaryDirectory(prefix="moectl-exec-", ignore_cleanup_errors=True) as tmp:
-        root = Path(tmp)
-        (root / "program.py").write_text(program, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
-        with open(root / "stderr.txt", "wb") as err:
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "program.py"],
-                    cwd=tmp,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    preexec_fn=_limits(math.ceil(timeout) + 1, memory_bytes, file_bytes),
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            except OSError as exc:
-                return ExecResult(False, "error", f"could not start the interpreter: {exc}")
-            try:
-                returncode: int | None = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            finally:
-                _kill_group(proc)  # the program's own children too
-                proc.wait()
-        with open(root / "stderr.txt", "rb") as handle:
-            handle.seek(max(0, os.fstat(handle.fileno()).st_size - 4 * _STDERR_TAIL))
-            tail = handle.read().decode("utf-8", "replace")[-_STDERR_TAIL:]
-    if returncode is None:
-        return ExecResult(False, "timeout", tail or f"timed out after {timeout:g} s")
-    status = _classify(returncode, tail)
-    if returncode < 0 and not tail:
-        tail = f"killed by signal {-returncode}"
-    return ExecResult(status == "passed", status, tail)
+    outcome = launch(program, timeout, memory_bytes, file_bytes, max_processes)
+    status, stderr = _classify(outcome)
+    if status == "timeout":
+        stderr = stderr or f"timed out after {timeout:g} s"
+    return ExecResult(status == "passed", status, stderr)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

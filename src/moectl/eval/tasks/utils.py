@@ -75,7 +75,7 @@ def humaneval_program(doc: dict, completion: str) -> str:
 
 
 def humaneval_process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """pass@1 of the greedy completion: 1.0 when the program exits cleanly."""
+    """pass@1 of the greedy completion: 1.0 when the program runs to its end (``check`` returned) and exits 0."""
     return {"pass_at_1": float(run_program(humaneval_program(doc, results[0])).passed)}
 
 
@@ -87,5 +87,6 @@ def mbpp_program(doc: dict, completion: str) -> str:
 
 
 def mbpp_process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """pass@1 of the greedy completion: 1.0 when the program runs and every assert holds."""
+    """pass@1 of the greedy completion: 1.0 when the program runs to its end (every assert held); an
+    ``exit()`` before the asserts is a failure."""
     return {"pass_at_1": float(run_program(mbpp_program(doc, results[0])).passed)}
