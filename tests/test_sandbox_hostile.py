@@ -37,7 +37,9 @@ def test_hostile_programs_are_contained(capsys):
         pytest.skip(f"namespaces unavailable here: {containment().missing}")
     report = probe()
     with capsys.disabled():
-        print(f"\nhostile programs: {report.tried} tried, {report.contained} contained, skipped {report.skipped}")
+        print(
+            f"\nhostile programs: {report.tried} tried, {report.contained} contained, skipped {report.skipped}"
+        )
     assert report.breaches == {}
     assert report.tried == len(HOSTILE) - len(report.skipped) and report.contained == report.tried
     if os.geteuid() == 0:  # root here: the fork bombs ran as uid 65534 under RLIMIT_NPROC
@@ -116,7 +118,9 @@ def test_falls_back_with_a_warning(monkeypatch, fresh_containment):
 
 def test_bad_mode_fails_before_the_run(monkeypatch, fresh_containment):
     monkeypatch.setenv(sandbox.MODE_VAR, "docker")
-    with pytest.raises(ValueError, match="MOECTL_SANDBOX='docker': allowed values are auto, namespace, basic"):
+    with pytest.raises(
+        ValueError, match="MOECTL_SANDBOX='docker': allowed values are auto, namespace, basic"
+    ):
         check_code_tasks(["humaneval"], allow=True)
 
 

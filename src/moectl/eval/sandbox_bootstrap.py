@@ -39,7 +39,8 @@ import traceback
 import types
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
+MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 # pivot_root has no glibc wrapper; its syscall number per architecture (else: chroot, see _enter_root)
@@ -63,17 +64,30 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     )
 
 
-def _bind(source: str, target: str, readonly: bool = True) -> None:
-    """Bind ``source`` at ``target`` (created to match: a directory or an empty file), read-only."""
+def _kept_flags(path: str) -> int:
+    """The mount flags of ``path`` a read-only remount must repeat (a user namespace may not drop them)."""
+    f = os.statvfs(path).f_flag
+    kept = f & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)  # ST_* equal MS_* here
+    return kept | (MS_RELATIME if f & os.ST_RELATIME else 0)
+
+
+def _bind(source: str, target: str, readonly: bool = True, strict: bool = False) -> None:
+    """Bind ``source`` at ``target`` (created to match: a directory or an empty file), read-only.
+
+    ``strict``: fail when it cannot be made read-only (the program runs as the evaluator's uid).
+    """
     if os.path.isdir(source):
         os.makedirs(target, mode=0o755, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
         open(target, "a").close()
     _mount(source, target, None, MS_BIND | MS_REC)
-    if readonly:  # a user namespace may not change locked flags; the program still cannot write there
-        with contextlib.suppress(OSError):
-            _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    if readonly:
+        try:
+            _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | _kept_flags(source))
+        except OSError:
+            if strict:
+                raise
 
 
 def _build_root(config: dict) -> None:
@@ -86,7 +100,7 @@ def _build_root(config: dict) -> None:
             os.symlink(os.readlink("/" + name), os.path.join(new, name))
     for path in config["binds"]:
         if os.path.exists(path):
-            _bind(path, new + path)
+            _bind(path, new + path, strict=config["uid"] is None)
     os.makedirs(new + "/dev/shm", mode=0o755)
     _mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777")  # semaphores
     for device in ("null", "zero", "full", "random", "urandom"):
