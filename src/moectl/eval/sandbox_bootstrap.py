@@ -179,11 +179,14 @@ def _run_program(config: dict, nonce: bytes, result_fd: int) -> None:
         os.environ["HOME"] = os.environ["TMPDIR"] = os.getcwd()
         with open("program.py", encoding="utf-8") as handle:
             source = handle.read()
-        code = compile(source, "program.py", "exec")
-    except BaseException:  # a setup failure or a SyntaxError in the program
+    except BaseException:  # a setup failure: the whole traceback
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        _flush_and_exit(1)
+    try:
+        code = compile(source, "program.py", "exec")
+    except (SyntaxError, ValueError) as exc:  # the program's error, as the interpreter prints it
+        traceback.print_exception(type(exc), exc, None)
+        _flush_and_exit(1)
     module = types.ModuleType("__main__")
     module.__file__ = "program.py"
     sys.modules["__main__"] = module
@@ -192,8 +195,9 @@ def _run_program(config: dict, nonce: bytes, result_fd: int) -> None:
         exec(code, module.__dict__)
     except SystemExit as exc:
         print(f"moectl-sandbox: the program exited (SystemExit {exc.code!r}) before its end", file=sys.stderr)
-        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        _flush_and_exit(code)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        _flush_and_exit(0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # print it as the interpreter would, without this frame
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
         _flush_and_exit(1)
