@@ -42,7 +42,11 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
-PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER = 4, 24, 28, 36
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+# SECBIT_NOROOT (+ locked): uid 0 gains no capabilities on exec; KEEP_CAPS and ambient raising locked off
+SECURE_BITS = 0b11 | 0b100000 | 0b11000000
+CAPABILITY_VERSION_3 = 0x20080522
 # pivot_root has no glibc wrapper; its syscall number per architecture (else: chroot, see _enter_root)
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 SANDBOX = "/sandbox"
@@ -153,8 +157,35 @@ def _limit_and_drop(config: dict) -> None:
     if config["uid"] is not None:
         os.setgroups([])
         os.setresgid(config["gid"], config["gid"], config["gid"])
-        os.setresuid(config["uid"], config["uid"], config["uid"])
+        os.setresuid(config["uid"], config["uid"], config["uid"])  # clears every capability
+    else:
+        _drop_capabilities()
     _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities() -> None:
+    """Keep the uid but lose every capability for good (root of a user namespace, or basic mode as root).
+
+    Where the process lacks ``CAP_SETPCAP`` (an ordinary user, basic mode) it has nothing to drop.
+    """
+    _libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0)
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as handle:
+            last = int(handle.read())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    _check(_libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)()), "capset")
 
 
 def _block_sockets() -> None:
@@ -286,6 +317,7 @@ def main() -> None:
         _build_root(config)
     else:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # its memory (and so the nonce) unreadable via /proc or ptrace
     pid = os.fork()
     if pid == 0:
         os.close(status_fd)
