@@ -2,8 +2,9 @@
 
 Contained means: scored as failed, no breach reported by the program, no process left running, no
 file created outside the sandbox, nothing reached the evaluator's sockets (moectl.eval.sandbox_check).
-Under the previous sandbox (a ``python -I`` child with ``setrlimit`` in ``preexec_fn`` and a
-process-group kill) 3 of the 14 attacks that were safe to try there were contained.
+Under the previous sandbox (bfe2b37's code_exec: a ``python -I`` child with ``setrlimit`` in
+``preexec_fn`` and a process-group kill) 3 of the 14 attacks that were safe to try there were
+contained (the fork bombs and the evaluator-signalling program were not run: they would have hit it).
 """
 
 from __future__ import annotations

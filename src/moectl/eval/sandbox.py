@@ -12,7 +12,11 @@ for other users): the program runs under ``unshare --pid --fork --kill-child --n
 - its PID namespace ends with the run: every process it started dies, ``setsid`` or not, and the
   evaluator's processes are not visible to signal;
 - as root it runs as uid 65534 (nobody) with ``RLIMIT_NPROC`` (root ignores that limit): fork bombs
-  stop at ``max_processes``.
+  stop at ``max_processes``; for other users it is root of the user namespace stripped of every
+  capability (``RLIMIT_NPROC`` counts against the user's own uid), and the bootstrap is
+  non-dumpable, so its memory cannot be read through ``/proc`` or ``ptrace``.
+
+Checked with moectl.eval.sandbox_check's hostile programs as root and as uid 1000 (all contained).
 
 Where ``unshare`` is missing or refused (containers without ``CAP_SYS_ADMIN``, user namespaces
 disabled), ``basic`` mode runs the same bootstrap without namespaces: limits, uid 65534 when root
