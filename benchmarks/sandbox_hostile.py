@@ -2,27 +2,29 @@
 
 Runs moectl.eval.sandbox_check's hostile programs through the sandbox that scores HumanEval/MBPP
 (counts; a breach is named), then times ``--repeats`` runs of a small HumanEval-style program in
-each containment mode that works here, against a bare ``python -I program.py`` subprocess (what the
-previous sandbox started; its ``setrlimit`` calls cost microseconds):
+each containment mode that works here, interleaved with a bare ``python -I program.py`` subprocess
+and, with ``--previous``, an earlier moectl's ``run_program``:
 
-    python benchmarks/sandbox_hostile.py --repeats 20 --json benchmarks/results/sandbox_hostile.json
+    git show bfe2b37:src/moectl/eval/code_exec.py > /tmp/previous_code_exec.py
+    python benchmarks/sandbox_hostile.py --repeats 30 --previous /tmp/previous_code_exec.py \
+        --json benchmarks/results/sandbox_hostile.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench_args import fail
 from moectl.eval import sandbox
-from moectl.eval.code_exec import run_program
 from moectl.eval.sandbox_check import HOSTILE, probe
 
 PROGRAM = (
@@ -31,27 +33,39 @@ PROGRAM = (
 )
 
 
-def _bare(repeats: int) -> list[float]:
-    times = []
+def _previous(path: Path) -> Callable[[], object]:
+    """``run_program`` of an earlier ``code_exec.py`` (loaded from ``path``), on :data:`PROGRAM`."""
+    spec = importlib.util.spec_from_file_location("previous_code_exec", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return lambda: module.run_program(PROGRAM, allow=True)
+
+
+def _timings(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each variant, the variants interleaved (load drifts alike)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "program.py").write_text(PROGRAM)
         for _ in range(repeats):
-            start = time.perf_counter()
-            subprocess.run(
-                [sys.executable, "-I", "program.py"], cwd=tmp, check=True, stdout=subprocess.DEVNULL
-            )
-            times.append(time.perf_counter() - start)
-    return times
+            for name, call in variants.items():
+                start = time.perf_counter()
+                if call is _bare:
+                    subprocess.run([sys.executable, "-I", "program.py"], cwd=tmp, check=True)
+                else:
+                    result = call()
+                    assert getattr(result, "passed", True), result
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _sandboxed(repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = run_program(PROGRAM, allow=True)
-        times.append(time.perf_counter() - start)
-        assert result.passed, result.stderr
-    return times
+def _bare() -> None:
+    """Marker: a bare ``python -I program.py`` subprocess."""
+
+
+def _sandboxed(how: sandbox.Containment) -> Callable[[], object]:
+    return lambda: sandbox.launch(PROGRAM, 10.0, 2 * 1024**3, 16 * 1024**2, 64, how)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,10 +74,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--hostile", default=None, help="comma-separated names (default: all)")
+    parser.add_argument(
+        "--previous",
+        type=Path,
+        default=None,
+        help="an earlier code_exec.py to time too, e.g. from "
+        "`git show bfe2b37:src/moectl/eval/code_exec.py > /tmp/previous_code_exec.py`",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         fail(f"--repeats must be at least 1, got {args.repeats}")
+    if args.previous is not None and not args.previous.is_file():
+        fail(f"--previous: {args.previous} is not a file")
     known = [h.name for h in HOSTILE]
     names = None if args.hostile is None else [n.strip() for n in args.hostile.split(",")]
     unknown = [n for n in names or [] if n not in known]
@@ -80,19 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  NOT contained: {name}: {'; '.join(found)}")
     for name, why in report.skipped.items():
         print(f"  skipped: {name}: {why}")
-    timings = {"bare python -I": _bare(args.repeats)}
-    modes = ["namespace", "basic"] if how.mode == "namespace" else ["basic"]
-    for mode in modes:
-        sandbox.containment.cache_clear()
-        os.environ[sandbox.MODE_VAR] = mode
-        try:
-            timings[f"sandbox ({mode})"] = _sandboxed(args.repeats)
-        finally:
-            os.environ.pop(sandbox.MODE_VAR, None)
-            sandbox.containment.cache_clear()
-    per_program = {name: statistics.median(t) for name, t in timings.items()}
+    variants: dict[str, Callable[[], object]] = {"bare python -I": _bare}
+    if args.previous is not None:
+        variants["previous code_exec"] = _previous(args.previous)
+    if how.mode == "namespace":
+        variants["sandbox (namespace)"] = _sandboxed(how)
+    variants["sandbox (basic)"] = _sandboxed(sandbox.basic_mode("benchmark"))
+    per_program = _timings(variants, args.repeats)
     for name, median in per_program.items():
-        print(f"{name:>20}: {1000 * median:7.1f} ms per program (median of {args.repeats})")
+        print(f"{name:>20}: {1000 * median:7.1f} ms per program (median of {args.repeats}, interleaved)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {

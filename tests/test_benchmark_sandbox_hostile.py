@@ -14,18 +14,29 @@ import sandbox_hostile
 
 def test_the_benchmark_counts_and_times(tmp_path, capsys):
     out = tmp_path / "sandbox.json"
-    sandbox_hostile.main(["--hostile", "sys.exit(0),infinite loop", "--repeats", "1", "--json", str(out)])
+    import moectl.eval.code_exec as current
+
+    argv = ["--hostile", "sys.exit(0),infinite loop", "--repeats", "1", "--previous", current.__file__]
+    sandbox_hostile.main([*argv, "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["tried"] == 2 and doc["contained"] == 2 and doc["breaches"] == {}
     assert set(doc["seconds_per_hostile_program"]) == {"sys.exit(0)", "infinite loop"}
-    assert "bare python -I" in doc["median_seconds_per_program"]
+    assert {"bare python -I", "previous code_exec", "sandbox (basic)"} <= set(doc["median_seconds_per_program"])
     assert f"sandbox ({doc['containment']})" in doc["median_seconds_per_program"]
     assert "hostile programs: 2 tried, 2 contained" in capsys.readouterr().out
 
 
-def test_unknown_hostile_name_exits_2(capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hostile", "rm -rf"], "error: --hostile: unknown rm -rf; known: fork bomb,"),
+        (["--previous", "no/such/code_exec.py"], "error: --previous: no/such/code_exec.py is not a file"),
+        (["--repeats", "0"], "error: --repeats must be at least 1, got 0"),
+    ],
+)
+def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        sandbox_hostile.main(["--hostile", "rm -rf"])
+        sandbox_hostile.main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --hostile: unknown rm -rf; known: fork bomb,") and "\n" not in err
+    assert err.startswith(message) and "\n" not in err

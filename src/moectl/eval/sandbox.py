@@ -107,13 +107,15 @@ def _processes_of(uid: int) -> int:
     return count
 
 
-def _namespace() -> Containment:
+def namespace_mode() -> Containment:
+    """Namespaces through ``unshare`` (a user namespace too when not root); not probed."""
     root = os.geteuid() == 0
     prefix = ("unshare", *(() if root else ("--user", "--map-root-user")), *UNSHARE_FLAGS)
     return Containment("namespace", prefix, NOBODY if root else None)
 
 
-def _basic(missing: str) -> Containment:
+def basic_mode(missing: str) -> Containment:
+    """No namespaces; ``missing`` says why, for the warning."""
     root = os.geteuid() == 0
     drop = root and all(_readable_by_others(p) for p in (sys.base_prefix, sys.prefix, sys.executable))
     if root and not drop:
@@ -128,17 +130,17 @@ def containment() -> Containment:
     if wanted not in MODES:
         raise ValueError(f"${MODE_VAR}={wanted!r}: allowed values are {', '.join(MODES)}")
     if wanted == "basic":
-        return _basic("namespaces not used ($MOECTL_SANDBOX=basic)")
+        return basic_mode("namespaces not used ($MOECTL_SANDBOX=basic)")
     if shutil.which("unshare") is None:
         why = "`unshare` (util-linux) is not installed"
     else:
-        probe = launch("pass\n", 10.0, 256 * 1024**2, 1024**2, 8, _namespace())
+        probe = launch("pass\n", 10.0, 256 * 1024**2, 1024**2, 8, namespace_mode())
         if probe.finished and probe.exit == 0:
-            return _namespace()
+            return namespace_mode()
         why = f"`unshare` failed: {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe}"
     if wanted == "namespace":
         raise SandboxUnavailableError(f"${MODE_VAR}=namespace but {why}")
-    chosen = _basic(
+    chosen = basic_mode(
         f"{why}: programs keep the evaluator's network and filesystem view (sockets are only disabled "
         "in Python's socket module)"
     )
