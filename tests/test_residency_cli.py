@@ -50,7 +50,7 @@ def test_json_rows_and_plot(tmp_path):
 
 
 def test_moectl_trace_input(tmp_path):
-    model, tok, _ = moectl.load("tiny:olmoe")
+    model = moectl.tiny("olmoe")
     ids = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(0))
     with moectl.route(model, record=True) as session:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
