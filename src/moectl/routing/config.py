@@ -46,6 +46,8 @@ _PROVIDERS: dict[str, str] = {
     "lru": "moectl.serve.policies",
     "static": "moectl.serve.policies",
     "option": "moectl.serve.policies",
+    "s3fifo": "moectl.serve.policies",
+    "arc": "moectl.serve.policies",
 }
 
 
