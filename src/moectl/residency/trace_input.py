@@ -6,8 +6,13 @@ Two sources:
   either file, the path without suffix, or a folder holding one trace; its rows (one per
   generated sequence) are replayed one after another, padding dropped;
 - an ``.npy`` integer array ``[tokens, layers, top_k]``, the layout vLLM and SGLang return as
-  ``routed_experts`` (``return_routed_experts``): ``numpy.save("trace.npy", routed_experts)``
-  for one request, or ``numpy.concatenate`` of several requests' arrays in serving order.
+  ``routed_experts``: ``numpy.save("trace.npy", routed_experts)`` for one request, or
+  ``numpy.concatenate`` of several requests' arrays in serving order. vLLM: start the engine with
+  ``enable_return_routed_experts=True`` (``--enable-return-routed-experts``); each request's output
+  carries its ``routed_experts`` array. SGLang: start the server with
+  ``--enable-return-routed-experts`` and send ``"return_routed_experts": true``; the response's
+  ``routed_experts`` is base64 of int32 ids, flattened:
+  ``numpy.frombuffer(base64.b64decode(s), numpy.int32).reshape(-1, num_layers, top_k)``.
 
 Several inputs are concatenated along tokens (they must agree on layers and top-k). Ids must lie
 in ``[0, num_experts)`` and be distinct within a token's layer.
