@@ -48,6 +48,7 @@ _PROVIDERS: dict[str, str] = {
     "option": "moectl.serve.policies",
     "s3fifo": "moectl.serve.policies",
     "arc": "moectl.serve.policies",
+    "reroute": "moectl.serve.reroute",
 }
 
 
