@@ -38,3 +38,18 @@ def test_reference_benchmark_records_and_replays(tmp_path):
     assert doc["trace"]["layers"] == 3 and doc["trace"]["routing"].startswith("random weights: tiny:olmoe; 2 corpus")
     assert {r["budget"] for r in doc["results"]} == {2, 4}
     assert (tmp_path / "hit_rate.png").is_file()
+
+
+def test_reroute_benchmark_rows(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import reroute
+
+    out = tmp_path / "reroute.json"
+    rows = reroute.main(
+        ["--model", "tiny:olmoe", "--prompts", "2", "--chars", "20", "--max-new-tokens", "6", "--budget", "4",
+         "--tols", "0,1", "--json", str(out)]
+    )  # fmt: skip
+    assert [r["policy"] for r in rows] == ["s3fifo", "reroute:0", "reroute:1"]
+    assert rows[0]["same_tokens"] == rows[1]["same_tokens"] == 1.0 and rows[1]["rerouted_per_token"] == 0
+    assert rows[2]["rerouted_per_token"] > 0 and rows[2]["hit_rate"] > rows[0]["hit_rate"]
+    assert json.loads(out.read_text())["rows"][2]["policy"] == "reroute:1"
