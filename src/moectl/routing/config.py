@@ -49,6 +49,7 @@ _PROVIDERS: dict[str, str] = {
     "s3fifo": "moectl.serve.policies",
     "arc": "moectl.serve.policies",
     "reroute": "moectl.serve.reroute",
+    "pregate": "moectl.serve.pregate",
 }
 
 

@@ -341,7 +341,7 @@ class ARCResidency(CacheResidency):
 CACHE_RESIDENCIES = {"s3fifo": S3FIFOResidency, "arc": ARCResidency}
 
 
-RESIDENCY = "lru, s3fifo, arc, reroute:TOL, option:K_HAT, static:FILE (or any expert mask / subset file) or a controller"
+RESIDENCY = "lru, s3fifo, arc, reroute:TOL, pregate, option:K_HAT, static:FILE (or any expert mask / subset file) or a controller"
 
 
 def residency_policy(policy: Any) -> LRUPolicy:
@@ -362,7 +362,7 @@ def residency_policy(policy: Any) -> LRUPolicy:
 
 
 def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
-    """``lru`` | ``s3fifo`` | ``arc`` | ``reroute:TOL`` | ``static:SUBSET.json`` | ``option:K_HAT`` | ``controller:DIR`` | any
+    """``lru`` | ``s3fifo`` | ``arc`` | ``reroute:TOL`` | ``pregate`` | ``static:SUBSET.json`` | ``option:K_HAT`` | ``controller:DIR`` | any
     policy file or folder.
 
     ``model`` is needed for a trained controller (its adapters merge into it) and for masks that
@@ -372,6 +372,10 @@ def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
 
     if isinstance(spec, str) and spec in CACHE_RESIDENCIES:
         return CACHE_RESIDENCIES[spec]()
+    if spec == "pregate":
+        from moectl.serve.pregate import PregateResidency
+
+        return PregateResidency()
     if isinstance(spec, str) and spec.startswith("reroute:"):
         from moectl.serve.reroute import parse_reroute
 
