@@ -101,6 +101,12 @@ def test_bad_arrays_exit_2(tmp_path, array, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_missing_trace_exits_2(tmp_path):
+    for path in (tmp_path / "none.npy", tmp_path / "none"):
+        result = runner.invoke(app, ["offload", "simulate", str(path), "--num-experts", "8"])
+        assert result.exit_code == 2 and str(path) in result.output, result.output
+
+
 def test_static_file_too_large_for_the_budget(tmp_path):
     path, _ = _array(tmp_path)
     subset = tmp_path / "subset.json"
