@@ -34,6 +34,8 @@ def test_json_rows_and_plot(tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["trace"]["accesses"] == chosen.size and doc["trace"]["routing"] == "random test array"
+    expected = np.mean([len(set(chosen[t, layer]) & set(chosen[t - 1, layer])) / 2 for t in range(1, 200) for layer in range(3)])
+    assert doc["trace"]["previous_token_overlap"] == pytest.approx(expected)
     rows = doc["results"]
     names = ["lru", "lfu", "lfuda", "arc", "s3fifo", "least-stale", "static", "belady"]
     assert [(r["policy"], r["budget"]) for r in rows] == [(n, b) for b in (2, 4) for n in names]

@@ -125,9 +125,11 @@ def simulate_command(
             doc["plot"] = str(plot_hit_rate(rows, plot, title))
     except (ValueError, OSError) as err:
         fail(err)
+    overlap = doc["trace"]["previous_token_overlap"]
     table = Table(
         title=f"offload simulate: {acc.tokens} tokens × {acc.layers} layers × top-{acc.top_k} of "
         f"{acc.num_experts} experts ({acc.accesses} accesses); routing: {routing}"
+        + ("" if overlap is None else f"; experts shared with the previous token: {overlap:.1%}")
     )
     for col in ("policy", "budget", "hit rate", "misses/token", "MiB/token", "gap to belady", "time"):
         table.add_column(col, justify="left" if col == "policy" else "right")

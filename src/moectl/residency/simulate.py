@@ -161,6 +161,16 @@ def run(config: SimConfig) -> list[dict]:
     return rows
 
 
+def previous_token_overlap(chosen: np.ndarray) -> float | None:
+    """Mean fraction of a token's experts that the previous token used too, over tokens and layers:
+    the temporal locality every policy lives on (a trace whose tokens share most of their experts
+    gives high hit rates to all of them)."""
+    if chosen.shape[0] < 2:
+        return None
+    same = (chosen[1:, :, :, None] == chosen[:-1, :, None, :]).any(-1)  # [T-1, L, k]
+    return float(same.mean())
+
+
 def report(config: SimConfig, rows: list[dict], routing: str) -> dict:
     """The JSON document: the trace's shape, how its routing came about, and the rows."""
     acc = config.accesses
@@ -173,6 +183,7 @@ def report(config: SimConfig, rows: list[dict], routing: str) -> dict:
             "num_experts": acc.num_experts,
             "accesses": acc.accesses,
             "routing": routing,
+            "previous_token_overlap": previous_token_overlap(acc.chosen),
         },
         "expert_bytes": None if config.expert_bytes is None else list(config.expert_bytes),
         "results": rows,
