@@ -72,3 +72,20 @@ def test_grouped_routers_are_refused():
     model = moectl.tiny("deepseek_v3")
     with pytest.raises(ValueError, match="rerouting supports ungrouped softmax"):
         RerouteResidency(0.1).router.bind(moectl.inspect(model))
+
+
+def test_an_expert_another_policy_disallowed_is_never_swapped_in():
+    from types import SimpleNamespace
+
+    from moectl.routing.state import RouteContext, RoutingState
+
+    layer = moectl.inspect(moectl.tiny("olmoe")).layers[0]  # 8 experts, top-2
+    policy = RerouteResidency(1.0)
+    policy.sets[0] = SimpleNamespace(where={0: 0, 3: 1})  # experts 0 and 3 resident
+    logits = torch.full((1, 1, 8), float("-inf"))
+    logits[0, 0, 0] = 0.0  # p = [1, 0, ..., 0]: the second choice has p = 0, not resident
+    allowed = torch.ones(1, 1, 8, dtype=torch.bool)
+    allowed[0, 0, 3] = False  # another policy forbids expert 3
+    state = RoutingState(0, logits, layer.rule, RouteContext(1, 1), allowed=allowed.clone())
+    policy.router.apply(state)
+    assert policy.rerouted == 0 and torch.equal(state.allowed, allowed)  # 3 (p - 1 >= 0 - TOL) not taken

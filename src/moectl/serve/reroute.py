@@ -73,11 +73,13 @@ class CacheAwareRouting:
         if res is None or b * t != 1 or not res.where:
             return
         probs = state.probs.reshape(e)
-        if state.allowed is not None:
-            probs = probs.masked_fill(~state.allowed.reshape(e), -1.0)
-        chosen = torch.topk(probs, state.rule.top_k).indices
-        resident = torch.zeros(e, dtype=torch.bool)
+        resident = torch.zeros(e, dtype=torch.bool, device=probs.device)
         resident[list(res.where)] = True
+        if state.allowed is not None:  # another policy's restriction holds: only allowed experts
+            allowed = state.allowed.reshape(e)
+            probs = probs.masked_fill(~allowed, -1.0)
+            resident &= allowed
+        chosen = torch.topk(probs, state.rule.top_k).indices
         allowed, swapped = reroute(probs, chosen, resident, self.owner.tol)
         if swapped:
             self.owner.rerouted += swapped
