@@ -6,7 +6,8 @@ start empty; a token's experts are resident together (no policy evicts an expert
 token needs); hits and misses are counted per token, layer and expert.
 
 - ``policies.py``: the online policies, one cache object per layer with ``step(need) -> hits``
-  (LRU, LFU, LFUDA, ARC, S3-FIFO, SpecMD's Least-Stale, static); the same objects drive the
+  (``base.Cache``: LRU, LFU, LFUDA, SpecMD's Least-Stale, static there; ARC in ``arc.py``,
+  S3-FIFO in ``s3fifo.py``); the same objects drive the
   runtime's residency in ``serve/policies.py``, so the simulator and serving share one
   implementation.
 - ``belady.py``: the offline optimum (Belady's MIN with multi-expert requests).

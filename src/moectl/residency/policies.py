@@ -12,10 +12,8 @@ resident set after the step. The same objects decide residency when serving
 - ``lfu``: least frequently used, counts kept while resident (reset on eviction), ties LRU.
 - ``lfuda``: LFU with dynamic aging (Arlitt et al. 2000): key K = count + L, L the key of the
   last victim, so old popular experts age out; ties LRU.
-- ``arc``: Adaptive Replacement Cache (Megiddo & Modha, FAST 2003): recency list T1, frequency
-  list T2, ghosts B1/B2 steering the target size p of T1.
-- ``s3fifo``: S3-FIFO (Yang et al., SOSP 2023): a small FIFO of 10% of the slots, a main FIFO
-  with 2-bit frequencies (reinsertion while frequency > 0), a ghost FIFO of the main's size.
+- ``arc``: Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), in ``arc.py``.
+- ``s3fifo``: S3-FIFO (Yang et al., SOSP 2023), in ``s3fifo.py``.
 - ``least-stale``: SpecMD's Least-Stale (Hoang et al. 2026), as its public reimplementations
   describe it: each expert's reuse interval is an exponential moving average of its observed gaps
   (kept across evictions); the victim is the expert whose predicted next use (last use + interval)
@@ -34,26 +32,14 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
+from moectl.residency.arc import ARCCache
+from moectl.residency.base import Cache
+from moectl.residency.s3fifo import S3FIFOCache
+
+__all__ = ["ONLINE", "ARCCache", "Cache", "LFUCache", "LFUDACache", "LRUCache", "LeastStaleCache",
+           "PriorityCache", "S3FIFOCache", "StaticCache"]  # fmt: skip
+
 _TIE = 1 << 40  # priority = key * _TIE + time: ties in key go to the least recently used
-
-
-class Cache:
-    """One layer's resident experts under a replacement policy (see the module doc)."""
-
-    name = ""
-
-    def __init__(self, budget: int, num_experts: int) -> None:
-        if budget < 1:
-            raise ValueError(f"a cache needs at least one slot, got budget {budget}")
-        self.budget, self.num_experts = budget, num_experts
-
-    @property
-    def resident(self) -> Collection[int]:
-        raise NotImplementedError
-
-    def step(self, need: Sequence[int]) -> int:
-        """Serve one token's distinct experts ``need``; returns how many were resident (hits)."""
-        raise NotImplementedError
 
 
 class LRUCache(Cache):
@@ -210,165 +196,6 @@ class LeastStaleCache(PriorityCache):
     hit = insert = _use
 
 
-class ARCCache(Cache):
-    name = "arc"
-
-    def __init__(self, budget: int, num_experts: int) -> None:
-        super().__init__(budget, num_experts)
-        self.p = 0.0  # target size of T1
-        self.t1: OrderedDict[int, None] = OrderedDict()  # seen once recently (LRU first)
-        self.t2: OrderedDict[int, None] = OrderedDict()  # seen at least twice recently
-        self.b1: OrderedDict[int, None] = OrderedDict()  # ghosts of T1's victims
-        self.b2: OrderedDict[int, None] = OrderedDict()  # ghosts of T2's victims
-
-    @property
-    def resident(self) -> Collection[int]:
-        return self.t1.keys() | self.t2.keys()
-
-    def step(self, need: Sequence[int]) -> int:
-        t1, t2 = self.t1, self.t2
-        hits = 0
-        missing = []
-        for x in need:
-            if x in t1:
-                del t1[x]
-                t2[x] = None
-                hits += 1
-            elif x in t2:
-                t2.move_to_end(x)
-                hits += 1
-            else:
-                missing.append(x)
-        for x in missing:
-            self._miss(x, need)
-        return hits
-
-    def _miss(self, x: int, protect: Sequence[int]) -> None:
-        c, t1, t2, b1, b2 = self.budget, self.t1, self.t2, self.b1, self.b2
-        if x in b1:
-            self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
-            del b1[x]
-            self._replace(False, protect)
-            t2[x] = None
-            return
-        if x in b2:
-            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
-            del b2[x]
-            self._replace(True, protect)
-            t2[x] = None
-            return
-        if len(t1) + len(b1) >= c:
-            if len(t1) < c:
-                b1.popitem(last=False)
-                self._replace(False, protect)
-            else:  # T1 fills the cache: its LRU leaves without a ghost
-                del t1[_first_not_in(t1, protect)]
-        elif len(t1) + len(b1) + len(t2) + len(b2) >= c:
-            while len(t1) + len(b1) + len(t2) + len(b2) >= 2 * c and b2:
-                b2.popitem(last=False)
-            self._replace(False, protect)
-        t1[x] = None
-
-    def _replace(self, x_in_b2: bool, protect: Sequence[int]) -> None:
-        """ARC's REPLACE, when the cache is full: T1's LRU to B1 or T2's LRU to B2 (unprotected)."""
-        t1, t2 = self.t1, self.t2
-        if len(t1) + len(t2) < self.budget:
-            return
-        if t1 and ((x_in_b2 and len(t1) == self.p) or len(t1) > self.p):
-            order = ((t1, self.b1), (t2, self.b2))
-        else:
-            order = ((t2, self.b2), (t1, self.b1))
-        for source, ghost in order:
-            victim = _first_not_in(source, protect)
-            if victim is not None:
-                del source[victim]
-                ghost[victim] = None
-                return
-
-
-class S3FIFOCache(Cache):
-    name = "s3fifo"
-
-    def __init__(self, budget: int, num_experts: int) -> None:
-        super().__init__(budget, num_experts)
-        self.small_cap = max(1, round(0.1 * budget))
-        self.main_cap = budget - self.small_cap
-        self.s: OrderedDict[int, None] = OrderedDict()  # FIFO, oldest first
-        self.m: OrderedDict[int, None] = OrderedDict()
-        self.g: OrderedDict[int, None] = OrderedDict()  # ghost ids, oldest first
-        self.freq: dict[int, int] = {}
-
-    @property
-    def resident(self) -> Collection[int]:
-        return self.s.keys() | self.m.keys()
-
-    def step(self, need: Sequence[int]) -> int:
-        freq = self.freq
-        hits = 0
-        missing = []
-        for x in need:
-            f = freq.get(x)
-            if f is None:
-                missing.append(x)
-            else:
-                hits += 1
-                if f < 3:
-                    freq[x] = f + 1
-        for x in missing:
-            ghost = x in self.g  # a ghost hit is decided at the request, before evictions move the ghosts
-            while len(self.s) + len(self.m) >= self.budget:
-                self._evict(need)
-            if ghost:
-                self.g.pop(x, None)
-                self.m[x] = None
-            else:
-                self.s[x] = None
-            freq[x] = 0
-        return hits
-
-    def _evict(self, protect: Sequence[int]) -> None:
-        if (len(self.s) >= self.small_cap or not self.m) and self._evict_s(protect):
-            return
-        self._evict_m(protect)
-
-    def _evict_s(self, protect: Sequence[int]) -> bool:
-        s, freq = self.s, self.freq
-        while s:
-            x, _ = s.popitem(last=False)
-            if freq[x] > 1 or x in protect:  # accessed again (or needed now): promoted to main
-                self.m[x] = None
-                if len(self.m) > self.main_cap:
-                    self._evict_m(protect)
-                    return True
-            else:
-                self.g[x] = None
-                while len(self.g) > self.main_cap:
-                    self.g.popitem(last=False)
-                del freq[x]
-                return True
-        return False
-
-    def _evict_m(self, protect: Sequence[int]) -> None:
-        m, freq = self.m, self.freq
-        if all(x in protect for x in m):  # nothing evictable in main: the oldest unprotected of small
-            x = _first_not_in(self.s, protect)
-            del self.s[x], freq[x]
-            self.g[x] = None
-            while len(self.g) > self.main_cap:
-                self.g.popitem(last=False)
-            return
-        while True:
-            x = next(iter(m))
-            if x in protect:
-                m.move_to_end(x)
-            elif freq[x] > 0:
-                freq[x] -= 1
-                m.move_to_end(x)
-            else:
-                del m[x], freq[x]
-                return
-
-
 class StaticCache(LRUCache):
     """``pinned`` stays resident from its first use on; the other ``budget - len(pinned)`` slots
     (at least top-k, checked by the caller) serve the remaining experts LRU."""
@@ -398,10 +225,6 @@ class StaticCache(LRUCache):
             else:
                 rest.append(e)
         return hits + (super().step(rest) if rest else 0)
-
-
-def _first_not_in(order: OrderedDict[int, None], protect: Sequence[int]) -> int | None:
-    return next((e for e in order if e not in protect), None)
 
 
 ONLINE: dict[str, Callable[[int, int], Cache]] = {
