@@ -87,7 +87,7 @@ def test_random_baseline_policy_and_k_hat_range(olmoe):
         RandomOptions(0)
     with pytest.raises(ValueError, match="frequency, reconstruction, random, wanda"):
         baseline_policy(olmoe, ByteTokenizer(), "magnitude", 4, TEXTS)
-    assert BASELINES == ("frequency", "reconstruction", "random", "wanda")
+    assert BASELINES == ("frequency", "reconstruction", "random", "wanda", "reap")
 
 
 def test_calibration_appends_generated_responses(olmoe):

@@ -18,6 +18,7 @@ from moectl.cli import (
     eval,
     export,
     inspect,
+    offload,
     options,
     pretrain,
     roe,
@@ -38,6 +39,7 @@ app.command("card")(card.card_command)
 app.command("eval")(eval.eval_command)
 app.command("report")(eval.report_command)
 app.command("serve-offload")(serve.serve_offload_command)
+app.add_typer(offload.offload_app, name="offload", help="Expert offloading: which experts to keep resident.")
 app.add_typer(subset.subset_app, name="subset", help="Select, export and analyse per-domain expert subsets.")
 app.command("modularity")(subset.modularity_cmd)
 app.add_typer(

@@ -30,7 +30,7 @@ PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (
 def baselines_command(
     model: ModelArg,
     k_hat: Annotated[int, typer.Option("--k-hat", help="Experts kept per MoE layer k̂ (top-k ≤ k̂ ≤ N).")],
-    method: Annotated[str, typer.Option("--method", help="frequency | reconstruction | random | wanda")],
+    method: Annotated[str, typer.Option("--method", help="frequency | reconstruction | random | wanda | reap")],
     calib: Annotated[
         Path | None,
         typer.Option(

@@ -88,7 +88,7 @@ def serve_offload_command(
     policy: Annotated[
         str,
         typer.Option(
-            help="lru | static:SUBSET.json | option:K_HAT | controller:DIR, or any policy file or folder "
+            help="lru | s3fifo | arc | reroute:TOL | pregate | static:SUBSET.json | option:K_HAT | controller:DIR, or any policy file or folder "
             "(`moectl.load_policy`: a subset file or expert mask is served static, a controller folder as controller)."
         ),
     ] = "lru",

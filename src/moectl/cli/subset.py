@@ -52,7 +52,7 @@ def select_cmd(
     keep: Annotated[int, typer.Option("--keep", help="Experts kept in every MoE layer.")],
     out: Annotated[Path, typer.Option("--out", help="Subset file to write (JSON).")],
     method: Annotated[
-        str, typer.Option("--method", help="router | frequency | easy-ep | reconstruction | wanda | random")
+        str, typer.Option("--method", help="router | frequency | easy-ep | reap | reconstruction | wanda | random")
     ] = "router",
     layerwise: Annotated[
         bool, typer.Option("--layerwise", help="Prune layer l before measuring layer l+1.")

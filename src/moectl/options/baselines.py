@@ -1,9 +1,11 @@
-"""TE-MoE's four pruning baselines (§5 "Baselines", A2) as routing policies.
+"""TE-MoE's four pruning baselines (§5 "Baselines", A2), and REAP, as routing policies.
 
 - ``frequency``: keep the k-hat experts most often in the top-k on the calibration set.
 - ``reconstruction`` (Lu et al.): keep the k-hat experts minimising ‖F'(X, C) − F(X)‖_F per layer;
   exhaustive over all sets when few, else greedy forward selection (A2).
 - ``wanda`` (structured, Sun et al.): keep the k-hat experts of largest Σ|W|·‖X‖.
+- ``reap`` (Lasby et al. 2025): keep the k-hat experts of largest router-weighted mean output norm
+  over the calibration tokens routed to them (not one of the paper's four; added beside them).
 - ``random``: a fresh random set of k-hat experts at every token (``RandomOptions``).
 
 The three fixed baselines are ``moectl.subsets`` selection methods on the calibration tokens,
@@ -28,8 +30,8 @@ from moectl.routing.state import Policy
 from moectl.subsets.calibrate import tokenize
 from moectl.subsets.select import select_subset
 
-BASELINES = ("frequency", "reconstruction", "random", "wanda")
-FIXED_BASELINES = ("frequency", "reconstruction", "wanda")
+BASELINES = ("frequency", "reconstruction", "random", "wanda", "reap")
+FIXED_BASELINES = ("frequency", "reconstruction", "wanda", "reap")
 
 
 def baseline_name(name: str) -> str:

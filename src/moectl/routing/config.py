@@ -46,6 +46,10 @@ _PROVIDERS: dict[str, str] = {
     "lru": "moectl.serve.policies",
     "static": "moectl.serve.policies",
     "option": "moectl.serve.policies",
+    "s3fifo": "moectl.serve.policies",
+    "arc": "moectl.serve.policies",
+    "reroute": "moectl.serve.reroute",
+    "pregate": "moectl.serve.pregate",
 }
 
 

@@ -8,6 +8,10 @@
   the top-k-hat option (activated experts first, then the most probable) is loaded and pinned; it
   persists until an activated expert falls outside it. Routing is the model's own.
 
+- ``s3fifo``, ``arc``: per-token routing (the model's own) with S3-FIFO's or ARC's eviction instead of
+  LRU's: the replacement policies of ``moectl.residency`` that ``moectl offload simulate`` found best
+  on the reference models' traces (``CacheResidency``).
+
 - ``controller:DIR``: a trained TE-MoE controller (``moectl options train``): routing is restricted
   to each layer's current option, and that option (k-hat experts) is what stays resident; a switch
   loads the new option's missing experts.
@@ -260,7 +264,84 @@ class ControllerResidency(LRUPolicy):
         return controller_prediction(controller.layers[layer], hidden[0], option[0], self.k_hat, config.beta)
 
 
-RESIDENCY = "lru, option:K_HAT, static:FILE (or any expert mask / subset file) or a controller"
+class CacheResidency(LRUPolicy):
+    """Residency decided by a replacement policy of ``moectl.residency.policies``: the simulator's
+    own cache objects, one per MoE layer, so serving and ``moectl offload simulate`` share one
+    implementation (tests/test_residency_runtime.py checks equal hits and misses on a recorded trace).
+
+    At a decoding step the layer's cache serves the token's experts; its victims are moved to the
+    front of the resident set's eviction order and the token's resident experts pinned, so the
+    loads that follow evict exactly the cache's victims. A prompt (several tokens in one step)
+    streams its experts through the slots (LRU, as every policy here), and the cache restarts from
+    what is resident after it (in LRU order, fresh metadata). Deviation: the simulator serves a
+    prompt token by token, so the two agree on decoding steps, not on the prompt forward.
+    """
+
+    cache_name: str = ""
+
+    def __init__(self) -> None:
+        self.name = self.cache_name
+        self.caches: dict[int, Any] = {}
+
+    def config_fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
+    ) -> CacheResidency:
+        return cls()
+
+    def _new(self, res) -> Any:
+        from moectl.residency.policies import ONLINE
+
+        return ONLINE[self.cache_name](res.budget, 0)  # ARC and S3-FIFO never read num_experts
+
+    def _restart(self, layer: int, res) -> Any:
+        cache = self.caches[layer] = self._new(res)
+        for e in res.where:  # least recently used first
+            cache.step([e])
+        return cache
+
+    def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        res.pinned.clear()
+        if chosen.shape[0] > 1:  # the prompt streams through; the cache restarts after it
+            return
+        cache = self.caches.get(layer)
+        if cache is None or set(cache.resident) != set(res.where):
+            cache = self._restart(layer, res)
+        need = chosen[0].tolist()
+        before = set(res.where)
+        cache.step(need)
+        after = cache.resident
+        for victim in [e for e in res.where if e not in after][::-1]:
+            res.where.move_to_end(victim, last=False)
+        res.pinned = {e for e in need if e in before}
+
+    def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        if chosen.shape[0] > 1:
+            self._restart(layer, res)
+
+
+@register_policy("s3fifo")
+class S3FIFOResidency(CacheResidency):
+    """S3-FIFO (Yang et al., SOSP 2023): the best heuristic of ``moectl offload simulate`` on both
+    reference models' traces at 8 and 16 of 32 experts."""
+
+    cache_name = "s3fifo"
+
+
+@register_policy("arc")
+class ARCResidency(CacheResidency):
+    """ARC (Megiddo & Modha, FAST 2003): the second best there."""
+
+    cache_name = "arc"
+
+
+CACHE_RESIDENCIES = {"s3fifo": S3FIFOResidency, "arc": ARCResidency}
+
+
+RESIDENCY = "lru, s3fifo, arc, reroute:TOL, pregate, option:K_HAT, static:FILE (or any expert mask / subset file) or a controller"
 
 
 def residency_policy(policy: Any) -> LRUPolicy:
@@ -281,11 +362,22 @@ def residency_policy(policy: Any) -> LRUPolicy:
 
 
 def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
-    """``lru`` | ``static:SUBSET.json`` | ``option:K_HAT`` | ``controller:DIR`` | any policy file or folder.
+    """``lru`` | ``s3fifo`` | ``arc`` | ``reroute:TOL`` | ``pregate`` | ``static:SUBSET.json`` | ``option:K_HAT`` | ``controller:DIR`` | any
+    policy file or folder.
 
     ``model`` is needed for a trained controller (its adapters merge into it) and for masks that
     name experts with ``everywhere``.
     """
     from moectl.routing.loader import load_policy
 
+    if isinstance(spec, str) and spec in CACHE_RESIDENCIES:
+        return CACHE_RESIDENCIES[spec]()
+    if spec == "pregate":
+        from moectl.serve.pregate import PregateResidency
+
+        return PregateResidency()
+    if isinstance(spec, str) and spec.startswith("reroute:"):
+        from moectl.serve.reroute import parse_reroute
+
+        return parse_reroute(spec)
     return residency_policy(load_policy(spec, model))

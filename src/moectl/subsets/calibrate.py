@@ -134,7 +134,7 @@ def collect(
         torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     )
     device = next(model.parameters()).device
-    observer = _LogitsObserver(wanted) if needs & {"probs", "counts", "easy_ep"} else None
+    observer = _LogitsObserver(wanted) if needs & {"probs", "counts", "easy_ep", "reap"} else None
     norms: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i in wanted}
     batch: dict[str, Tensor] = {}
 

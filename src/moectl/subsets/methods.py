@@ -8,6 +8,9 @@ search, not a ranking: ``reconstruction.py``.
 - ``frequency``: how often each expert is among the token's top-k (TE-MoE §5).
 - ``easy_ep``: Σ_t g_{i,t}·‖E_i(x_t)‖·s_t, s_t = 1 − cos(h_t, h_t + h̄_t), h_t the residual stream
   (Easy-EP, Dong et al.).
+- ``reap``: REAP (Lasby et al. 2025, router-weighted expert activation pruning):
+  S_j = mean over the tokens x routed to j of g_j(x)·‖E_j(x)‖, g_j(x) the combine weight the model
+  applies (0 for an expert no calibration token reaches). Also TE-MoE's ``reap`` baseline.
 - ``wanda``: Wanda (structured) per expert, Σ |W|·‖X‖ (TE-MoE §5, Sun et al.).
 - ``random``: seeded random scores, one fixed subset per layer (EMO Fig. 4's sanity baseline; TE-MoE's
   random baseline instead redraws the set at every token, which a fixed subset cannot express).
@@ -60,6 +63,34 @@ def easy_ep_scores(
             norm = expert_output(layer, x[rows], i).norm(dim=-1)
             scores[i] = float((gates[rows, i] * norm * s[rows]).double().sum())
     return scores
+
+
+@torch.no_grad()
+def reap_sums(layer: MoELayer, x: Tensor, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """REAP's per-expert sums over tokens: Σ_{x routed to j} g_j(x)·‖E_j(x)‖ and the number of such
+    tokens, both [E] float64 (sums: a calibration set's are its batches' sums)."""
+    weights, idx = select(layer, router_logits(layer, x) if logits is None else logits)
+    gates = torch.zeros(x.shape[0], layer.num_experts, device=x.device).scatter_(1, idx, weights)
+    routed = torch.zeros(x.shape[0], layer.num_experts, dtype=torch.bool, device=x.device)
+    routed.scatter_(1, idx, True)
+    sums = torch.zeros(layer.num_experts, dtype=torch.float64)
+    for i in range(layer.num_experts):  # one call per expert, vectorised over its tokens
+        rows = routed[:, i]
+        if rows.any():
+            norm = expert_output(layer, x[rows], i).norm(dim=-1)
+            sums[i] = float((gates[rows, i] * norm).double().sum())
+    return sums, routed.sum(0).double().cpu()
+
+
+def reap_scores(layer: MoELayer, x: Tensor) -> Tensor:
+    """REAP: the router-weighted mean expert output norm over the tokens routed to each expert."""
+    sums, counts = reap_sums(layer, x)
+    return reap_from_sums(sums, counts)
+
+
+def reap_from_sums(sums: Tensor, counts: Tensor) -> Tensor:
+    """REAP's means from its sums (0 where no token was routed)."""
+    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
 
 
 @torch.no_grad()

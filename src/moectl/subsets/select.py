@@ -24,12 +24,13 @@ from moectl.subsets.stats import NEEDS, LayerStats, scores_of
 
 MAX_TOKENS = 4096  # reconstruction's token sample per layer
 
-METHODS = ("router", "frequency", "easy_ep", "reconstruction", "wanda", "random")
+METHODS = ("router", "frequency", "easy_ep", "reap", "reconstruction", "wanda", "random")
 
 _SCORERS: dict[str, Callable[[MoELayer, Tensor], Tensor]] = {
     "router": methods.router_scores,
     "frequency": methods.frequency_scores,
     "wanda": methods.wanda_scores,
+    "reap": methods.reap_scores,
 }
 
 

@@ -7,6 +7,7 @@ excluded), not the tokens themselves:
 - ``frequency``: how often each expert is in a token's top-k;
 - ``wanda``: Σ_t x_t² per input channel (→ ‖X_c‖₂);
 - ``easy_ep``: Σ_t g_{i,t}·‖E_i(x_t)‖·s_t — a sum over tokens, so exactly the sum of the batches';
+- ``reap``: Σ_{t routed to i} g_{i,t}·‖E_i(x_t)‖ and the number of those tokens (→ REAP's mean);
 - ``reconstruction``: a set search over the tokens' reconstruction loss, on a bounded uniform
   sample of block inputs (at most ``max_tokens`` per layer; all of them when there are fewer);
 - ``random``: nothing.
@@ -33,6 +34,7 @@ NEEDS: dict[str, frozenset[str]] = {
     "frequency": frozenset({"counts"}),
     "wanda": frozenset({"squares"}),
     "easy_ep": frozenset({"easy_ep"}),
+    "reap": frozenset({"reap"}),
     "reconstruction": frozenset({"sample"}),
     "random": frozenset(),
 }
@@ -79,6 +81,7 @@ class LayerStats:
     counts: Tensor | None = None  # [E] top-k memberships
     squares: Tensor | None = None  # [H] Σ_t x_t²
     easy_ep: Tensor | None = None  # [E] Easy-EP score sums
+    reap: Tensor | None = None  # [2, E] REAP's weighted norm sums and routed-token counts
     sample: TokenSample | None = None  # block inputs: bounded ("sample") or all ("inputs")
     residual: TokenSample | None = None  # with "inputs": the residual stream of the same tokens
 
@@ -105,6 +108,8 @@ class LayerStats:
             self.easy_ep = _add(
                 self.easy_ep, methods.easy_ep_scores(layer, x.float(), residual.float(), logits)
             )
+        if "reap" in needs:
+            self.reap = _add(self.reap, torch.stack(methods.reap_sums(layer, x.float(), logits)))
         if "sample" in needs or "inputs" in needs:
             limit = None if "inputs" in needs else self.max_tokens
             self.sample = self.sample or TokenSample(limit, self.seed)
@@ -135,6 +140,9 @@ def scores_of(layer: MoELayer, stats: LayerStats, method: str, seed: int = 0) ->
     if method == "easy_ep":
         assert stats.easy_ep is not None
         return stats.easy_ep
+    if method == "reap":
+        assert stats.reap is not None
+        return methods.reap_from_sums(stats.reap[0], stats.reap[1])
     if method == "random":
         return methods.random_scores(layer, torch.empty(0), seed)
     raise ValueError(f"{method} is not a ranking method")
