@@ -14,10 +14,12 @@ sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's moectl, whatever
 sys.path.insert(0, str(HERE / "_ext"))  # moectl_cli: the command-line reference
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import moectl  # noqa: E402 - after the path above: this checkout's moectl
+
 project = "moectl"
 author = "moectl contributors"
-copyright = "moectl contributors"  # noqa: A001 - Sphinx's name
-release = version = "0.1.0"
+copyright = "moectl contributors"
+release = version = moectl.__version__
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "moectl_cli"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

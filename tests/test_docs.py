@@ -53,3 +53,22 @@ def test_docs_build_without_warnings(tmp_path):
     assert run.returncode == 0, f"sphinx-build -W failed:\n{run.stderr[-4000:]}"
     for page in ("index", "get-started", "guides/roe", "cli", "api"):
         assert (tmp_path / "html" / f"{page}.html").is_file(), page
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MyST (``myst_heading_anchors``) both write it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_readme_links_into_docs_resolve():
+    readme = DOCS.parent / "README.md"
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", readme.read_text())
+    assert len(links) >= 10
+    for target, anchor in links:
+        page = DOCS.parent / target
+        assert page.is_file(), f"README links to {target}, which does not exist"
+        if anchor:
+            text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # no '#' comments in code
+            anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+            assert anchor in anchors, f"README links to {target}#{anchor}; the page has {sorted(anchors)}"
