@@ -17,7 +17,7 @@ router module (top-k, renormalisation, score-correction bias, expert groups, sca
 
 Policies contribute two things to a selection, never the selection itself: an ``allowed`` mask
 and additive ``noise`` on the logits used for choosing (RoE §2.1: weights come from the
-un-noised scores). The mask is applied after any score-correction bias (DESIGN.md), with a large
+un-noised scores). The mask is applied after any score-correction bias (docs/architecture.md, "Hook invariants"), with a large
 finite negative rather than -inf so that no row can become NaN.
 """
 

@@ -1,6 +1,6 @@
 """Effective experts per document, per MoE layer: how many experts a document really uses.
 
-For a document d and MoE layer l, average the routing distribution over d's real tokens,
+For a document d and MoE layer l, average the routing distribution over d's real tokens::
 
     p̄_d = (1/|d|) Σ_{t∈d} p_t,        effective experts = exp(H(p̄_d)) = exp(−Σ_e p̄_d,e · log p̄_d,e),
 

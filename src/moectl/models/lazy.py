@@ -1,6 +1,6 @@
 """Build a checkpoint's model on the meta device and load only what is asked: the skeleton.
 
-Issues 13 and 18 (serve a model larger than RAM) and DESIGN "Memory by design": the model is
+Issues 13 and 18 (serve a model larger than RAM) and docs/architecture.md "Memory by design": the model is
 built on meta (no memory), every non-expert parameter and persistent buffer is read from the
 checkpoint's shards straight into its final tensor, the non-persistent buffers (rotary
 ``inv_freq``) are computed on the real device as ``from_pretrained`` computes them, and the fused

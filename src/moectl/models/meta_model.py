@@ -1,4 +1,5 @@
-"""A checkpoint's model on the meta device: shapes and dtypes, no memory (DESIGN "Memory by design").
+"""A checkpoint's model on the meta device: shapes and dtypes, no memory
+(docs/architecture.md, "Memory by design").
 
 ``build_meta(config, dtype)`` makes the model ``AutoModelForCausalLM.from_pretrained`` would make,
 before any weight is loaded: the same class and config, the same dtype (``None``/``"auto"`` is the

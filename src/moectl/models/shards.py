@@ -2,7 +2,7 @@
 
 Issues 13 and 18: serve a model larger than RAM. ``serve-offload`` used to load the whole model
 and rewrite every expert into a second store (peak RSS 163% of the checkpoint for OLMoE-1B-7B);
-DESIGN "Memory by design" asks instead to read offloaded experts straight from the checkpoint's
+docs/architecture.md ("Memory by design") asks instead to read offloaded experts straight from the checkpoint's
 own shards, never from a second copy. A ``ShardReader`` is that reader::
 
     from moectl.models.shards import ShardReader

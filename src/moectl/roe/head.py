@@ -1,4 +1,5 @@
-"""The LM head on a few final hidden states at a time, reduced as the logits come (DESIGN: memory by design).
+"""The LM head on a few final hidden states at a time, reduced as the logits come (docs/architecture.md:
+"Memory by design").
 
 Scoring a token needs log p(x) = logit_x − log Σ_v exp(logit_v): one number per token, not the
 [tokens, V] logits. :func:`target_logprobs` runs the head on chunks of ``rows`` tokens and keeps

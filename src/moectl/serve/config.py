@@ -11,7 +11,7 @@ Stores (where the experts that are not resident live):
 
 - ``"disk"``: read from disk. A model loaded from a checkpoint folder is served from that
   checkpoint's own safetensors shards (``moectl.models.shards.ShardReader``, no second copy; its
-  experts need never be in memory at all, see ``moectl.serve.lazy``); a model built in memory
+  experts need never be in memory at all, see ``moectl.models.lazy``); a model built in memory
   (``tiny:``, ``shape:``) has its experts written once to a temporary store (``store.DiskStore``).
 - ``"checkpoint"``: the checkpoint's own shards, and an error if the model has no checkpoint folder.
 - ``"host"``: every expert in host memory (pinned with CUDA); only the compute device is budgeted.

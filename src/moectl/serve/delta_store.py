@@ -2,7 +2,7 @@
 
 A trained controller's adapters on the experts (TE-MoE §4.3) are merged into the expert weights
 when the model holds them. A model served from a checkpoint's shards holds none (its experts are
-on the meta device, ``moectl.serve.lazy``), so ``moectl.options`` attaches the adapters to each
+on the meta device, ``moectl.models.lazy``), so ``moectl.options`` attaches the adapters to each
 experts module instead (``PENDING``: an object with ``delta(expert) -> {parameter: Tensor}``), and
 the offloading runtime reads experts through :class:`DeltaStore`, which adds the delta to each
 expert on its way into a resident slot: the weights served are the merged ones, one expert at a
