@@ -79,6 +79,7 @@ class Ticket:
     start: float | None = None  # the worker's / side stream's busy interval
     end: float | None = None
     dequeued: bool = False  # already taken into a Wait
+    error: BaseException | None = None  # the load failed (set by the worker)
     handle: Any = None  # back-end private: a future, or CUDA events and the source tensors
 
     @property
@@ -219,6 +220,7 @@ class ThreadLoader:
         try:
             read.into(dst)
         except BaseException as err:
+            ticket.error = err
             self._errors.append(err)
             raise
         finally:
