@@ -72,3 +72,63 @@ def test_failed_prefetch_in_the_worker_is_unmapped_at_drain():
     slot = res.access(3)
     assert torch.equal(res.slots["w"][slot], weights["w"][3])
     res.loader.close()
+
+
+def _expert_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
+
+
+def test_failed_offload_entry_restores_the_model_and_removes_the_store(tmp_path, monkeypatch):
+    import importlib
+    import tempfile
+
+    import moectl
+
+    offload_mod = importlib.import_module("moectl.serve.offload")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = moectl.tiny("olmoe")
+    before = _expert_params(model)
+    made = []
+
+    class FailingSecondLayer(ResidentSet):
+        def __init__(self, layer, *args, **kwargs):
+            if layer == 1:
+                raise RuntimeError("injected: cannot allocate the slots of MoE layer 1")
+            made.append(layer)
+            super().__init__(layer, *args, **kwargs)
+
+    monkeypatch.setattr(offload_mod, "ResidentSet", FailingSecondLayer)
+    with pytest.raises(RuntimeError, match="MoE layer 1"), offload_mod.offload(model, 2, store="disk"):
+        pass
+    assert made == [0]  # layer 0 had been offloaded when layer 1 failed
+    after = _expert_params(model)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert not any(type(m).__name__ == "OffloadedExperts" for m in model.modules())
+    assert list(tmp_path.iterdir()) == []  # the temporary store is gone
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_unwind_and_remove_the_temporary_store(signame, tmp_path, monkeypatch):
+    import os
+    import signal
+    import tempfile
+
+    import moectl
+    from moectl.serve import offload
+
+    sig = getattr(signal, signame)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = moectl.tiny("olmoe")
+    before = _expert_params(model)
+    assert signal.getsignal(sig) is signal.SIG_DFL
+    with pytest.raises(SystemExit) as stop, offload(model, 2, store="disk"):
+        assert [p.name[:14] for p in tmp_path.iterdir()] == ["moectl-experts"]
+        os.kill(os.getpid(), sig)  # the default action would end the process, leaving the store
+        pytest.fail("the signal did not interrupt the block")
+    assert stop.value.code == 128 + sig
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(sig) is signal.SIG_DFL  # the handler is only installed while open
+    after = _expert_params(model)
+    assert all(torch.equal(after[n], before[n]) for n in before)
