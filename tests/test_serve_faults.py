@@ -132,3 +132,19 @@ def test_sigterm_and_sighup_unwind_and_remove_the_temporary_store(signame, tmp_p
     assert signal.getsignal(sig) is signal.SIG_DFL  # the handler is only installed while open
     after = _expert_params(model)
     assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_serve_offload_restores_the_experts_implementation_after_an_error(monkeypatch):
+    import moectl
+    from moectl.serve import OffloadConfig, runner
+
+    model, tok, _ = moectl.load("tiny:olmoe")
+    model.set_experts_implementation("grouped_mm")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: generation failed")
+
+    monkeypatch.setattr(runner, "generate", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.serve_offload(model, tok, ["hello"], OffloadConfig(budget=2), max_new_tokens=2, progress=False)
+    assert model.config._experts_implementation == "grouped_mm"
