@@ -61,7 +61,7 @@ class _ExpertView:
             )
         slot = self.res.access(int(idx))
         weight = self.res.slots[self.name][slot]
-        return weight if self.scale is None else dequantize_rows(weight, self.scale[slot])
+        return weight if self.scale is None else dequantize_rows(weight, self.scale[slot], self.dtype)
 
 
 class OffloadedExperts(nn.Module):
