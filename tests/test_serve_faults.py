@@ -8,7 +8,7 @@ import torch
 
 from moectl.serve.loader import SyncLoader, ThreadLoader
 from moectl.serve.resident import ResidentSet
-from moectl.serve.store import HostStore
+from moectl.serve.store import ExpertStoreError, HostStore
 
 torch.set_num_threads(1)
 LOADERS = {"sync": SyncLoader, "thread": ThreadLoader}
@@ -47,7 +47,7 @@ def test_failed_load_leaves_no_stale_or_shared_slot(loader):
     res.access(0)
     res.access(1)
     store.fail = {2}
-    with pytest.raises(OSError, match="expert 2"):
+    with pytest.raises(ExpertStoreError, match="MoE layer 0, expert 2: the load failed: injected read error"):
         res.access(2)  # evicts expert 0, then its load fails
     assert 2 not in res.where
     assert_slots_hold_their_experts(res, weights)
@@ -65,7 +65,7 @@ def test_failed_prefetch_in_the_worker_is_unmapped_at_drain():
     res.access(0)
     store.fail = {3}
     assert res.prefetch([3]) == 1
-    with pytest.raises(OSError, match="expert 3"):
+    with pytest.raises(ExpertStoreError, match="MoE layer 0, expert 3: the load failed"):
         res.drain()
     assert 3 not in res.where and 3 not in res.prefetched
     assert_slots_hold_their_experts(res, weights)

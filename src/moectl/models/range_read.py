@@ -209,14 +209,19 @@ class RangeReader:
         payload = file_bytes = calls = 0
         for start, buffers in _runs(requests):
             size = sum(b.nbytes for b in buffers)
-            if method == "direct":
-                file_bytes_run, calls_run = self._read_direct(fd, path, start, size, buffers)
-            else:
-                calls_run = _preadv_all(fd, path, start, buffers)
-                file_bytes_run = size
-                if method == "fadvise":
-                    lo = align_down(start)
-                    os.posix_fadvise(fd, lo, align_up(start + size) - lo, os.POSIX_FADV_DONTNEED)
+            try:
+                if method == "direct":
+                    file_bytes_run, calls_run = self._read_direct(fd, path, start, size, buffers)
+                else:
+                    calls_run = _preadv_all(fd, path, start, buffers)
+                    file_bytes_run = size
+            except OSError as err:  # EIO and the like: name the shard and the bytes
+                raise ShardError(
+                    f"{path}: cannot read bytes {start}..{start + size}: {err.strerror or err}", path, start
+                ) from err
+            if method == "fadvise":
+                lo = align_down(start)
+                os.posix_fadvise(fd, lo, align_up(start + size) - lo, os.POSIX_FADV_DONTNEED)
             payload += size
             file_bytes += file_bytes_run
             calls += calls_run
@@ -254,9 +259,14 @@ class RangeReader:
         file_bytes = calls = 0
         while window < stop:
             length = min(len(bounce), stop - window)
-            got = os.preadv(fd, [bounce[:length]], window)
-            calls += 1
             need = min(end, window + length) - window
+            got = 0
+            while got < need:  # a read may return less: continue from where it stopped (aligned)
+                n = os.preadv(fd, [bounce[got:length]], window + got)
+                calls += 1
+                got += n
+                if n == 0 or got % ALIGN:  # end of file (O_DIRECT reads stop short only there)
+                    break
             if got < need:
                 raise _truncated(fd, path, start, end)
             file_bytes += length

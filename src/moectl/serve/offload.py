@@ -328,7 +328,7 @@ class OffloadRuntime:
         self.prefetch = self.async_loads if self.prefetch_spec is None else bool(self.prefetch_spec)
         for d in devices:
             if d not in self.loaders:
-                self.loaders[d] = make_loader(d, self.async_loads)
+                self.loaders[d] = make_loader(d, self.async_loads, self.config.load_timeout_s)
         for layer, experts, params, b, device in zip(
             info.layers, experts_modules, layers, self.budget, devices, strict=True
         ):
