@@ -4,8 +4,9 @@ type, through the real CLI entry in process (typer's CliRunner). Each run must e
 traceback, never another exit code. Formats without a CLI entry (routing traces) go through their
 loader, which must raise ``ValueError`` / ``OSError`` with a one-line message.
 
-Bounded for CI: ``MOECTL_FUZZ_EXAMPLES`` examples per format (default 8); counts of inputs tried,
-accepted and refused per format are printed (``pytest -s``).
+Bounded for CI: ``MOECTL_FUZZ_EXAMPLES`` examples per format (default 8), derandomized; set
+``MOECTL_FUZZ_RANDOM=1`` to explore new inputs. Counts of inputs tried, accepted and refused per
+format are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import struct
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -27,18 +29,20 @@ from typer.testing import CliRunner
 import moectl
 from moectl import ExpertMask, GumbelTopK
 from moectl.cli import app
+from moectl.options.config import OptionsConfig
 from moectl.options.controller import build_controller
 from moectl.roe.config import save_profile
 from moectl.routing import route
 from moectl.routing.pool import DocumentPool
 from moectl.routing.trace import RoutingTrace
+from moectl.train.config import TrainConfig
 
 torch.set_num_threads(1)
 EXAMPLES = int(os.environ.get("MOECTL_FUZZ_EXAMPLES", "8"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=True,  # the same inputs on every run: CI stays reproducible
+    derandomize=not os.environ.get("MOECTL_FUZZ_RANDOM"),  # CI: the same inputs on every run
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 runner = CliRunner()
@@ -185,6 +189,7 @@ def samples(tmp_path_factory):
     prompts.write_text(json.dumps({"prompt": "hello there", "category": "chat"}) + "\n")
     controller = root / "controller"
     build_controller(info, 4).save(controller)
+    (controller / "options.json").write_text(json.dumps(asdict(OptionsConfig(k_hat=4))))  # the run's settings
     profile = save_profile(root / "profile.json", [0.1] * len(info.layers), K=2, aggregation="prob_mean", seed=0)
     subset = root / "subset.json"
     corpus = root / "corpus.jsonl"
@@ -207,6 +212,8 @@ def samples(tmp_path_factory):
         "subset": json.loads(subset.read_text()),
         "controller": controller,
         "controller_json": json.loads((controller / "controller.json").read_text()),
+        "options_json": json.loads((controller / "options.json").read_text()),
+        "train_config": asdict(TrainConfig.from_preset("tiny", out="run")),
         "profile": json.loads(Path(profile).read_text()),
         "corpus_row": {"text": "some text here"},
         "prompt_row": {"prompt": "hello there", "category": "chat"},
@@ -239,15 +246,31 @@ def test_policy_files(samples, kind):
     run()
 
 
-def test_controller_json(samples):
+@pytest.mark.parametrize(("name", "sample"), [("controller.json", "controller_json"), ("options.json", "options_json")])
+def test_controller_folder_files(samples, name, sample):
+    """A trained controller folder: the controller's shapes and the options run's settings."""
+
     @FUZZ
-    @given(content=json_file(samples["controller_json"]))
+    @given(content=json_file(samples[sample]))
     def run(content):
         folder = samples["root"] / "ctrl"
-        if not folder.exists():
-            shutil.copytree(samples["controller"], folder)
-        (folder / "controller.json").write_bytes(content)
-        check_cli("controller.json", _switch_rate(samples, folder))
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(samples["controller"], folder)
+        (folder / name).write_bytes(content)
+        check_cli(name, _switch_rate(samples, folder))
+
+    run()
+
+
+def test_pretrain_run_config(samples):
+    """A ``moectl pretrain`` run's config.json, as ``pretrain --resume`` reads it (``TrainConfig.load``;
+    through the loader: a valid config would start training)."""
+
+    @FUZZ
+    @given(content=json_file(samples["train_config"]))
+    def run(content):
+        path = _write(samples["root"], "config.json", content)
+        check_loader("pretrain config.json", lambda: TrainConfig.load(path))
 
     run()
 
