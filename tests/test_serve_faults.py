@@ -148,3 +148,14 @@ def test_serve_offload_restores_the_experts_implementation_after_an_error(monkey
     with pytest.raises(RuntimeError, match="injected"):
         runner.serve_offload(model, tok, ["hello"], OffloadConfig(budget=2), max_new_tokens=2, progress=False)
     assert model.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_cli_refuses_a_load_timeout_that_is_not_positive_and_finite(value):
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+
+    result = CliRunner().invoke(app, ["serve-offload", "--tiny", "olmoe", "--load-timeout", value])
+    assert result.exit_code == 2
+    assert " ".join(result.output.split()).startswith("error: load_timeout_s (--load-timeout) must be a finite")

@@ -65,7 +65,7 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         t = self.load_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
-            raise ValueError(f"load timeout must be a finite number of seconds > 0, got {t!r}")
+            raise ValueError(f"load_timeout_s (--load-timeout) must be a finite number of seconds > 0, got {t!r}")
         if self.slot_dtype not in SLOT_DTYPES:
             raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
         if self.experts_forward not in EXPERTS_FORWARDS:
