@@ -32,8 +32,9 @@ after it was indexed).
 A shard changed in place after it was indexed (same size, new bytes) would otherwise be read as
 if nothing happened: each file's identity (size, ``st_mtime_ns``, inode; given by the index, or
 taken when the file is first opened) is checked with ``fstat`` before and after every read batch,
-and a change raises ``ShardError`` naming the shard. One ``fstat`` costs about a microsecond, next
-to the milliseconds of an expert's read. A file replaced by rename after it was opened is not a
+and a change raises ``ShardError`` naming the shard. One ``os.fstat`` took 2.9 µs here (timeit,
+2 busy cores), two per read batch, next to the ~10 ms of a full-width OLMoE expert's 12 MiB read
+at the ~1.2 GB/s measured above. A file replaced by rename after it was opened is not a
 change: the open descriptor still reads the bytes that were indexed. Limitation: a write within the
 file system's timestamp granularity (a few ms) of the indexing leaves the identity unchanged.
 """
