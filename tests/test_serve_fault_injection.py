@@ -41,8 +41,8 @@ from moectl.models.shards import ShardReader
 from moectl.serve import ExpertStoreError, OffloadConfig, offload
 
 torch.set_num_threads(1)
-TIMEOUT_S = 0.2  # load_timeout_s of the runs
-HANG_S = 0.6  # an injected stall: longer than the timeout
+TIMEOUT_S = 0.5  # load_timeout_s of the runs (a normal tiny load: ~50 us)
+HANG_S = 1.0  # an injected stall: longer than the timeout
 LOADERS = ("sync", "thread")
 
 
