@@ -18,9 +18,29 @@ from pathlib import Path
 
 def default_mode(directory: bool = False) -> int:
     """The mode a new file (0666) or folder (0777) gets under the current umask."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+_PROC_STATUS = Path("/proc/self/status")
+_proc_umask = True  # /proc/self/status has a Umask line (Linux >= 4.7); checked once
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` can only set it: setting it to 0
+    for a moment races with other threads creating files) from /proc/self/status, read on every
+    call (the umask may change; the read costs microseconds). Elsewhere: set and restored."""
+    global _proc_umask
+    if _proc_umask:
+        try:
+            for line in _PROC_STATUS.read_text().splitlines():
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+        except (OSError, ValueError, IndexError):
+            pass
+        _proc_umask = False
     mask = os.umask(0)
     os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
+    return mask
 
 
 @contextmanager

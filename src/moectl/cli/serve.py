@@ -159,6 +159,14 @@ def serve_offload_command(
     prefetch_beta: Annotated[
         float, typer.Option(help="controller policy: β above this predicts a switch.")
     ] = 0.5,
+    load_timeout: Annotated[
+        float,
+        typer.Option(
+            "--load-timeout",
+            help="Seconds compute waits for one expert load from the worker thread (--async-loads on CPU) "
+            "before stopping with an error naming the expert.",
+        ),
+    ] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights and of controller sampling.")] = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
@@ -198,6 +206,7 @@ def serve_offload_command(
             read_method=read_method,
             experts_forward=experts_forward,
             slot_dtype=slot_dtype,
+            load_timeout_s=load_timeout,
         )
         if store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
             _preflight(spec, dtype, config.budget, policy, slot_dtype)

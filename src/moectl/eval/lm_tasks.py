@@ -12,7 +12,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,31 @@ def render_tasks(cache: str | os.PathLike | None, dest: Path) -> Path:
     return dest
 
 
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE=1`` for the block only (the task data is local: lm-eval must not ask the
+    hub), in the environment and in ``huggingface_hub``'s constant read at its import; both are
+    put back after, so loading a hub model later in the process still works."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        constants = None
+    before_env = os.environ.get("HF_HUB_OFFLINE")
+    before_const = getattr(constants, "HF_HUB_OFFLINE", None)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        if before_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before_env
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = before_const
+
+
 def run_lm_eval(
     lm: Any,
     tasks: Sequence[str],
@@ -118,7 +144,7 @@ def run_lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    with tempfile.TemporaryDirectory(prefix="moectl-tasks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="moectl-tasks-") as tmp, hub_offline():
         manager = TaskManager(include_path=str(render_tasks(cache, Path(tmp))), include_defaults=False)
         return simple_evaluate(
             model=lm,

@@ -121,9 +121,12 @@ class CheckpointIndex:
         root = Path(path).expanduser()
         self.root = root if root.is_dir() else root.parent
         self.entries: dict[str, TensorEntry] = {}
+        # (size, mtime_ns, inode) of each shard, taken before its header is read: the range reader
+        # checks it before every read, so a shard changed in place since is never read as indexed
+        self.identities: dict[Path, tuple[int, int, int]] = {}
         if root.is_file():
             self.files = [root]
-            self.entries = read_header(root)
+            self.entries = self._read_header(root)
             return
         index_path = root / INDEX
         if index_path.is_file():
@@ -137,7 +140,7 @@ class CheckpointIndex:
             self.files = [root / name for name in sorted(by_file)]
             for name, wanted in sorted(by_file.items()):
                 file = root / name
-                entries = read_header(file)
+                entries = self._read_header(file)
                 missing = sorted(wanted - set(entries))
                 if missing:
                     raise ValueError(
@@ -146,15 +149,24 @@ class CheckpointIndex:
                 self.entries.update(entries)
         elif (root / SINGLE).is_file():
             self.files = [root / SINGLE]
-            self.entries = read_header(root / SINGLE)
+            self.entries = self._read_header(root / SINGLE)
         else:
             raise ValueError(f"{root}: no {INDEX} and no {SINGLE}")
+
+    def _read_header(self, file: Path) -> dict[str, TensorEntry]:
+        try:
+            st = file.stat()
+        except OSError:
+            return read_header(file)  # names the missing file
+        self.identities[file] = (st.st_size, st.st_mtime_ns, st.st_ino)
+        return read_header(file)
 
     @classmethod
     def from_entries(cls, root: str | Path, entries: dict[str, TensorEntry]) -> CheckpointIndex:
         """An index of given entries (e.g. tensors planned but not written), reading no file."""
         index = cls.__new__(cls)
         index.root, index.entries = Path(root), dict(entries)
+        index.identities = {}
         index.files = sorted({e.file for e in entries.values()})
         return index
 

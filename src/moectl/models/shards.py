@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from moectl.models.checkpoint_map import CheckpointMap, Segment, TensorSource, map_checkpoint
 from moectl.models.meta_model import build_meta, load_config
-from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS, RangeReader, ReadStats
+from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS, RangeReader, ReadStats, ShardError
 from moectl.models.safetensors_index import CheckpointIndex
 
 __all__ = ["DEFAULT_READ_METHOD", "READ_METHODS", "ExpertLayer", "Segment", "ShardReader", "expert_modules"]
@@ -80,6 +80,18 @@ def _bytes(t: Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _tensors_hit(jobs: list[tuple[Tensor, Segment]], file: Path, err: ShardError) -> str:
+    """``"; tensor NAME bytes A..B"`` for the first tensor of ``file`` the error concerns: one past the
+    shard's end when it was truncated, else the first read from it."""
+    segs = [seg for _, seg in jobs if seg.file == file]
+    if err.size is not None:
+        segs = [seg for seg in segs if seg.offset + seg.nbytes > err.size] or segs
+    if not segs:
+        return ""
+    seg = min(segs, key=lambda s: s.offset)
+    return f"; tensor {seg.key} is bytes {seg.offset}..{seg.offset + seg.nbytes}"
+
+
 class ShardReader:
     """A checkpoint's tensors and per-expert byte ranges, read on demand into caller buffers.
 
@@ -99,7 +111,7 @@ class ShardReader:
             num_experts = next(iter(params.values())).shape[0]
             self.layers.append(ExpertLayer(i, module, num_experts, sources))
         self.expert_names = frozenset(s.name for layer in self.layers for s in layer.params.values())
-        self.io = RangeReader(method)
+        self.io = RangeReader(method, identities=self.index.identities)
 
     @classmethod
     def for_checkpoint(
@@ -169,7 +181,10 @@ class ShardReader:
                 casts.append((view, target))
             requests[seg.file].append((seg.offset, _bytes(target)))
         for file, reqs in requests.items():
-            self.io.read(file, reqs)
+            try:
+                self.io.read(file, reqs)
+            except ShardError as err:
+                raise ShardError(f"{err}{_tensors_hit(jobs, file, err)}", err.path, err.start, err.size) from err
         for view, target in casts:
             view.copy_(target)
 

@@ -46,6 +46,22 @@ class ControllerConfig:
     family: str = ""
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        bad = [n for n in ("k_hat", "hidden_size", "top_k", "d_e", "d_h") if not count(getattr(self, n))]
+        if not isinstance(self.num_experts, list) or not self.num_experts or not all(map(count, self.num_experts)):
+            bad.append("num_experts")
+        if bad:
+            raise ValueError(
+                f"controller config: {', '.join(bad)} must be integers >= 1 (num_experts: one per MoE layer)"
+            )
+        if not isinstance(self.cross_layer, bool) or self.value_head not in ("mlp", "linear"):
+            raise ValueError("controller config: cross_layer must be true/false and value_head 'mlp' or 'linear'")
+        if not isinstance(self.family, str) or not isinstance(self.meta, dict):
+            raise ValueError("controller config: family must be a string and meta an object")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -187,9 +203,27 @@ class OptionController(nn.Module):
                 f"{path}: not a controller folder (needs controller.json and controller.safetensors, "
                 "as `moectl options train` writes)"
             )
-        config = ControllerConfig(**json.loads((path / "controller.json").read_text()))
+        file = path / "controller.json"
+        try:
+            data = json.loads(file.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise ValueError(f"{file}: not valid JSON ({type(err).__name__})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{file}: a controller config is a JSON object, got {type(data).__name__}")
+        try:
+            config = ControllerConfig(**data)
+        except TypeError as err:  # a missing or unknown field
+            raise ValueError(f"{file}: {' '.join(str(err).split()).removeprefix('ControllerConfig.')}") from None
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from None
         controller = cls(config)
-        controller.load_state_dict(load_file(str(path / "controller.safetensors")))
+        weights = path / "controller.safetensors"
+        try:
+            controller.load_state_dict(load_file(str(weights)))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{weights}: missing (a controller folder holds controller.json and it)") from None
+        except Exception as err:  # safetensors' own errors, or tensors of other shapes than the config's
+            raise ValueError(f"{weights}: does not hold this controller ({' '.join(str(err).split())[:200]})") from None
         return controller.to(device)
 
     def check(self, info: ModelInfo) -> None:

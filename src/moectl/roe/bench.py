@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.progress import progress_bar
 from moectl.roe.cache_size import cache_bytes
-from moectl.roe.config import CACHE_MODES, RoEConfig
+from moectl.roe.config import CACHE_MODES, MAX_K, RoEConfig
 from moectl.roe.ensemble import Ensemble, experts_implementation
 from moectl.routing.kv_cache import cache_out, with_cache
 
@@ -143,9 +143,9 @@ def measure_overhead(
     """Latency, peak memory and KV bytes for each (variant, K) as ratios to the plain model."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 (latency is measured on decode steps), got {new_tokens}")
-    bad = [k for k in Ks if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+    bad = [k for k in Ks if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K]
     if bad:
-        raise ValueError(f"every K must be an integer >= 1, got {bad}")
+        raise ValueError(f"every K must be an integer >= 1 and <= {MAX_K}, got {bad}")
     unknown = [v for v in variants if v not in CACHE_MODES]
     if unknown:
         raise ValueError(f"unknown cache variants {unknown}; choose from {', '.join(CACHE_MODES)}")

@@ -48,6 +48,16 @@ TauSpec = float | Sequence[float] | Mapping[int, float]
 AGGREGATIONS: tuple[str, ...] = ("prob_mean", "logprob_mean")
 CACHE_MODES: tuple[str, ...] = ("clean", "separate", "none")
 PROFILE_FORMAT = "moectl-roe-profile/1"
+# K samples per token run as K batch rows (K caches with cache="separate"): K = 100,000 ran for
+# minutes without a word. 256 is 4x the largest K of RoE's sweeps and of ``moectl roe bench``.
+MAX_K = 256
+
+
+def check_k(K: object, what: str = "K (routing samples per token)") -> int:
+    """``K`` as an int in 1..MAX_K, else ValueError naming the allowed range."""
+    if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= MAX_K:
+        raise ValueError(f"{what} must be an integer >= 1 and <= {MAX_K}, got {K!r}")
+    return K
 
 
 @register_policy("roe")
@@ -63,10 +73,7 @@ class RoEConfig(PolicyConfig):
     meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.K, bool) or not isinstance(self.K, int) or self.K < 1:
-            raise ValueError(
-                f"RoEConfig: K (routing samples per token) must be an integer >= 1, got {self.K!r}"
-            )
+        check_k(self.K, "RoEConfig: K (routing samples per token)")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"RoEConfig: aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"

@@ -38,7 +38,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, ranks
 from moectl.progress import progress_bar
-from moectl.roe.config import AGGREGATIONS, RoEConfig, save_profile
+from moectl.roe.config import AGGREGATIONS, RoEConfig, check_k, save_profile
 from moectl.roe.data import Item, item_kind, load_items
 from moectl.roe.score import score
 
@@ -65,8 +65,7 @@ def check_tuning(
     num_moe_layers: int, K: int, objective: str, trials: int, max_tau: float, skip_layers: int, uniform: bool
 ) -> list[int]:
     """Validate tuning arguments; return the MoE layers whose τ is searched."""
-    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
-        raise ValueError(f"K (routing samples) must be an integer >= 1, got {K!r}")
+    check_k(K, "K (routing samples)")
     if objective not in OBJECTIVES:
         raise ValueError(
             f"objective must be one of {', '.join(OBJECTIVES)} (validation perplexity or accuracy), got {objective!r}"

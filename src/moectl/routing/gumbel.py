@@ -9,6 +9,7 @@ multiplies tau per row, e.g. 0 for RoE's clean sample 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,31 @@ def gumbel_noise(shape: torch.Size, generator: torch.Generator, device: torch.de
     return -torch.log(-torch.log(u.clamp(eps, 1 - eps)))
 
 
+def check_tau(tau: object) -> None:
+    """Refuse a tau spec that is not finite and >= 0 everywhere (ValueError naming the layer).
+
+    tau = 0 is allowed: it is the identity (RoE §2.3's clean path, and layers a profile skips).
+    """
+    if isinstance(tau, Mapping):
+        values = {f"MoE layer {k}": v for k, v in tau.items()}
+    elif isinstance(tau, (int, float)) and not isinstance(tau, bool):
+        values = {"every MoE layer": tau}
+    elif isinstance(tau, Sequence) and not isinstance(tau, (str, bytes)):
+        values = {f"MoE layer {i}": v for i, v in enumerate(tau)}
+    else:
+        raise ValueError(f"GumbelTopK: tau must be a number, a list per MoE layer or {{layer: tau}}, got {tau!r}")
+    bad = {}
+    for where, v in values.items():
+        try:
+            f = float(v) if not isinstance(v, (bool, str, bytes)) else math.nan
+        except (TypeError, ValueError):
+            f = math.nan
+        if not (math.isfinite(f) and f >= 0):
+            bad[where] = v
+    if bad:
+        raise ValueError(f"GumbelTopK: temperatures tau must be >= 0 and finite, got {bad}")
+
+
 @register_policy("gumbel")
 class GumbelTopK(PolicyConfig):
     """Gumbel-top-k routing with per-layer temperature tau.
@@ -43,6 +69,7 @@ class GumbelTopK(PolicyConfig):
         seed: int = 0,
         row_scale: Tensor | None = None,
     ) -> None:
+        check_tau(tau)
         self.tau_spec = tau
         self.seed = int(seed)
         self.row_scale = row_scale

@@ -157,17 +157,38 @@ def _read_json(path: Path) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"policy file {path} does not exist")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not valid JSON (not UTF-8 text)") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+# what a malformed field raises deep inside a policy's reader (a wrong JSON type where a number,
+# a list or an object was meant): reported as a ValueError naming the file, like every other error
+_MALFORMED = (TypeError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError)
 
 
 def _from_path(path: Path, model, info) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
-    if path.is_dir():
-        return _from_folder(path, model, info)
-    return _load(_read_json(path), model, info, path.parent, str(path))
+    try:
+        if path.is_dir():
+            return _from_folder(path, model, info)
+        data = _read_json(path)
+        if not isinstance(data, (Mapping, list)):
+            raise ValueError(
+                f"{path}: a policy file holds a JSON object (or a list of them), got {json.dumps(data)[:40]}"
+            )
+        return _load(data, model, info, path.parent, str(path))
+    except _MALFORMED as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(
+            f"{path}: not a policy moectl can read ({type(err).__name__}: {detail[:200]}); "
+            "see moectl.load_policy for the forms a policy file takes"
+        ) from err
 
 
 def _from_folder(path: Path, model, info) -> Any:

@@ -78,7 +78,10 @@ class ExpertMask(PolicyConfig):
     def from_lists(
         cls, info: ModelInfo, experts: Mapping[int, Iterable[int]], renorm: Renorm = "pruned"
     ) -> ExpertMask:
-        """Allow the listed experts at each named MoE layer; other layers allow all experts."""
+        """Allow the listed experts at each named MoE layer; other layers allow all experts.
+
+        Refused here (not first inside ``route()``): a layer left with fewer reachable experts than
+        its top-k (the layer's routing rule decides, grouped routers included)."""
         masks = {}
         for layer, ids in experts.items():
             n = info.layer(int(layer)).num_experts
@@ -92,6 +95,7 @@ class ExpertMask(PolicyConfig):
                 raise ValueError(f"MoE layer {layer}: duplicate expert ids in {ids}")
             mask = torch.zeros(n, dtype=torch.bool)
             mask[ids] = True
+            info.layer(int(layer)).rule.check_allowed(mask, where=f"ExpertMask, MoE layer {layer}")
             masks[int(layer)] = mask
         return cls(masks, renorm=renorm)
 
@@ -144,7 +148,11 @@ class ExpertMask(PolicyConfig):
             if not isinstance(data["masks"], Mapping):
                 raise ValueError("'masks' must map MoE layer indices to nested 0/1 lists")
             masks = {layer_key(k): torch.tensor(v) for k, v in data["masks"].items()}
-            return cls(masks, renorm=renorm, meta=meta)
+            mask = cls(masks, renorm=renorm, meta=meta)
+            if info is not None:
+                mask.bind(info)  # top-k reachable everywhere, checked now rather than inside route()
+                mask._bound = {}
+            return mask
         if form == "everywhere":
             if info is None:
                 raise ValueError("an expert_mask with 'everywhere' needs the model: load_policy(path, model)")

@@ -194,18 +194,52 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:
+        """Read a trace ``save`` wrote; a damaged one raises ``ValueError`` naming the file."""
         path = Path(path).with_suffix(".safetensors")
         if not path.exists():
             raise FileNotFoundError(f"no trace at {path}")
-        meta = json.loads(path.with_suffix(".json").read_text())
-        tensors = load_file(str(path))
-        trace = cls(meta["num_layers"], meta.get("meta"))
+        meta_path = path.with_suffix(".json")
+        if not meta_path.exists():
+            raise FileNotFoundError(f"no trace metadata at {meta_path} (a trace is a .safetensors and a .json)")
+        try:
+            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            raise ValueError(f"{meta_path}: not valid JSON ({type(err).__name__})") from None
+        n = meta.get("num_layers") if isinstance(meta, dict) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{meta_path}: a trace's metadata needs 'num_layers', an integer >= 0")
+        try:
+            tensors = load_file(str(path))
+        except Exception as err:  # safetensors raises its own error types on a damaged file
+            raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(err).split())[:200]})") from None
+        _check_trace_tensors(path, tensors, n)
+        trace = cls(n, meta.get("meta"))
         cache: dict[str, Any] = {"valid": tensors["valid"], "prompt_len": tensors["prompt_len"]}
         for what in ("probs", "chosen", "allowed"):
             cache[what] = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith(what + ".")}
         trace._segments = [_Segment()]  # non-empty: reading goes through the cache
         trace._cache = cache
         return trace
+
+
+def _check_trace_tensors(path: Path, tensors: dict[str, Tensor], num_layers: int) -> None:
+    """What ``RoutingTrace.save`` writes: ``valid`` [B, T] bool, ``prompt_len`` [B] and
+    ``probs.L`` / ``chosen.L`` / ``allowed.L`` [B, T, ...] for MoE layers L < num_layers."""
+    valid, prompt_len = tensors.get("valid"), tensors.get("prompt_len")
+    if valid is None or prompt_len is None or valid.dim() != 2 or tuple(prompt_len.shape) != valid.shape[:1]:
+        raise ValueError(f"{path}: not a routing trace (needs 'valid' [B, T] and 'prompt_len' [B])")
+    b, t = valid.shape
+    for key, value in tensors.items():
+        if key in ("valid", "prompt_len"):
+            continue
+        what, _, layer = key.partition(".")
+        if what not in ("probs", "chosen", "allowed") or not layer.isdigit() or int(layer) >= num_layers:
+            raise ValueError(
+                f"{path}: unexpected tensor {key!r}; a trace holds valid, prompt_len and "
+                f"probs.L / chosen.L / allowed.L for MoE layers L in 0..{num_layers - 1}"
+            )
+        if value.dim() != 3 or tuple(value.shape[:2]) != (b, t):
+            raise ValueError(f"{path}: tensor {key} is {list(value.shape)}, expected [{b}, {t}, ...]")
 
 
 def _to_host(tensors: list[Tensor]) -> list[Tensor]:

@@ -45,7 +45,8 @@ class OffloadConfig:
     layout allows (``serve/slot_forward.py``), ``"eager"`` runs transformers' per-expert loop.
     ``slot_dtype``: ``"same"`` keeps resident experts in the model's dtype; ``"int8"`` keeps their
     weights as int8 with per-row scales (``serve/int8.py``: half the memory of bf16 per resident
-    expert and the int8 weight-only kernel on CPU; not exact).
+    expert and the int8 weight-only kernel on CPU; not exact). ``load_timeout_s``: the longest
+    compute waits for one expert's load from the worker thread before raising (``loader.py``).
     """
 
     budget: float | int = 0.25
@@ -59,8 +60,12 @@ class OffloadConfig:
     read_method: str = DEFAULT_READ_METHOD
     experts_forward: str = "grouped"
     slot_dtype: str = "same"
+    load_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        t = self.load_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
+            raise ValueError(f"load_timeout_s (--load-timeout) must be a finite number of seconds > 0, got {t!r}")
         if self.slot_dtype not in SLOT_DTYPES:
             raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
         if self.experts_forward not in EXPERTS_FORWARDS:

@@ -39,43 +39,51 @@ def quantized(t: Tensor) -> bool:
 
 def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per output row: ``w ≈ q * scale[..., None]``; ``q`` int8 of ``w``'s shape,
-    ``scale`` in ``w``'s dtype with one value per row (the last dimension is reduced over)."""
+    ``scale`` float32 with one value per row (the last dimension is reduced over).
+
+    The scale stays float32 whatever ``w``'s dtype: absmax/127 of an fp16 row of small weights
+    (below ~7.6e-6) underflows fp16 to 0 and the row would dequantise to zeros."""
     w32 = w.float()
     scale = w32.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / 127
     q = (w32 / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
-    return q, scale.to(w.dtype)
+    return q, scale
 
 
-def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
-    """``q * scale`` per row, in the scale's dtype."""
-    return q.to(scale.dtype) * scale.unsqueeze(-1)
+def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``q * scale`` per row, computed in the scale's dtype, returned in ``dtype`` (default: it)."""
+    out = q.to(scale.dtype) * scale.unsqueeze(-1)
+    return out if dtype is None else out.to(dtype)
 
 
 def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """``x @ (q * scale).T`` for x [M, K], q [N, K] int8, scale [N] (in x's dtype)."""
+    """``x @ (q * scale).T`` for x [M, K], q [N, K] int8, scale [N] float32 (``quantize_rows``).
+
+    The kernel takes the scales in x's dtype; where that cast would flush a scale to 0 (fp16's
+    range), the product is taken with the weight dequantised in float32 and cast instead."""
     fast = (
         x.device.type == "cpu"
         and x.dim() == 2
         and x.shape[0] <= KERNEL_MAX_ROWS
         and x.shape[1] % 16 == 0
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and scale.dtype == x.dtype
     )
     if fast:
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q.contiguous(), scale.contiguous())
-    return F.linear(x, dequantize_rows(q, scale.to(x.dtype)))
+        scale_x = scale.to(x.dtype)
+        if x.dtype != torch.float16 or not bool(((scale_x == 0) & (scale != 0)).any()):
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q.contiguous(), scale_x.contiguous())
+    return F.linear(x, dequantize_rows(q, scale, x.dtype))
 
 
 def slot_templates(params: dict[str, Tensor], slot_dtype: str) -> dict[str, Tensor]:
     """What a resident slot holds per expert parameter, as meta tensors [E, ...]: the parameter
-    itself (``"same"``), or for ``"int8"`` each weight as int8 plus its ``NAME_scale`` [E, rows]."""
+    itself (``"same"``), or for ``"int8"`` each weight as int8 plus its float32 ``NAME_scale`` [E, rows]."""
     if slot_dtype not in SLOT_DTYPES:
         raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     out: dict[str, Tensor] = {}
     for name, p in params.items():
         if slot_dtype == "int8" and quantized(p):
             out[name] = torch.empty(p.shape, dtype=torch.int8, device="meta")
-            out[name + SCALE] = torch.empty(p.shape[:-1], dtype=p.dtype, device="meta")
+            out[name + SCALE] = torch.empty(p.shape[:-1], dtype=torch.float32, device="meta")
         else:
             out[name] = torch.empty(p.shape, dtype=p.dtype, device="meta")
     return out

@@ -26,6 +26,14 @@ latency that costs time is the stall, not the load):
   ``stall_s <= load_s`` by construction; ``load_s - stall_s`` is load time hidden behind compute.
 - ``wait_s``: host wall time blocked on loads (``host_s`` plus blocked waits). On CPU it exceeds
   ``stall_s`` by the worker's hand-off latency; on CUDA the compute stream waits, not the host.
+
+Faults: any error of a store read is raised as ``ExpertStoreError`` naming the MoE layer and the
+expert (the store's own message, e.g. the shard, kept), and a store that returns a tensor of
+another shape is refused before anything is copied. The worker's loads are waited on for at most
+``timeout_s`` (``OffloadConfig.load_timeout_s``): a stalled read then raises instead of hanging
+the run (the worker finishes it later; with one worker in FIFO order, a later load into the same
+slot still lands after it). The synchronous loader cannot interrupt a read on the calling
+thread: a slow read there is only slow.
 """
 
 from __future__ import annotations
@@ -33,11 +41,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from moectl.serve.store import ExpertStoreError
 
 
 @dataclass(frozen=True)
@@ -54,15 +65,34 @@ class ExpertRead:
     layer: int
     expert: int
 
+    def _failed(self, err: Exception) -> ExpertStoreError:
+        if isinstance(err, ExpertStoreError):
+            return err
+        return ExpertStoreError(f"MoE layer {self.layer}, expert {self.expert}: the load failed: {err}")
+
     def fetch(self) -> dict[str, Tensor]:
-        return self.store.load(self.layer, self.expert)
+        try:
+            return self.store.load(self.layer, self.expert)
+        except Exception as err:
+            raise self._failed(err) from err
 
     def into(self, dst: dict[str, Tensor]) -> None:
         read_into = getattr(self.store, "read_into", None)
         if read_into is not None and all(d.device.type == "cpu" for d in dst.values()):
-            read_into(self.layer, self.expert, dst)
+            try:
+                read_into(self.layer, self.expert, dst)
+            except Exception as err:
+                raise self._failed(err) from err
             return
         weights = self.fetch()
+        for name, d in dst.items():
+            w = weights.get(name)
+            if w is None or tuple(w.shape) != tuple(d.shape):
+                got = "nothing" if w is None else f"{list(w.shape)}"
+                raise ExpertStoreError(
+                    f"MoE layer {self.layer}, expert {self.expert}, {name}: the store returned {got}, "
+                    f"the slot is {list(d.shape)}"
+                )
         for name, d in dst.items():
             d.copy_(weights[name], non_blocking=True)
 
@@ -79,6 +109,7 @@ class Ticket:
     start: float | None = None  # the worker's / side stream's busy interval
     end: float | None = None
     dequeued: bool = False  # already taken into a Wait
+    error: BaseException | None = None  # the load failed (set by the worker)
     handle: Any = None  # back-end private: a future, or CUDA events and the source tensors
 
     @property
@@ -209,16 +240,20 @@ class ThreadLoader:
 
     name = "thread"
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None) -> None:
+        """``timeout_s``: the longest a wait (or ``drain``) blocks on the worker; None: no limit."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moectl-expert-loads")
         self._queue = FifoQueue()
         self._errors: list[BaseException] = []
+        self.timeout_s = timeout_s
+        self._stalled = False  # a load outlived its wait: close() does not wait for the worker
 
     def _run(self, ticket: Ticket, read: ExpertRead, dst: dict[str, Tensor]) -> None:
         ticket.start = time.perf_counter()
         try:
             read.into(dst)
         except BaseException as err:
+            ticket.error = err
             self._errors.append(err)
             raise
         finally:
@@ -232,7 +267,14 @@ class ThreadLoader:
         future: Future = ticket.handle
         w0 = time.perf_counter()
         try:
-            future.result()
+            future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._stalled = True
+            ticket.error = ExpertStoreError(
+                f"MoE layer {ticket.layer}, expert {ticket.expert}: the load did not finish within "
+                f"{self.timeout_s:g} s (a stalled read); load_timeout_s sets the limit"
+            )
+            raise ticket.error from None
         except BaseException as err:
             if err in self._errors:
                 self._errors.remove(err)  # reported here, not again at drain
@@ -246,22 +288,30 @@ class ThreadLoader:
         return item.handle.done()
 
     def drain(self) -> None:
-        self._pool.submit(lambda: None).result()  # one worker, FIFO: every earlier load is done
+        try:  # one worker, FIFO: every earlier load is done
+            self._pool.submit(lambda: None).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._stalled = True
+            raise ExpertStoreError(
+                f"expert loads did not finish within {self.timeout_s:g} s (a stalled read)"
+            ) from None
         if self._errors:
             err = self._errors[0]
             self._errors.clear()
             raise err
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        # a stalled read may never end: leave the worker to finish it (its slot views stay alive)
+        self._pool.shutdown(wait=not self._stalled, cancel_futures=self._stalled)
 
 
-def make_loader(device: torch.device, async_loads: bool) -> Loader:
-    """The loader for slots on ``device``: synchronous, a worker thread (CPU) or a CUDA side stream."""
+def make_loader(device: torch.device, async_loads: bool, timeout_s: float | None = None) -> Loader:
+    """The loader for slots on ``device``: synchronous, a worker thread (CPU) or a CUDA side stream.
+    ``timeout_s`` bounds the worker's waits (the CUDA loader reads on the calling thread)."""
     if not async_loads:
         return SyncLoader()
     if device.type == "cuda":
         from moectl.serve.cuda_loader import CudaStreamLoader
 
         return CudaStreamLoader(device)
-    return ThreadLoader()
+    return ThreadLoader(timeout_s)

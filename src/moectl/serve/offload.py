@@ -15,6 +15,7 @@ decoding step, for the experts of a predicted switch and starts loading them (``
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -31,6 +32,7 @@ from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
 from moectl.serve.prefetch import PrefetchConfig
 from moectl.serve.resident import ResidentSet
+from moectl.serve.signals import ExitOnSignal
 from moectl.serve.slot_forward import slot_experts_forward
 from moectl.serve.slot_forward import supports as supports_slots
 from moectl.serve.store import DiskStore, HostStore
@@ -59,7 +61,7 @@ class _ExpertView:
             )
         slot = self.res.access(int(idx))
         weight = self.res.slots[self.name][slot]
-        return weight if self.scale is None else dequantize_rows(weight, self.scale[slot])
+        return weight if self.scale is None else dequantize_rows(weight, self.scale[slot], self.dtype)
 
 
 class OffloadedExperts(nn.Module):
@@ -214,6 +216,9 @@ class OffloadRuntime:
         self._restore: list = []
         self._tmp: str | None = None
         self._own_reader = False
+        self.store = None
+        self.lazy = False
+        self._signals = ExitOnSignal()  # SIGTERM / SIGHUP unwind while a temporary store exists
 
     # -- install / restore ---------------------------------------------------------------------
     def _experts_params(self, info) -> tuple[list[dict[str, Tensor]], list[nn.Module]]:
@@ -267,6 +272,16 @@ class OffloadRuntime:
         return reader
 
     def __enter__(self) -> OffloadRuntime:
+        """Install; an error part way (a slot allocation, a store write) undoes what was done:
+        the layers already wrapped get their experts back and the temporary store is removed."""
+        try:
+            return self._install()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the install's error is the one to report
+                self.close()
+            raise
+
+    def _install(self) -> OffloadRuntime:
         info = inspect(self.model)
         self.info = info
         layers, experts_modules = self._experts_params(info)
@@ -294,6 +309,7 @@ class OffloadRuntime:
             self.store = HostStore(layers)
         else:
             if self.store_dir is None:
+                self._signals.install()  # before the copy exists: a signal now unwinds and removes it
                 self._tmp = tempfile.mkdtemp(prefix="moectl-experts-")
             self.store = DiskStore.write(self.store_dir or self._tmp, layers, verify=self.verify)
         deltas = {
@@ -312,7 +328,7 @@ class OffloadRuntime:
         self.prefetch = self.async_loads if self.prefetch_spec is None else bool(self.prefetch_spec)
         for d in devices:
             if d not in self.loaders:
-                self.loaders[d] = make_loader(d, self.async_loads)
+                self.loaders[d] = make_loader(d, self.async_loads, self.config.load_timeout_s)
         for layer, experts, params, b, device in zip(
             info.layers, experts_modules, layers, self.budget, devices, strict=True
         ):
@@ -323,6 +339,7 @@ class OffloadRuntime:
             meta = {
                 n: (experts._parameters[n].requires_grad, tuple(p.shape), p.dtype) for n, p in params.items()
             }
+            self._restore.append((layer, experts, meta, device, res))  # before anything is removed
             for name in params:
                 del experts._parameters[name]
                 view = _ExpertView(res, name, layer.num_experts, params[name].dtype)
@@ -338,7 +355,6 @@ class OffloadRuntime:
             )
             layer.block.experts = wrapper
             self.modules.append(wrapper)
-            self._restore.append((layer, experts, meta, device))
             if self.policy.needs_probs:
                 self._hooks.append(layer.router.register_forward_hook(self._probs_hook(layer, wrapper)))
         del layers, params
@@ -362,6 +378,13 @@ class OffloadRuntime:
         self.close()
 
     def close(self) -> None:
+        self._signals.hold = True  # a SIGTERM / SIGHUP now exits once the store is removed
+        try:
+            self._close()
+        finally:
+            self._signals.restore()
+
+    def _close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -374,19 +397,24 @@ class OffloadRuntime:
             finally:
                 loader.close()
         self.loaders.clear()
-        for (layer, experts, meta, device), wrapper in zip(self._restore, self.modules, strict=True):
-            for name, (requires_grad, shape, dtype) in meta.items():
-                if self.lazy:  # never loaded: back on meta, as the model came
-                    full = torch.empty(shape, dtype=dtype, device="meta")
-                else:
-                    full = torch.stack(
-                        [self.store.load(layer.index, e)[name] for e in range(layer.num_experts)]
-                    )
-                    full = full.to(device=device, dtype=dtype)
-                del experts.__dict__[name]
-                experts.register_parameter(name, nn.Parameter(full, requires_grad=requires_grad))
-            layer.block.experts = experts
-            wrapper.res.slots.clear()
+        for layer, experts, meta, device, res in self._restore:
+            try:
+                for name, (requires_grad, shape, dtype) in meta.items():
+                    if name in experts._parameters:  # never removed (an install that failed part way)
+                        continue
+                    if self.lazy:  # never loaded: back on meta, as the model came
+                        full = torch.empty(shape, dtype=dtype, device="meta")
+                    else:
+                        full = torch.stack(
+                            [self.store.load(layer.index, e)[name] for e in range(layer.num_experts)]
+                        )
+                        full = full.to(device=device, dtype=dtype)
+                    experts.__dict__.pop(name, None)
+                    experts.register_parameter(name, nn.Parameter(full, requires_grad=requires_grad))
+                layer.block.experts = experts
+                res.slots.clear()
+            except BaseException as err:  # restore the other layers, then report it
+                error = error or err
         self._restore.clear()
         if hasattr(self.store, "close") and (self.store is not self.reader or self._own_reader):
             self.store.close()

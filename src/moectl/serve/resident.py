@@ -11,6 +11,11 @@ evictable ones (see :meth:`ResidentSet.prefetch`).
 Loads go through a loader (``loader.py``: synchronous, a worker thread or a CUDA side stream);
 loads, bytes moved, load time, stall time and prefetch outcomes are counted here. A hit is an
 access to an expert that was resident before the current step and was not (re)loaded during it.
+
+A load that fails leaves the expert unmapped and its slot free (never mapped to a slot that did
+not receive its bytes, never two experts to one slot): synchronously, ``submit`` raises and the
+slot is returned; with a worker, the error surfaces when the expert is waited on (or at
+``drain``) and the expert is unmapped then (that load stays counted: it was submitted).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class ResidentSet:
         }
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in templates.values())
         self.where: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
+        self._free: list[int] = list(range(budget))  # slots holding no expert, ascending
         self.pinned: set[int] = set()
         self.loads = self.hits = self.misses = 0
         self.bytes_moved = 0
@@ -90,7 +96,11 @@ class ResidentSet:
         slot = self.ensure(expert)
         ticket = self._pending.pop(expert, None)
         if ticket is not None:
-            wait = self.loader.wait(ticket, self.in_forward)
+            try:
+                wait = self.loader.wait(ticket, self.in_forward)
+            except BaseException:
+                self._unmap(expert)  # its slot never received its bytes
+                raise
             if wait is not None:
                 self.timing.unsettled.append(wait)
         self.where.move_to_end(expert)
@@ -103,8 +113,8 @@ class ResidentSet:
                 self.prefetched.discard(expert)
                 self.prefetch_hits += 1
             return self.where[expert]
-        if len(self.where) < self.budget:
-            slot = len(self.where)
+        if self._free:
+            slot = self._free.pop(0)
         else:
             victim = next((e for e in self.where if e not in self.pinned), None)
             if victim is None:
@@ -129,8 +139,8 @@ class ResidentSet:
         for expert in dict.fromkeys(experts):
             if expert in self.where:
                 continue
-            if len(self.where) < self.budget:
-                slot = len(self.where)
+            if self._free:
+                slot = self._free.pop(0)
             else:
                 victim = next((e for e in self.where if e not in keep), None)
                 if victim is None:
@@ -149,10 +159,33 @@ class ResidentSet:
             self.prefetch_wasted += 1
         return slot
 
+    def _release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort()
+
+    def _unmap(self, expert: int) -> None:
+        """Forget ``expert`` after its load failed: unmapped, its slot free, not a prefetch."""
+        slot = self.where.pop(expert, None)
+        if slot is not None:
+            self._release(slot)
+        self._pending.pop(expert, None)
+        self.prefetched.discard(expert)
+        self._loaded_now.discard(expert)
+
+    def _forget_failed(self) -> None:
+        """Unmap the experts whose load (not yet waited on) failed in the worker."""
+        for expert, ticket in list(self._pending.items()):
+            if ticket.error is not None:
+                self._unmap(expert)
+
     def _load(self, expert: int, slot: int, prefetch: bool) -> None:
         ticket = Ticket(self.layer, expert, prefetch=prefetch, in_forward=self.in_forward)
         dst = {name: t[slot] for name, t in self.slots.items()}
-        self.loader.submit(ticket, ExpertRead(self.store, self.layer, expert), dst)
+        try:
+            self.loader.submit(ticket, ExpertRead(self.store, self.layer, expert), dst)
+        except BaseException:
+            self._release(slot)  # the slot may hold part of the expert: free, mapped to nobody
+            raise
         self.where[expert] = slot
         self._pending[expert] = ticket
         self.timing.unsettled.append(ticket)
@@ -175,9 +208,12 @@ class ResidentSet:
         self.timing.unsettled = still
 
     def drain(self) -> None:
-        """Complete every load in flight and account it."""
-        self.loader.drain()
-        self.settle()
+        """Complete every load in flight and account it (a failed one: unmapped, then raised)."""
+        try:
+            self.loader.drain()
+        finally:
+            self._forget_failed()
+            self.settle()
 
     def stats(self) -> dict:
         self.drain()

@@ -87,6 +87,14 @@ def serve_offload(
     impl = getattr(model.config, "_experts_implementation", None)
     if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # offloading runs the experts' own eager forward
+    try:  # the model's experts implementation comes back whatever happens
+        return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl)
+    finally:
+        if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(impl)
+
+
+def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl) -> dict:
     total_params = _tensor_bytes(model)
     io0 = _io_bytes()
     with offload(model, config, reader=reader) as rt:
@@ -111,8 +119,6 @@ def serve_offload(
         loader, async_on, prefetch_on = rt.loader_name, rt.async_loads, rt.prefetch
         store = rt.store_kind
         read_method = rt.store.method if store == "checkpoint" else None
-    if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(impl)
     generated = len(prompts) * max_new_tokens
     decode_steps = {s for s, n in enumerate(step_tokens, 1) if n == 1}
     decode_loads = [e for e in events if e[0] in decode_steps]

@@ -131,6 +131,16 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
-        data = json.loads(Path(path).read_text())
+        """A run's saved config; ``ValueError`` naming the file when it is not one."""
+        try:
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise ValueError(f"{path}: not a JSON run config ({type(err).__name__})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a run config is a JSON object of training settings, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as err:
+            detail = " ".join(str(err).split())[:200]
+            raise ValueError(f"{path}: not a valid run config ({detail})") from None
