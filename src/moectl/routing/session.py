@@ -149,7 +149,7 @@ class RoutingSession:
                 new = _repack(adapter.output, output, weights, idx)
                 chosen = idx
             else:
-                chosen = _indices_of(adapter.output, output, rule.top_k)
+                chosen = indices_of(adapter.output, output, rule.top_k)
             shape = (ctx.batch, ctx.length, -1)
             if self.collect:
                 self.collected[layer.index] = (state.logits, chosen.reshape(shape))
@@ -169,7 +169,7 @@ def _repack(fmt: str, output: tuple, weights: Tensor, idx: Tensor) -> tuple:
     return logits, weights.to(old_w.dtype), idx.to(old_idx.dtype)
 
 
-def _indices_of(fmt: str, output: tuple, k: int) -> Tensor:
+def indices_of(fmt: str, output: tuple, k: int) -> Tensor:
     if fmt == "llama4":
         return output[0].topk(k, dim=-1).indices
     return output[2]
