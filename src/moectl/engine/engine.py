@@ -397,7 +397,7 @@ class Engine:
             self._between_steps()
         cache = cache if cache_out(out) is None else cache_out(out)
         if not self._checked_cache:
-            check_batchable(cache)
+            check_batchable(cache, self.model.config)
             self._checked_cache = True
         req.seen = n
         self.counters["prefills"] += 1

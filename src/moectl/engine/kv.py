@@ -7,9 +7,11 @@ Position ids are passed explicitly (each row's count of real tokens), so a row's
 depend on the padding in front of it. A join copies the cache once (O(B·L) per join, none per
 step); a leave selects the remaining rows and drops columns that are padding in every row.
 
-Only full-attention caches can be re-batched this way: a sliding-window or recurrent layer (gpt-oss's
-sliding layers, Qwen3-Next's linear attention) keeps a state whose length is not the row's, so
-``check_batchable`` refuses such models with a clear error.
+Sliding-window layers (gpt-oss) keep the last W − 1 columns of the same padded layout: with
+padding on the left, a column distance is a position distance, so the window stays exact; their
+``cumulative_length`` is kept equal to the batch's length L. Recurrent or linear-attention layers
+(Qwen3-Next, Jamba), caches of a model's own (MiniMax) and chunked attention (Llama 4, whose chunks
+are aligned to absolute positions) cannot be padded this way: ``check_batchable`` refuses them.
 """
 
 from __future__ import annotations
@@ -30,16 +32,24 @@ def new_cache(model: nn.Module):
     return DynamicCache(config=model.config)
 
 
-def check_batchable(cache) -> None:
-    """Refuse caches with sliding-window or recurrent layers (see the module doc)."""
-    from transformers.cache_utils import DynamicLayer
+def check_batchable(cache, config=None) -> None:
+    """Refuse caches the engine cannot pad and re-batch (see the module doc)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if odd:
+    ok = (DynamicLayer, DynamicSlidingWindowLayer)
+    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in ok})
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    if odd or chunked:
+        what = ", ".join(odd) + " layers" if odd else "chunked attention"
         raise UnbatchableCacheError(
-            f"the engine batches full-attention KV caches only; this model's cache has {', '.join(odd)} "
-            "layers (sliding-window or recurrent attention), which it cannot pad and re-batch"
+            f"the engine batches full- and sliding-window attention caches only; this model has {what} "
+            "(recurrent, linear or chunked attention), which it cannot pad and re-batch"
         )
+
+
+def _window(layer) -> int | None:
+    """How many columns a sliding-window layer keeps (W − 1), None for a full-attention layer."""
+    return layer.sliding_window - 1 if getattr(layer, "is_sliding", False) else None
 
 
 def _pad_left(t: Tensor, length: int) -> Tensor:
@@ -57,8 +67,12 @@ def join(batch, valid: Tensor | None, row_cache, row_length: int) -> tuple[objec
         return row_cache, row_valid
     length = max(valid.shape[1], row_length)
     for mine, theirs in zip(batch.layers, row_cache.layers, strict=True):
-        mine.keys = torch.cat([_pad_left(mine.keys, length), _pad_left(theirs.keys, length)])
-        mine.values = torch.cat([_pad_left(mine.values, length), _pad_left(theirs.values, length)])
+        window = _window(mine)
+        cols = length if window is None else min(length, window)
+        mine.keys = torch.cat([_pad_left(mine.keys, cols), _pad_left(theirs.keys, cols)])
+        mine.values = torch.cat([_pad_left(mine.values, cols), _pad_left(theirs.values, cols)])
+        if window is not None:
+            mine.cumulative_length = length
     valid = torch.cat(
         [F.pad(valid, (length - valid.shape[1], 0)), F.pad(row_valid, (length - row_length, 0))]
     )
@@ -75,6 +89,11 @@ def keep(batch, valid: Tensor, rows: Tensor) -> tuple[object, Tensor]:
     first_real = int(valid.any(0).long().argmax())  # one host sync per leave, not per step
     if first_real > 0:
         valid = valid[:, first_real:]
+        length = valid.shape[1]
         for layer in batch.layers:
-            layer.keys, layer.values = layer.keys[:, :, first_real:], layer.values[:, :, first_real:]
+            window = _window(layer)
+            cols = length if window is None else min(length, window)
+            layer.keys, layer.values = layer.keys[:, :, -cols:], layer.values[:, :, -cols:]
+            if window is not None:
+                layer.cumulative_length = length
     return batch, valid
