@@ -198,3 +198,30 @@ def test_offloaded_batch_equals_the_resident_model_and_counts_hits():
     assert stats["hits"] + stats["misses"] > 0 and stats["loads"] == stats["misses"]
     assert all(p.device.type != "meta" for p in model.parameters())  # restored on close
     assert Engine(model, tok).generate(PROMPTS[:1], params)[0].token_ids == plain[0]
+
+
+def test_roe_requests_equal_roe_generate_beside_plain_rows(tmp_path):
+    """A RoE profile's requests (K = 4 samples over one clean cache, averaged) give moectl.roe.generate's
+    tokens while plain rows run in the same steps and stay equal to their solo runs."""
+    model, tok, _ = _loaded("olmoe")
+    profile = tmp_path / "roe.json"
+    profile.write_text('{"type": "roe", "format_version": 1, "K": 4, "tau": 0.5, "seed": 0}')
+    prompts = PROMPTS[:3]
+    reference = moectl.roe.generate(model, tok, prompts, str(profile), max_new_tokens=8, ignore_eos=True)
+    engine = Engine(model, tok, EngineConfig(max_batch=4), routings={"roe": str(profile)})
+    tokens, final = {}, {}
+
+    def on_event(e):
+        tokens.setdefault(e.request_id, []).extend(e.token_ids)
+        if e.finish_reason:
+            final[e.request_id] = e
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with engine:
+        roe_ids = [engine.submit(p, params, "roe", on_event) for p in prompts]
+        plain_ids = [engine.submit(p, params, None, on_event) for p in prompts]
+        while len(final) < 6:
+            engine.step()
+    assert [tokens[i] for i in roe_ids] == [g.token_ids for g in reference]
+    assert [tokens[i] for i in plain_ids] == [_offline(model, tok, p, 8)[0] for p in prompts]
+    assert all(final[i].info["switch_rate"] is None for i in roe_ids)  # K routings: no one ω

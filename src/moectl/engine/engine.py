@@ -120,6 +120,8 @@ class _Request:
     seen: int = 0  # real tokens fed through the model
     submitted: float = field(default_factory=time.perf_counter)
     switches: int = 0
+    ensemble: Any = None  # a RoE request's Ensemble (its K samples and clean cache)
+    last: Tensor | None = None  # a RoE request's latest token
     unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
     ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
     done: threading.Event = field(default_factory=threading.Event)
@@ -155,6 +157,8 @@ class Engine:
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._roe_rows: list[_Request] = []  # RoE requests: each its own K-sample ensemble
+        self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
         self._cache = None
@@ -187,6 +191,7 @@ class Engine:
                 self._offload = offload(self.model, self.config.offload, reader=self.reader)
                 self.runtime = self._offload.__enter__()
                 policies += list(self.runtime.policy.routing(self.runtime.info))
+            self._residency = policies
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
@@ -331,11 +336,13 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._running:
+                busy = bool(self._running or self._roe_rows)
+                while not self._stopping and not self._waiting and not busy:
                     self._lock.wait()
+                    busy = bool(self._running or self._roe_rows)
                 if self._stopping and not self._drain:
-                    self._cancelled.update(r.id for r in (*self._waiting, *self._running))
-                if self._stopping and not self._waiting and not self._running:
+                    self._cancelled.update(r.id for r in (*self._waiting, *self._running, *self._roe_rows))
+                if self._stopping and not self._waiting and not busy:
                     return
             self.step()
 
@@ -345,9 +352,11 @@ class Engine:
             try:
                 admitted = self._admit()
                 self._drop_cancelled()
-                if not self._running:
+                if not self._running and not self._roe_rows:
                     return admitted
-                self._decode()
+                if self._running:
+                    self._decode()
+                self._step_roe()
             except Exception as err:  # the batch is lost; the requests get the error, serving goes on
                 self._fail_all(err)
             self.counters["steps"] += 1
@@ -355,7 +364,7 @@ class Engine:
 
     def _admit(self) -> bool:
         admitted = False
-        while len(self._running) < self.config.max_batch:
+        while len(self._running) + len(self._roe_rows) < self.config.max_batch:
             with self._lock:
                 if not self._waiting:
                     break
@@ -365,7 +374,10 @@ class Engine:
                 self._finish(req, "cancelled")
                 continue
             try:
-                self._prefill(req)
+                if req.routing is not None and req.routing.roe is not None:
+                    self._prefill_roe(req)
+                else:
+                    self._prefill(req)
             except Exception as err:  # this request alone fails
                 self._finish(req, "error", error=f"{type(err).__name__}: {err}")
                 if self._cache is None:
@@ -409,6 +421,39 @@ class Engine:
         self._running.append(req)
         if self._emit(req, int(token[0])):
             self._remove([len(self._running) - 1])
+
+    def _prefill_roe(self, req: _Request) -> None:
+        """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
+        once per engine step; entered only around its own forwards, so its noise never reaches the
+        batch. Deviation: RoE requests are not batched with each other (one ensemble each)."""
+        from moectl.roe.ensemble import Ensemble
+
+        assert req.routing is not None
+        ensemble = Ensemble(self.model, req.routing.roe, info=self.info, policies=self._residency)
+        ids = torch.tensor([req.prompt], device=self.device)
+        with ensemble:
+            out = ensemble.start(ids, torch.ones_like(ids))
+        req.seen = ids.shape[1]
+        self.counters["prefills"] += 1
+        req.ensemble, req.last = ensemble, self._choose(out.logprobs, [req])
+        self._roe_rows.append(req)
+        if self._emit(req, int(req.last[0])):
+            self._end_roe(req)
+
+    def _step_roe(self) -> None:
+        for req in list(self._roe_rows):
+            with req.ensemble:
+                out = req.ensemble.step(req.last)
+            req.seen += 1
+            req.last = self._choose(out.logprobs, [req])
+            if self._emit(req, int(req.last[0])):
+                self._end_roe(req)
+
+    def _end_roe(self, req: _Request) -> None:
+        self._roe_rows.remove(req)
+        req.ensemble = None
+        reason, piece = req.ending or ("cancelled", "")
+        self._finish(req, reason, piece=piece)
 
     def _between_steps(self) -> None:
         """Outside the engine's own forwards the model routes as it would without the engine."""
@@ -522,13 +567,15 @@ class Engine:
         rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
         if rows:
             self._remove(rows)
+        for req in [r for r in self._roe_rows if r.id in cancelled]:
+            self._end_roe(req)
         with self._lock:  # ones still waiting are finished when admitted
             self._cancelled |= {c for c in cancelled if any(r.id == c for r in self._waiting)}
 
     def _fail_all(self, err: Exception) -> None:
         self.counters["errors"] += 1
-        failed = list(self._running)
-        self._running = []
+        failed = [*self._running, *self._roe_rows]
+        self._running, self._roe_rows = [], []
         self._cache = self._valid = self._prev = self._switches = self._last = None
         for req in failed:
             self._finish(req, "error", error=f"{type(err).__name__}: {err}")
@@ -536,7 +583,8 @@ class Engine:
     def _finish(self, req: _Request, reason: str, *, piece: str = "", error: str | None = None) -> None:
         decode_steps = max(len(req.generated) - 1, 0)
         layers = self.info.num_moe_layers
-        switch_rate = req.switches / (decode_steps * layers) if decode_steps else None
+        roe = req.routing is not None and req.routing.roe is not None  # K routings: no one switch rate
+        switch_rate = req.switches / (decode_steps * layers) if decode_steps and not roe else None
         name = req.routing.name if req.routing is not None else None
         completion = Completion(
             req.id, len(req.prompt), list(req.generated), req.stream.text, reason, name, switch_rate, error
@@ -546,7 +594,7 @@ class Engine:
         stats = self.routing_stats.setdefault(name or "", {"requests": 0, "switches": 0, "steps": 0})
         stats["requests"] += 1
         stats["switches"] += req.switches
-        stats["steps"] += decode_steps * layers
+        stats["steps"] += 0 if roe else decode_steps * layers
         if req.on_event is not None:
             usage = {
                 "prompt_tokens": len(req.prompt),
@@ -567,7 +615,7 @@ class Engine:
             waiting = len(self._waiting)
         out: dict[str, Any] = {
             **self.counters,
-            "running": len(self._running),
+            "running": len(self._running) + len(self._roe_rows),
             "waiting": waiting,
             "switch_rate": {
                 name or "default": (s["switches"] / s["steps"] if s["steps"] else None)

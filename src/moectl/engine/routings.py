@@ -32,6 +32,7 @@ class Routing:
     spec: str
     policies: list[Policy] = field(default_factory=list)
     changes_model: bool = False  # merged trained weights (a controller's adapters/routers) into the model
+    roe: Any = None  # a RoEConfig: K routing samples per token, averaged (RoE §2), instead of policies
 
     @property
     def per_request(self) -> bool:
@@ -60,6 +61,10 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
             f"routing name {name!r} must be 1-64 letters, digits, '_', '.', ':' or '-', starting with a "
             "letter or digit"
         )
+    roe = _roe_config(spec)
+    if roe is not None:
+        roe.taus(info.num_moe_layers)  # checks tau's length against the model
+        return Routing(name, spec if isinstance(spec, str) else "roe", [], False, roe)
     changes_model = _carries_weights(spec, info)
     policies = routing_policies([spec], model, info)
     renorms = {getattr(p, "renorm", "pruned") for p in policies}
@@ -69,6 +74,21 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
         policy.bind(info)
     label = spec if isinstance(spec, str) else type(spec).__name__
     return Routing(name, str(label), list(policies), changes_model)
+
+
+def _roe_config(spec: Any) -> Any:
+    """The RoEConfig ``spec`` is (a RoE profile file, dict or config), else None."""
+    if getattr(spec, "policy_type", None) == "roe":
+        return spec
+    if not isinstance(spec, (str, Mapping)) and not hasattr(spec, "__fspath__"):
+        return None
+    from moectl.routing.loader import load_policy
+
+    try:
+        loaded = load_policy(spec)
+    except (ValueError, OSError, TypeError, KeyError):
+        return None  # not loadable without the model: not a RoE profile (the real load says why)
+    return loaded if getattr(loaded, "policy_type", None) == "roe" else None
 
 
 def _carries_weights(spec: Any, info: ModelInfo) -> bool:
@@ -105,6 +125,21 @@ def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelIn
             "selected with one mode: register routings of one mode"
         )
     return routings
+
+
+def _roe_config(spec: Any) -> Any:
+    """The RoEConfig ``spec`` is (a RoE profile file, dict or config), else None."""
+    if getattr(spec, "policy_type", None) == "roe":
+        return spec
+    if not isinstance(spec, (str, Mapping)) and not hasattr(spec, "__fspath__"):
+        return None
+    from moectl.routing.loader import load_policy
+
+    try:
+        loaded = load_policy(spec)
+    except (ValueError, OSError, TypeError, KeyError):
+        return None  # not loadable without the model: not a RoE profile (the real load says why)
+    return loaded if getattr(loaded, "policy_type", None) == "roe" else None
 
 
 def _carries_weights(spec: Any, info: ModelInfo) -> bool:
