@@ -131,6 +131,14 @@ def serve_offload_command(
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
     ] = 64,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            "--max-batch",
+            help="Prompts decoded together by the engine (their rows share the resident experts); "
+            "1: one at a time.",
+        ),
+    ] = 1,
     plot: Annotated[Path | None, typer.Option(help="PNG (or directory) for the load timeline.")] = None,
     json_path: JsonOpt = None,
     async_loads: Annotated[
@@ -183,6 +191,8 @@ def serve_offload_command(
         raise typer.BadParameter(
             f"--experts-forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {experts_forward!r}"
         )
+    if max_batch < 1:
+        raise typer.BadParameter(f"--max-batch must be >= 1, got {max_batch}")
     if slot_dtype not in SLOT_DTYPES:
         raise typer.BadParameter(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     torch.manual_seed(seed)
@@ -219,6 +229,7 @@ def serve_offload_command(
             max_new_tokens,
             plot=plot,
             reader=reader,
+            max_batch=max_batch,
         )
     except (ValueError, OSError, RuntimeError, MemoryError) as err:
         fail(err)
@@ -253,6 +264,7 @@ def serve_offload_command(
         ),
         ("expert compute time", f"{result['expert_compute_s']:.3f} s"),
         ("tokens/s (decode only)", f"{result['tokens_per_s']:.2f} ({_rate(result['decode_tokens_per_s'])})"),
+        ("prompts decoded together (max batch)", str(result["max_batch"])),
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
         ("deliberation cost η", f"{result['eta']['value']:.4f}"),
     ]

@@ -40,6 +40,7 @@ from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream
+from moectl.progress import progress_bar
 from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
 
@@ -66,11 +67,14 @@ class EngineClosed(RuntimeError):
 @dataclass
 class EngineConfig:
     """``max_batch``: rows decoded together; ``max_queue``: requests waiting beyond them.
-    ``offload``: an ``OffloadConfig`` to keep only a budget of experts resident (None: all)."""
+    ``offload``: an ``OffloadConfig`` to keep only a budget of experts resident (None: all).
+    ``log_forwards``: record each forward's kind and rows (a batch run's timeline; a server leaves
+    it off, the log would grow without bound)."""
 
     max_batch: int = 8
     max_queue: int = 64
     offload: Any = None
+    log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue"):
@@ -175,6 +179,7 @@ class Engine:
         self._checked_cache = False
         self.counters = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0, "errors": 0}
         self.routing_stats: dict[str, dict[str, float]] = {}
+        self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self) -> Engine:
@@ -188,8 +193,9 @@ class Engine:
             if self.config.offload is not None:
                 from moectl.serve.offload import offload
 
-                self._offload = offload(self.model, self.config.offload, reader=self.reader)
-                self.runtime = self._offload.__enter__()
+                runtime = offload(self.model, self.config.offload, reader=self.reader)
+                self.runtime = runtime.__enter__()  # a failed entry cleans up after itself
+                self._offload = runtime
                 policies += list(self.runtime.policy.routing(self.runtime.info))
             self._residency = policies
             self._session = route(self.model, [*policies, self.router], info=self.info)
@@ -298,8 +304,10 @@ class Engine:
         prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | None = None,
         routing: str | None = None,
+        progress: bool = False,
     ) -> list[Completion]:
-        """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order."""
+        """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order.
+        ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt)."""
         params = params or SamplingParams()
         pending = list(prompts)
         own_loop = self._thread is None
@@ -307,13 +315,25 @@ class Engine:
         if opened:
             self.open()
         try:
-            return self._run(pending, params, routing, own_loop)
+            with progress_bar("generating", progress) as bar:
+                task = bar.add_task("gen", total=len(pending) * params.max_tokens)
+                start = self.counters["generated_tokens"]
+
+                def advance() -> None:
+                    bar.update(task, completed=self.counters["generated_tokens"] - start)
+
+                return self._run(pending, params, routing, own_loop, advance)
         finally:
             if opened:
                 self.close()
 
     def _run(
-        self, pending: list, params: SamplingParams, routing: str | None, own_loop: bool
+        self,
+        pending: list,
+        params: SamplingParams,
+        routing: str | None,
+        own_loop: bool,
+        advance: Callable[[], None],
     ) -> list[Completion]:
         ids: list[str] = []
         reqs: dict[str, _Request] = {}
@@ -324,6 +344,7 @@ class Engine:
                 reqs[req.id] = req
             if own_loop:
                 self.step()
+                advance()
             else:
                 next(r for r in reqs.values() if not r.done.is_set()).done.wait(0.05)
         done = [reqs[i].completion for i in ids]
@@ -396,6 +417,7 @@ class Engine:
         )
         switches = torch.zeros(1, self.info.num_moe_layers, dtype=torch.long, device=self.device)
         self.meter.start(prev, switches, counting=False)
+        self._log("prefill", 1)
         try:
             out = self.model(
                 input_ids=ids,
@@ -431,6 +453,7 @@ class Engine:
         assert req.routing is not None
         ensemble = Ensemble(self.model, req.routing.roe, info=self.info, policies=self._residency)
         ids = torch.tensor([req.prompt], device=self.device)
+        self._log("prefill", 1)
         with ensemble:
             out = ensemble.start(ids, torch.ones_like(ids))
         req.seen = ids.shape[1]
@@ -442,6 +465,7 @@ class Engine:
 
     def _step_roe(self) -> None:
         for req in list(self._roe_rows):
+            self._log("decode", 1)
             with req.ensemble:
                 out = req.ensemble.step(req.last)
             req.seen += 1
@@ -454,6 +478,10 @@ class Engine:
         req.ensemble = None
         reason, piece = req.ending or ("cancelled", "")
         self._finish(req, reason, piece=piece)
+
+    def _log(self, kind: str, rows: int) -> None:
+        if self.config.log_forwards:
+            self.forward_log.append((kind, rows))
 
     def _between_steps(self) -> None:
         """Outside the engine's own forwards the model routes as it would without the engine."""
@@ -486,6 +514,7 @@ class Engine:
         self.meter.start(self._prev, self._switches, counting=True)
         valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
         positions = torch.tensor([[r.seen] for r in self._running], device=self.device)
+        self._log("decode", b)
         try:
             out = self.model(
                 input_ids=self._last[:, None],
