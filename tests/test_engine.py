@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import moectl
 from moectl.engine import (
@@ -225,3 +226,27 @@ def test_roe_requests_equal_roe_generate_beside_plain_rows(tmp_path):
     assert [tokens[i] for i in roe_ids] == [g.token_ids for g in reference]
     assert [tokens[i] for i in plain_ids] == [_offline(model, tok, p, 8)[0] for p in prompts]
     assert all(final[i].info["switch_rate"] is None for i in roe_ids)  # K routings: no one ω
+
+
+def test_each_request_records_the_trace_it_would_record_alone():
+    """EngineConfig.record: per-request traces, joined, equal route(record=True) around solo generate."""
+    from moectl.routing.trace import RoutingTrace
+
+    model, tok, _ = _loaded("olmoe")
+    spec = {"type": "document_pool", "d": 4}
+    engine = Engine(model, tok, EngineConfig(max_batch=3, record=True), routings={"pool": spec})
+    got = engine.generate(PROMPTS[:4], SamplingParams(max_tokens=8, ignore_eos=True), "pool")
+    joined = RoutingTrace.join([c.trace for c in got])
+    solo = []
+    for prompt in PROMPTS[:4]:
+        with route(model, spec, record=True) as session:
+            enc = tok([prompt], return_tensors="pt")
+            model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+        solo.append(session.trace)
+    expected = RoutingTrace.join(solo)
+    assert torch.equal(joined.valid, expected.valid) and torch.equal(joined.prompt_len, expected.prompt_len)
+    for layer in range(3):
+        assert torch.allclose(joined.probs[layer], expected.probs[layer])
+        assert torch.equal(joined.chosen[layer], expected.chosen[layer])
+        assert torch.equal(joined.allowed[layer], expected.allowed[layer])
+    assert moectl.switch_rate(joined).mean == pytest.approx(moectl.switch_rate(expected).mean)

@@ -75,6 +75,7 @@ class EngineConfig:
     max_queue: int = 64
     offload: Any = None
     log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
+    record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue"):
@@ -108,6 +109,7 @@ class Completion:
     routing: str | None
     switch_rate: float | None
     error: str | None = None
+    trace: Any = None  # its RoutingTrace (EngineConfig.record), as route(record=True) records one prompt
 
 
 @dataclass
@@ -130,6 +132,7 @@ class _Request:
     ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
     done: threading.Event = field(default_factory=threading.Event)
     completion: Completion | None = None
+    trace: Any = None
 
 
 class Engine:
@@ -288,6 +291,7 @@ class Engine:
                 key=seed_key(seed),
                 on_event=on_event,
                 stream=TextStream(self.tokenizer, params.stop),
+                trace=self._new_trace(),
             )
             self._waiting.append(req)
             self._lock.notify_all()
@@ -417,6 +421,7 @@ class Engine:
         )
         switches = torch.zeros(1, self.info.num_moe_layers, dtype=torch.long, device=self.device)
         self.meter.start(prev, switches, counting=False)
+        self._begin_traces([req], n, prefill=True)
         self._log("prefill", 1)
         try:
             out = self.model(
@@ -479,6 +484,24 @@ class Engine:
         reason, piece = req.ending or ("cancelled", "")
         self._finish(req, reason, piece=piece)
 
+    def _new_trace(self):
+        if not self.config.record:
+            return None
+        from moectl.routing.trace import RoutingTrace
+
+        meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
+        return RoutingTrace(self.info.num_moe_layers, meta)
+
+    def _begin_traces(self, reqs: list[_Request], length: int, prefill: bool) -> None:
+        """Open a call in each recording request's trace (its own offset: the tokens it has seen)."""
+        if not self.config.record:
+            self.meter.traces = None
+            return
+        for req in reqs:
+            valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
+            req.trace.begin_call(0 if prefill else req.seen, valid)
+        self.meter.traces = [r.trace for r in reqs]
+
     def _log(self, kind: str, rows: int) -> None:
         if self.config.log_forwards:
             self.forward_log.append((kind, rows))
@@ -487,6 +510,7 @@ class Engine:
         """Outside the engine's own forwards the model routes as it would without the engine."""
         self.router.set_groups([], 0, self.device)
         self.meter.start(None, None, counting=False)
+        self.meter.traces = None
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
         dev = logits.device
@@ -514,6 +538,7 @@ class Engine:
         self.meter.start(self._prev, self._switches, counting=True)
         valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
         positions = torch.tensor([[r.seen] for r in self._running], device=self.device)
+        self._begin_traces(self._running, 1, prefill=False)
         self._log("decode", b)
         try:
             out = self.model(
@@ -616,7 +641,15 @@ class Engine:
         switch_rate = req.switches / (decode_steps * layers) if decode_steps and not roe else None
         name = req.routing.name if req.routing is not None else None
         completion = Completion(
-            req.id, len(req.prompt), list(req.generated), req.stream.text, reason, name, switch_rate, error
+            req.id,
+            len(req.prompt),
+            list(req.generated),
+            req.stream.text,
+            reason,
+            name,
+            switch_rate,
+            error,
+            req.trace,
         )
         req.completion = completion
         self.counters["finished"] += 1

@@ -8,7 +8,8 @@ back into the batch's state. A row with no routing is left as the model routes i
 routings (an expert mask) share one group for all their rows; a policy with sequence state (a
 controller, a document pool, Gumbel noise) is forked per request, so its state never mixes rows.
 
-``SwitchMeter`` counts, per row, how often each layer's expert set ω changes from one generated
+``SwitchMeter`` records, per row, its routing into the request's own ``RoutingTrace`` when the engine
+records (``EngineConfig.record``), and counts, per row, how often each layer's expert set ω changes from one generated
 token to the next (TE-MoE §2.2): ω is the row's allowed mask where its routing restricts the layer,
 else the experts the router chose (the router as an option with k-hat = top-k). The prefill's last
 token starts the count ("from the last prompt token on"); only decoding steps are counted.
@@ -99,6 +100,7 @@ class SwitchMeter:
         self.prev: Tensor | None = None  # [B, L, E] bool: ω at each row's latest token
         self.switches: Tensor | None = None  # [B, L] switches counted per row and layer
         self.counting = False
+        self.traces: list | None = None  # per row: its request's RoutingTrace (recording), or None
         self._handles: list = []
 
     def install(self, model: nn.Module) -> None:
@@ -119,7 +121,10 @@ class SwitchMeter:
                 return
             chosen = indices_of(layer.adapter.output, output, layer.top_k)
             b = self.prev.shape[0]
-            last = chosen.reshape(b, -1, chosen.shape[-1])[:, -1]  # [B, k] the call's last token per row
+            chosen = chosen.reshape(b, -1, chosen.shape[-1])
+            if self.traces is not None:
+                self._record(layer, output, chosen)
+            last = chosen[:, -1]  # [B, k] the call's last token per row
             omega = torch.zeros(b, self.prev.shape[-1], dtype=torch.bool, device=last.device)
             omega.scatter_(1, last.long(), True)
             allowed = self.router.allowed.get(layer.index)
@@ -132,6 +137,19 @@ class SwitchMeter:
             self.prev[:, layer.index] = omega.to(self.prev.device)
 
         return hook
+
+    def _record(self, layer, output, chosen: Tensor) -> None:
+        """Each row's probs, chosen experts and (where its routing restricts) allowed set."""
+        assert self.traces is not None
+        b, t = chosen.shape[:2]
+        probs = layer.rule.probs(layer.adapter.logits_of(output).reshape(b, t, -1).float())
+        allowed = self.router.allowed.get(layer.index)
+        rows = self.router.restricted_rows
+        restricted = rows.tolist() if allowed is not None and rows is not None else [False] * b
+        for r, trace in enumerate(self.traces):
+            if trace is not None:
+                keep = allowed[r : r + 1] if restricted[r] else None
+                trace.record(layer.index, probs[r : r + 1], chosen[r : r + 1], keep)
 
     def start(self, prev: Tensor | None, switches: Tensor | None, counting: bool) -> None:
         """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]
