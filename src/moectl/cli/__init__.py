@@ -22,6 +22,7 @@ from moectl.cli import (
     pretrain,
     roe,
     serve,
+    server,
     subset,
     switch_rate,
 )
@@ -37,6 +38,7 @@ app.command("pretrain")(pretrain.pretrain_command)
 app.command("card")(card.card_command)
 app.command("eval")(eval.eval_command)
 app.command("report")(eval.report_command)
+app.command("serve")(server.serve_command)
 app.command("serve-offload")(serve.serve_offload_command)
 app.add_typer(subset.subset_app, name="subset", help="Select, export and analyse per-domain expert subsets.")
 app.command("modularity")(subset.modularity_cmd)
