@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -309,11 +309,16 @@ class Engine:
         params: SamplingParams | None = None,
         routing: str | None = None,
         progress: bool = False,
+        seed_per_prompt: bool = False,
     ) -> list[Completion]:
         """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order.
-        ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt)."""
+        ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt).
+        ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws)."""
         params = params or SamplingParams()
-        pending = list(prompts)
+        if seed_per_prompt and params.seed is not None:
+            pending = [(p, replace(params, seed=params.seed + i)) for i, p in enumerate(prompts)]
+        else:
+            pending = [(p, params) for p in prompts]
         own_loop = self._thread is None
         opened = own_loop and self._session is None
         if opened:
@@ -326,15 +331,14 @@ class Engine:
                 def advance() -> None:
                     bar.update(task, completed=self.counters["generated_tokens"] - start)
 
-                return self._run(pending, params, routing, own_loop, advance)
+                return self._run(pending, routing, own_loop, advance)
         finally:
             if opened:
                 self.close()
 
     def _run(
         self,
-        pending: list,
-        params: SamplingParams,
+        pending: list[tuple[Any, SamplingParams]],
         routing: str | None,
         own_loop: bool,
         advance: Callable[[], None],
@@ -343,7 +347,8 @@ class Engine:
         reqs: dict[str, _Request] = {}
         while pending or any(not reqs[i].done.is_set() for i in ids):
             while pending and len(self._waiting) < self.config.max_queue:
-                req = self._submit(pending.pop(0), params, routing, None)
+                prompt, params = pending.pop(0)
+                req = self._submit(prompt, params, routing, None)
                 ids.append(req.id)
                 reqs[req.id] = req
             if own_loop:
