@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,6 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import moectl
 from _server_helpers import Server
 from moectl.server.prompts import plain_chat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import serve_load
 
 MODEL = "tiny:olmoe"
 KEY = "test-key"
@@ -253,6 +258,19 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
         time.sleep(0.05)
     assert metric(server, "moectl_running_sequences") == 0
     assert metric(server, "moectl_engine_steps") - steps < 500  # the 1000 tokens were not generated
+
+
+def test_the_load_benchmark_measures_a_running_server(server, tmp_path):
+    out = tmp_path / "load.json"
+    result = serve_load.main(
+        ["--url", server.base, "--api-key", KEY, "--model", MODEL, "--concurrency", "1,2", "--requests", "3",
+         "--max-tokens", "4", "--routing", "half", "--json", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert [row["concurrency"] for row in result["moectl"]] == [1, 2]
+    for row in result["moectl"]:
+        assert row["requests"] == 3 and row["completion_tokens"] == 12  # ignore_eos: 4 tokens each
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["tokens_per_s"] > 0
 
 
 def read_stream(lines) -> tuple[str, dict]:
