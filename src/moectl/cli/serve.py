@@ -16,11 +16,13 @@ from moectl.cli.common import (
     DtypeOpt,
     JsonOpt,
     OptionalModelArg,
+    ThreadsOpt,
     TinyOpt,
     console,
     fail,
     load,
     model_spec,
+    use_threads,
     write_json,
 )
 
@@ -168,6 +170,7 @@ def serve_offload_command(
         float, typer.Option(help="controller policy: β above this predicts a switch.")
     ] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights and of controller sampling.")] = 0,
+    threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -193,9 +196,12 @@ def serve_offload_command(
         )
     if max_batch < 1:
         raise typer.BadParameter(f"--max-batch must be >= 1, got {max_batch}")
+    if threads is not None and threads < 1:
+        raise typer.BadParameter(f"--threads must be >= 1, got {threads}")
     if slot_dtype not in SLOT_DTYPES:
         raise typer.BadParameter(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     torch.manual_seed(seed)
+    n_threads = use_threads(threads)
     reader = None
     try:
         config = OffloadConfig(
@@ -265,10 +271,11 @@ def serve_offload_command(
         ("expert compute time", f"{result['expert_compute_s']:.3f} s"),
         ("tokens/s (decode only)", f"{result['tokens_per_s']:.2f} ({_rate(result['decode_tokens_per_s'])})"),
         ("prompts decoded together (max batch)", str(result["max_batch"])),
+        ("torch threads", str(n_threads)),
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
         ("deliberation cost η", f"{result['eta']['value']:.4f}"),
     ]
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    write_json(json_path, result)
+    write_json(json_path, {**result, "threads": n_threads})
