@@ -262,6 +262,10 @@ def serve_offload_command(
         ("loads / generated token", f"{result['loads_per_token']:.3f}"),
         ("bytes moved / generated token", _mib(result["bytes_moved_per_token"])),
         ("hit rate", "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"),
+        (
+            "switch rate of the resident option",
+            "-" if result["switch_rate"] is None else f"{result['switch_rate']:.3f}",
+        ),
         ("loader", f"{result['loader']}" + (", prefetch" if result["prefetch"] else "")),
         ("load time (of which compute waited)", f"{result['load_s']:.3f} s ({result['stall_s']:.3f} s)"),
         (
@@ -275,6 +279,8 @@ def serve_offload_command(
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
         ("deliberation cost η", f"{result['eta']['value']:.4f}"),
     ]
+    if result.get("plot"):
+        rows.append(("load timeline (PNG)", result["plot"]))
     for row in rows:
         table.add_row(*row)
     console.print(table)
