@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests_per_level": args.requests,
         "routing": args.routing,
         "cpu_count": os.cpu_count(),
+        "load_average_before": os.getloadavg()[0],  # a shared machine: other work skews every figure
     }
     proc = None
     try:
@@ -286,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             show(f"llama-server {args.gguf.name}", result["llama_server"])
         finally:
             stop(llama)
+    result["load_average_after"] = os.getloadavg()[0]
     if args.json is not None:
         write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -189,6 +189,7 @@ BAD = [  # (request body, status, param, words in the message)
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "list of one string"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
+    ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, None, "up to 16 non-empty"),
 ]
 
 

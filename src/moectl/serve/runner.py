@@ -246,7 +246,7 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     if events:
         ax1.scatter([s for s, _, _ in events], [layer * e + x for _, layer, x in events], s=4, marker="s")
     ax1.set_ylabel("MoE layer x experts + expert")
-    ax1.set_xlabel("forward step (dotted: a prompt's prefill; then one generated token per step)")
+    ax1.set_xlabel("forward step (dotted: a prompt's prefill; a decoding step adds one token to each running prompt)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

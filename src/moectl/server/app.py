@@ -115,14 +115,17 @@ def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> F
         request: Request, body: SamplingFields, ids: list[int], shape: Shape, default: int | None, param: str
     ) -> Response:
         routing = check_routing(body.routing)
-        params = SamplingParams(
-            max_tokens=max_tokens_for(body, len(ids), default, param),
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop_list(),
-            ignore_eos=body.ignore_eos,
-        )
+        try:  # what the engine refuses beyond the request's own checks (e.g. too many stop strings)
+            params = SamplingParams(
+                max_tokens=max_tokens_for(body, len(ids), default, param),
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                stop=body.stop_list(),
+                ignore_eos=body.ignore_eos,
+            )
+        except ValueError as err:
+            raise APIError(400, str(err)) from err
         generation = Generation(engine, metrics, request.state.arrived)
         generation.submit(ids, params, routing)
         if body.stream:
