@@ -30,6 +30,7 @@ import serve_load
 MODEL = "tiny:olmoe"
 KEY = "test-key"
 HALF = {"keep": {str(layer): [0, 1, 2, 3] for layer in range(3)}}  # 4 of 8 experts in each MoE layer
+ROE = {"tau": [0.5, 0.5, 0.5], "K": 4}  # a RoE profile: 4 Gumbel-routed samples per token (RoE §2)
 LONG_PROMPT = "Hello there"  # greedy under HALF: 1000 tokens without EOS
 
 
@@ -41,10 +42,23 @@ def half_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(half_file):
+def roe_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("routing") / "roe.json"
+    path.write_text(json.dumps(ROE))
+    return path
+
+
+@pytest.fixture(scope="module")
+def specs(half_file, roe_file):
+    """Each routing name the server registers -> the spec the offline reference routes with."""
+    return {None: None, "half": str(half_file), "opt4": "option:4", "roe": str(roe_file)}
+
+
+@pytest.fixture(scope="module")
+def server(half_file, roe_file):
     running = Server(
         "--dtype", "float32", "--routing", f"half={half_file}", "--routing", "opt4=option:4",
-        "--max-batch", "8", "--api-key", KEY,
+        "--routing", f"roe={roe_file}", "--max-batch", "8", "--api-key", KEY,
     )  # fmt: skip
     yield running
     running.stop()
@@ -62,8 +76,11 @@ def offline():
 
 
 def generate_offline(offline, prompt: str, n: int, routing=None) -> str:
-    """Greedy ``model.generate`` of ``prompt`` (stops at EOS, like the server), decoded."""
+    """Greedy ``model.generate`` of ``prompt`` (stops at EOS, like the server), decoded; a RoE
+    profile through ``moectl.roe.generate``."""
     model, tokenizer = offline
+    if routing is not None and routing.endswith("roe.json"):
+        return moectl.roe.generate(model, tokenizer, [prompt], routing, max_new_tokens=n)[0].text
     ids = torch.tensor([tokenizer.encode(prompt)])
     with moectl.route(model, [] if routing is None else routing):
         out = model.generate(
@@ -84,20 +101,22 @@ def metric(server: Server, name: str, labels: dict[str, str] | None = None) -> f
 def test_models_lists_the_served_model_and_its_routings(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    assert models[0].routings == ["half", "opt4"]
+    assert models[0].routings == ["half", "opt4", "roe"]
     assert client.models.retrieve(MODEL).id == MODEL
 
 
-@pytest.mark.parametrize("routing", [None, "half", "opt4"])
-def test_greedy_completion_equals_offline_generate(client, offline, half_file, routing):
-    spec = {"half": str(half_file), "opt4": "option:4"}.get(routing)
+@pytest.mark.parametrize("routing", [None, "half", "opt4", "roe"])
+def test_greedy_completion_equals_offline_generate(client, offline, specs, routing):
     extra = {} if routing is None else {"routing": routing}
     out = client.completions.create(
         model=MODEL, prompt="The expert", max_tokens=20, temperature=0, extra_body=extra
     )
-    assert out.choices[0].text == generate_offline(offline, "The expert", 20, spec)
+    assert out.choices[0].text == generate_offline(offline, "The expert", 20, specs[routing])
     assert out.routing == routing  # the response reports the routing used and its switch rate
-    assert 0.0 <= out.switch_rate <= 1.0
+    if routing == "roe":
+        assert out.switch_rate is None  # K routings per token: no one expert set to switch
+    else:
+        assert 0.0 <= out.switch_rate <= 1.0
     assert out.usage.completion_tokens == 20 and out.usage.prompt_tokens == len("The expert")
 
 
@@ -119,11 +138,10 @@ def test_chat_without_a_template_uses_the_plain_transcript(client, offline):
     assert out.object == "chat.completion"
 
 
-def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(client, offline, half_file):
+def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(client, offline, specs):
     prompts = [f"prompt number {i}: " + "xyz"[: i % 3 + 1] * (i + 1) for i in range(8)]
-    routings = [None, "half", "opt4"] * 3
-    specs = {None: None, "half": str(half_file), "opt4": "option:4"}
-    solo = [generate_offline(offline, p, 16, specs[r]) for p, r in zip(prompts, routings, strict=False)]
+    routings = [None, "half", "opt4", "roe"] * 2
+    solo = [generate_offline(offline, p, 16, specs[r]) for p, r in zip(prompts, routings, strict=True)]
 
     def ask(i: int) -> str:
         extra = {} if routings[i] is None else {"routing": routings[i]}
@@ -181,9 +199,9 @@ BAD = [  # (request body, status, param, words in the message)
     ({"model": MODEL, "prompt": "x", "max_tokens": 1024}, 400, "max_tokens", "at most 1023"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
     ({"model": "gpt-4o", "prompt": "x"}, 404, "model", "serves 'tiny:olmoe'"),
-    ({"model": MODEL, "prompt": "x", "routing": "nope"}, 400, "routing", "registered: half, opt4"),
-    ({"model": MODEL, "prompt": "x", "routing": "/etc/passwd"}, 400, "routing", "registered: half, opt4"),
-    ({"model": MODEL, "prompt": "x", "routing": "option:2"}, 400, "routing", "registered: half, opt4"),
+    ({"model": MODEL, "prompt": "x", "routing": "nope"}, 400, "routing", "registered: half, opt4, roe"),
+    ({"model": MODEL, "prompt": "x", "routing": "/etc/passwd"}, 400, "routing", "registered: half, opt4, roe"),
+    ({"model": MODEL, "prompt": "x", "routing": "option:2"}, 400, "routing", "registered: half, opt4, roe"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "one choice"),
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "not supported"),
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
@@ -219,7 +237,7 @@ def test_the_openai_client_raises_its_own_errors(client, server):
     with pytest.raises(openai.NotFoundError, match="serves 'tiny:olmoe'") as missing:
         client.completions.create(model="other", prompt="x", max_tokens=2)
     assert missing.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="registered: half, opt4"):
+    with pytest.raises(openai.BadRequestError, match="registered: half, opt4, roe"):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"routing": "math"}
         )
