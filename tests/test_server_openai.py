@@ -292,6 +292,18 @@ def test_the_load_benchmark_measures_a_running_server(server, tmp_path):
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["tokens_per_s"] > 0
 
 
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_sequence(server):
+    steps = metric(server, "moectl_engine_steps")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client waits, times out and hangs up
+        httpx.post(f"{server.base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while metric(server, "moectl_running_sequences") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "moectl_running_sequences") == 0
+    assert metric(server, "moectl_engine_steps") - steps < 500
+
+
 def read_stream(lines) -> tuple[str, dict]:
     """The text of an SSE completion stream and its usage chunk (include_usage); checks [DONE]."""
     events = [line for line in lines if line]
