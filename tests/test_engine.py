@@ -250,3 +250,13 @@ def test_each_request_records_the_trace_it_would_record_alone():
         assert torch.equal(joined.chosen[layer], expected.chosen[layer])
         assert torch.equal(joined.allowed[layer], expected.allowed[layer])
     assert moectl.switch_rate(joined).mean == pytest.approx(moectl.switch_rate(expected).mean)
+
+
+def test_left_pad_and_scored_positions():
+    from moectl.engine.batch import left_pad, scored_positions
+
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert scored_positions(mask, [1, 0]).tolist() == [[False, True, True], [False, False, True]]
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[1], []], pad_id=0)

@@ -47,7 +47,7 @@ def ci95(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    from moectl.options.rollout import left_pad
+    from moectl.engine.batch import left_pad
 
     ids = [tokenizer.encode(t, verbose=False)[:max_length] for t in texts]
     ids = [x if len(x) >= 2 else x + [tokenizer.eos_token_id or 0] * (2 - len(x)) for x in ids]
