@@ -30,6 +30,7 @@ runner = CliRunner()
         (["serve", "tiny:olmoe", "--log-level", "loud"], "--log-level must be one of"),
         (["serve", "tiny:olmoe", "--routing", "x=no/such/subset.json"], "no/such/subset.json"),
         (["serve", "tiny:olmoe", "--routing", "bad name=option:4"], "routing name 'bad name'"),
+        (["serve", "tiny:olmoe", "--budget", "1"], "a budget of 1 resident experts is too small"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args, words):

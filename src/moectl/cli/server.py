@@ -125,6 +125,7 @@ def serve_command(
         engine = Engine(
             net, tokenizer, EngineConfig(max_batch=max_batch, max_queue=max_queue, offload=offload), routings=routings
         )
+        engine.open()  # the routing and the offload runtime installed now: their errors are one line here
     except (ValueError, OSError, RuntimeError, MemoryError) as err:
         fail(err)
     name = served_name(spec)

@@ -33,4 +33,4 @@ def serve(app: Any, host: str, port: int, log_level: str = "info") -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not server.started:
-        raise OSError(f"could not serve on {host}:{port} (see the log above: port in use?)")
+        raise OSError(f"the server on {host}:{port} did not start (the log above says why)")
