@@ -109,10 +109,18 @@ def switch_rate_report(
         result["trace"] = str(trace.save(trace_path))
     if plot_dir:
         out = Path(plot_dir)
+        name = Path(model_spec).name or model_spec  # a folder's name: titles never wrap a long path
+        omega = "recorded ω" if report.source == "allowed" else f"k-hat = {report.k_hat}"
+        first = prompts[0]
         figure = plot_expert_activation(
-            trace, out / "expert_activation_layer0.png", layer=0, k_hat=report.k_hat
-        )
+            trace, out / "expert_activation_layer0.png", layer=0,
+            k_hat=report.k_hat if report.source == "router" else None,
+            title=f"Activated experts, MoE layer 0 (TE-MoE Fig. 2), {name}",
+            label=f"prompt 0 ({first.category}): {first.text!r}",
+        )  # fmt: skip
         lines = {cat: v["per_layer"] for cat, v in result["categories"].items()}
-        per_layer = plot_switch_rate_per_layer(lines, out / "switch_rate_per_layer.png")
+        per_layer = plot_switch_rate_per_layer(
+            lines, out / "switch_rate_per_layer.png", title=f"Switch rate per MoE layer, {name} ({omega})"
+        )
         result["plots"] = [str(figure), str(per_layer)]
     return result
