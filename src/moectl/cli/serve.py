@@ -20,7 +20,6 @@ from moectl.cli.common import (
     TinyOpt,
     console,
     fail,
-    load,
     model_spec,
     use_threads,
     write_json,
@@ -49,35 +48,6 @@ def _rate(r: float | None) -> str:
 
 def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.3f} s"
-
-
-def _preflight(folder: str, dtype: str, budget: float | int, policy: str, slot_dtype: str) -> None:
-    """Refuse a budget below the policy's minimum, or one the memory limit cannot hold, before any
-    weight is read (the model built on meta; a policy that needs the loaded model is checked later)."""
-    from moectl.models.meta_model import build_meta, load_config
-    from moectl.serve.plan import preflight
-    from moectl.serve.policies import parse_policy
-
-    meta = build_meta(load_config(folder), None if dtype == "auto" else dtype)
-    k_hat = _controller_k_hat(policy)
-    try:  # a controller's minimum is its k-hat: read it, do not merge its adapters into the meta model
-        residency = parse_policy(f"option:{k_hat}" if k_hat is not None else policy, meta)
-    except Exception:  # a policy that needs the loaded model
-        residency = None
-    preflight(meta, budget, residency, slot_dtype)
-
-
-def _controller_k_hat(policy: str) -> int | None:
-    """k-hat of a ``controller:DIR`` policy (or a controller / run folder), None for other policies."""
-    import json
-
-    from moectl.options.state import controller_dir
-
-    path = Path(policy.removeprefix("controller:"))
-    try:
-        return int(json.loads((controller_dir(path) / "controller.json").read_text())["k_hat"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 @serve_app.command("serve-offload")
@@ -178,9 +148,9 @@ def serve_offload_command(
     import torch
 
     from moectl.generate import load_prompts
-    from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
     from moectl.serve.config import EXPERTS_FORWARDS, STORES, OffloadConfig
     from moectl.serve.int8 import SLOT_DTYPES
+    from moectl.serve.loading import load_for_offload
     from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
     from moectl.serve.runner import serve_offload
@@ -215,15 +185,7 @@ def serve_offload_command(
             experts_forward=experts_forward,
             slot_dtype=slot_dtype,
         )
-        if store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
-            _preflight(spec, dtype, config.budget, policy, slot_dtype)
-            net, tokenizer, reader = load_lazy(spec, dtype, device, method=read_method)
-        elif store == "checkpoint":
-            raise ValueError(
-                f"--store checkpoint needs a checkpoint folder with safetensors shards, got {spec!r}"
-            )
-        else:
-            net, tokenizer = load(spec, device, dtype, seed=seed)
+        net, tokenizer, reader = load_for_offload(spec, config.with_(policy=policy), dtype, device, seed)
         residency = parse_policy(policy, net)  # a controller's adapters and routers merge into net
         if isinstance(residency, ControllerResidency):
             residency = ControllerResidency(residency.route_policy, seed=seed)

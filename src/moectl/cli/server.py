@@ -9,7 +9,18 @@ from typing import Annotated
 
 import typer
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, OptionalModelArg, TinyOpt, console, fail, load, model_spec
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    OptionalModelArg,
+    ThreadsOpt,
+    TinyOpt,
+    console,
+    fail,
+    load,
+    model_spec,
+    use_threads,
+)
 
 ROUTING = re.compile(r"^([^=]+)=(.+)$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -64,7 +75,7 @@ def serve_command(
         list[str] | None,
         typer.Option(
             "--routing",
-            help="NAME=SPEC (repeatable): a routing requests may name with \"routing\": NAME — a subset or "
+            help='NAME=SPEC (repeatable): a routing requests may name with "routing": NAME — a subset or '
             "policy file, option:K, controller:DIR (`moectl.load_policy`). No routing: the model as trained.",
         ),
     ] = None,
@@ -80,20 +91,24 @@ def serve_command(
     ] = None,
     budget: Annotated[
         str | None,
-        typer.Option(help="Offload experts: resident experts per MoE layer, a fraction (0.25) or a count (4)."),
+        typer.Option(
+            help="Offload experts: resident experts per MoE layer, a fraction (0.25) or a count (4)."
+        ),
     ] = None,
     residency: Annotated[
         str | None,
         typer.Option(help="With --budget: lru | option:K | controller:DIR (which experts stay resident)."),
     ] = None,
     slot_dtype: Annotated[
-        str | None, typer.Option("--slot-dtype", help="With --budget: same | int8 (resident experts' weights).")
+        str | None,
+        typer.Option("--slot-dtype", help="With --budget: same | int8 (resident experts' weights)."),
     ] = None,
     store: Annotated[
         str | None, typer.Option(help="With --budget: disk | checkpoint | host (where other experts live).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights.")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help=", ".join(LOG_LEVELS))] = "info",
+    threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -109,6 +124,8 @@ def serve_command(
             raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
         if max_queue < 1:
             raise ValueError(f"--max-queue must be at least 1, got {max_queue}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
         if log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         offload = _offload_config(budget, residency, slot_dtype, store)
@@ -120,10 +137,21 @@ def serve_command(
     from moectl.server.app import create_app
     from moectl.server.run import serve
 
+    n_threads = use_threads(threads)
+    reader = None
     try:
-        net, tokenizer = load(spec, device, dtype, seed=seed)
+        if offload is not None:  # a checkpoint's experts stay in its shards (moectl.serve.loading)
+            from moectl.serve.loading import load_for_offload
+
+            net, tokenizer, reader = load_for_offload(spec, offload, dtype, device, seed)
+        else:
+            net, tokenizer = load(spec, device, dtype, seed=seed)
         engine = Engine(
-            net, tokenizer, EngineConfig(max_batch=max_batch, max_queue=max_queue, offload=offload), routings=routings
+            net,
+            tokenizer,
+            EngineConfig(max_batch=max_batch, max_queue=max_queue, offload=offload),
+            routings=routings,
+            reader=reader,
         )
         engine.open()  # the routing and the offload runtime installed now: their errors are one line here
     except (ValueError, OSError, RuntimeError, MemoryError) as err:
@@ -131,19 +159,26 @@ def serve_command(
     name = served_name(spec)
     app = create_app(engine, name, api_key=api_key)
     names = ", ".join(sorted(routings)) or "none"
-    console.print(f"serving {name} on http://{host}:{port}/v1 (routings: {names})")
+    console.print(f"serving {name} on http://{host}:{port}/v1 (routings: {names}; {n_threads} torch threads)")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        console.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it")
+        console.print(
+            f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it"
+        )
     try:
         serve(app, host, port, log_level=log_level)
     except OSError as err:
         fail(err)
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 def _offload_config(budget: str | None, residency: str | None, slot_dtype: str | None, store: str | None):
     """The offload settings, or None when --budget is not given (the others need it)."""
     if budget is None:
-        given = [f"--{n}" for n, v in (("residency", residency), ("slot-dtype", slot_dtype), ("store", store)) if v]
+        given = [
+            f"--{n}" for n, v in (("residency", residency), ("slot-dtype", slot_dtype), ("store", store)) if v
+        ]
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --budget (offloaded experts)")
         return None
