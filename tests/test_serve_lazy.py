@@ -179,7 +179,7 @@ def test_load_for_offload_keeps_a_checkpoints_experts_in_its_shards(ckpt):
         reader.close()
     model, _, reader = load_for_offload(str(ckpt), OffloadConfig(16, store="host"))
     assert reader is None and not any(p.is_meta for p in model.parameters())
-    with pytest.raises(ValueError, match="too small|at least"):
+    with pytest.raises(ValueError, match="is too small"):
         load_for_offload(str(ckpt), OffloadConfig(4, store="disk"))
     with pytest.raises(ValueError, match="needs a checkpoint folder"):
         load_for_offload("tiny:olmoe", OffloadConfig(4, store="checkpoint"))
