@@ -65,7 +65,9 @@ def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = ST
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            fail(f"the server exited {proc.returncode} before answering: {log.read_text(errors='replace')[-2000:]}")
+            fail(
+                f"the server exited {proc.returncode} before answering: {log.read_text(errors='replace')[-2000:]}"
+            )
         try:
             if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
                 return
@@ -133,22 +135,31 @@ async def one_request(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str
     return {"ttft": times[0] - sent, "gaps": gaps, "tokens": tokens if tokens is not None else len(times)}
 
 
-async def level(base: str, headers: dict, concurrency: int, requests: int, body: dict[str, Any]) -> dict[str, Any]:
-    """``requests`` streamed completions from ``concurrency`` closed-loop clients."""
+async def level(
+    base: str,
+    headers: dict,
+    concurrency: int,
+    requests: int,
+    body: dict[str, Any],
+    routings: list[str] | None = None,
+) -> dict[str, Any]:
+    """``requests`` streamed completions from ``concurrency`` closed-loop clients (client i with
+    routing ``routings[i % len(routings)]`` when given)."""
     results: list[dict[str, Any]] = []
     issued = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600, limits=limits) as http:
 
-        async def client() -> None:
+        async def client(index: int) -> None:
             nonlocal issued
+            mine = {**body, "routing": routings[index % len(routings)]} if routings else body
             while issued < requests:
                 prompt = PROMPTS[issued % len(PROMPTS)]
                 issued += 1
-                results.append(await one_request(http, {**body, "prompt": prompt}))
+                results.append(await one_request(http, {**mine, "prompt": prompt}))
 
         start_t = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
         wall = time.perf_counter() - start_t
     ttft = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
@@ -166,11 +177,19 @@ async def level(base: str, headers: dict, concurrency: int, requests: int, body:
     }
 
 
-def measure(base: str, headers: dict, args: argparse.Namespace, model: str, extra: dict) -> list[dict[str, Any]]:
+def measure(
+    base: str,
+    headers: dict,
+    args: argparse.Namespace,
+    model: str,
+    extra: dict,
+    routings: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Every concurrency level after a warm-up; ``routings``: one per client, round robin."""
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}  # fmt: skip
     asyncio.run(level(base, headers, 1, min(2, args.requests), body))  # warm-up, not reported
-    return [asyncio.run(level(base, headers, c, args.requests, body)) for c in args.concurrency]
+    return [asyncio.run(level(base, headers, c, args.requests, body, routings)) for c in args.concurrency]
 
 
 def rss_check(base: str, headers: dict, pid: int, args: argparse.Namespace, model: str, extra: dict) -> dict:
@@ -195,7 +214,9 @@ def show(name: str, rows: list[dict[str, Any]]) -> None:
         return "-" if v is None else f"{v * 1e3:.1f}"
 
     print(f"\n{name}")
-    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  (ms)")
+    print(
+        f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  (ms)"
+    )
     for r in rows:
         print(
             f"{r['concurrency']:>7} {r['requests']:>8} {r['tokens_per_s']:>9.1f} {ms(r['ttft_p50_s']):>9} "
@@ -204,7 +225,9 @@ def show(name: str, rows: list[dict[str, Any]]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny:olmoe", help="what `moectl serve` serves")
     parser.add_argument("--url", default=None, help="measure this running server instead (http://HOST:PORT)")
     parser.add_argument("--api-key", default=None)
@@ -212,14 +235,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--routing", default=None, help="a routing NAME the server registered (--serve-arg)")
-    parser.add_argument("--serve-arg", action="append", default=[], help="extra `moectl serve` argument (repeatable)")
-    parser.add_argument("--rss-requests", type=int, default=0, help="then N requests for the RSS check (0: none)")
+    parser.add_argument(
+        "--routings", default=None, help="comma list of registered NAMEs: client i uses the (i mod n)-th"
+    )
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="extra `moectl serve` argument (repeatable)"
+    )
+    parser.add_argument(
+        "--rss-requests", type=int, default=0, help="then N requests for the RSS check (0: none)"
+    )
     parser.add_argument("--rss-max-tokens", type=int, default=8)
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file llama-server serves")
     parser.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: its own)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.routings is not None:
+        args.routings = [n for n in args.routings.split(",") if n]
+        if not args.routings or args.routing:
+            fail("--routings takes a comma list of routing names, and not together with --routing")
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -248,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "requests_per_level": args.requests,
         "routing": args.routing,
+        "routings_per_client": args.routings,
         "cpu_count": os.cpu_count(),
         "load_average_before": os.getloadavg()[0],  # a shared machine: other work skews every figure
     }
@@ -263,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 command += ["--api-key", args.api_key]
             proc, base, _ = start(command, port)
             pid = proc.pid
-        result["moectl"] = measure(base, headers, args, args.model, extra)
+        result["moectl"] = measure(base, headers, args, args.model, extra, args.routings)
         show(f"moectl serve {args.model}", result["moectl"])
         if args.rss_requests and pid is not None:
             result["rss"] = rss_check(base, headers, pid, args, args.model, extra)
