@@ -48,3 +48,18 @@ def test_pick_threads_takes_idle_cpus_and_a_request_wins(monkeypatch):
 def test_idle_cpus_is_within_the_affinity():
     idle = threads.idle_cpus(0.05)
     assert idle is not None and 0.0 <= idle <= len(os.sched_getaffinity(0)) + 1e-6
+
+
+def test_the_governor_follows_other_processes_load(monkeypatch):
+    """Other processes' CPU = all busy time minus this process's; the rest is used, at least 1."""
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    applied = []
+    gov = threads.ThreadGovernor(interval_s=0.0, apply=applied.append)
+    assert gov.others_busy((0.0, 10.0, 1.0), (2.0, 16.0, 3.0)) == 2.0  # 6 s busy, 2 s ours, over 2 s
+    assert gov.others_busy((0.0, 10.0, 1.0), (2.0, 11.0, 3.0)) == 0.0  # never negative
+    samples = iter([(10.0, 100.0, 0.0), (20.0, 130.0, 0.0), (30.0, 130.0, 0.0)])
+    monkeypatch.setattr(gov, "_sample", lambda: next(samples))
+    gov._last, gov.current = (0.0, 100.0, 0.0), 4
+    assert gov.update() is None  # nobody else busy: keeps 4
+    assert gov.update() == 1  # 30 s of others' CPU over 10 s = 3 CPUs busy: 1 left
+    assert gov.update() == 4 and applied == [1, 4]

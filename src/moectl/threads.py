@@ -96,3 +96,59 @@ def pick_threads(requested: int | None = None, sample_s: float = 0.25) -> int:
     if idle is None:
         return usable
     return max(1, min(usable, int(idle + 0.3)))  # a CPU 70% idle counts as free
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class ThreadGovernor:
+    """Re-picks the thread count of a long-running loop (a server's engine) as the machine's load
+    changes: every ``interval_s`` it measures the CPUs other processes kept busy since the last look
+    (all CPUs' busy time from /proc/stat minus this process's own CPU time) and uses the rest.
+
+    Call ``update()`` from the thread that runs the model (torch's thread count is per thread under
+    OpenMP); it returns the new count when it changed, else None.
+    """
+
+    def __init__(self, interval_s: float = 5.0, apply=None) -> None:
+        import torch
+
+        self.interval_s = interval_s
+        self.apply = apply or torch.set_num_threads
+        self.cpus = _affinity()
+        self.usable = usable_cpus()
+        self.current = torch.get_num_threads()
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        try:
+            times = _cpu_times(self.cpus)
+        except (OSError, ValueError):
+            return None
+        busy = sum(total - idle for idle, total in times.values()) / os.sysconf("SC_CLK_TCK")
+        return time.monotonic(), busy, _own_cpu_s()
+
+    def others_busy(self, before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+        """CPUs' worth of time other processes used between two samples."""
+        wall = after[0] - before[0]
+        if wall <= 0:
+            return 0.0
+        return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
+
+    def update(self) -> int | None:
+        now = time.monotonic()
+        if self._last is None or now - self._last[0] < self.interval_s:
+            return None
+        sample = self._sample()
+        if sample is None:
+            return None
+        others = self.others_busy(self._last, sample)
+        self._last = sample
+        wanted = max(1, min(self.usable, int(self.usable - others + 0.3)))  # a CPU 70% free counts
+        if wanted == self.current:
+            return None
+        self.apply(wanted)
+        self.current = wanted
+        return wanted

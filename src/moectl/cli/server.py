@@ -149,7 +149,9 @@ def serve_command(
         engine = Engine(
             net,
             tokenizer,
-            EngineConfig(max_batch=max_batch, max_queue=max_queue, offload=offload),
+            EngineConfig(
+                max_batch=max_batch, max_queue=max_queue, offload=offload, adapt_threads=threads is None
+            ),
             routings=routings,
             reader=reader,
         )

@@ -76,6 +76,7 @@ class EngineConfig:
     offload: Any = None
     log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
+    adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue"):
@@ -364,7 +365,14 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        governor = None
+        if self.config.adapt_threads:
+            from moectl.threads import ThreadGovernor
+
+            governor = ThreadGovernor()
         while True:
+            if governor is not None:
+                governor.update()  # in this thread: torch's thread count is per thread under OpenMP
             with self._lock:
                 busy = bool(self._running or self._roe_rows)
                 while not self._stopping and not self._waiting and not busy:
