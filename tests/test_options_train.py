@@ -10,11 +10,12 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
+from moectl.engine.batch import left_pad
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.losses import student_log_probs
 from moectl.options.policy import ControllerPolicy
-from moectl.options.rollout import left_pad, rollout
+from moectl.options.rollout import rollout
 from moectl.options.teacher import add_lora, teacher_mode
 from moectl.options.trainer import OptionsConfig, OptionsTrainer, train_options
 from moectl.train.master_weights import MasterWeights

@@ -12,7 +12,7 @@ import moectl
 from moectl.models.load import ByteTokenizer, load_model
 from moectl.roe import AdaptiveEnsemble, RoEConfig, score, token_logprobs, trade_off
 from moectl.roe.data import ChoiceItem, LMItem
-from moectl.roe.score import encode_pair, pad_left, token_logprobs_stepwise
+from moectl.roe.score import pad_left, scored_request, token_logprobs_stepwise
 
 TEXTS = ["The quick brown fox jumps.", "Hello there", "Experts route."]
 
@@ -34,8 +34,8 @@ def _load(family: str):
 
 def _batch():
     tokenizer = ByteTokenizer()
-    seqs = [encode_pair(tokenizer, "", t, 512) for t in TEXTS] + [
-        encode_pair(tokenizer, "Q: hi", " A: yes", 512)
+    seqs = [scored_request(tokenizer, "", t, 512) for t in TEXTS] + [
+        scored_request(tokenizer, "Q: hi", " A: yes", 512)
     ]
     return pad_left(seqs, 0, torch.device("cpu"))
 

@@ -163,3 +163,23 @@ def test_preflight_on_meta_reads_nothing(ckpt):
         )  # + rotary inv_freq, not in the file
     with pytest.raises(BudgetError, match="at least 8"):
         preflight(meta, 0.1, None)  # 6 of 64
+
+
+def test_load_for_offload_keeps_a_checkpoints_experts_in_its_shards(ckpt):
+    """serve-offload and serve --budget load through moectl.serve.loading: a checkpoint folder lazily
+    (a shard reader, expert weights on meta until offloaded), --store host whole, and a too-small
+    budget refused before any weight is read."""
+    from moectl.serve.config import OffloadConfig
+    from moectl.serve.loading import load_for_offload
+
+    model, _, reader = load_for_offload(str(ckpt), OffloadConfig(16, store="disk"))
+    try:
+        assert reader is not None and any(p.is_meta for p in model.parameters())
+    finally:
+        reader.close()
+    model, _, reader = load_for_offload(str(ckpt), OffloadConfig(16, store="host"))
+    assert reader is None and not any(p.is_meta for p in model.parameters())
+    with pytest.raises(ValueError, match="is too small"):
+        load_for_offload(str(ckpt), OffloadConfig(4, store="disk"))
+    with pytest.raises(ValueError, match="needs a checkpoint folder"):
+        load_for_offload("tiny:olmoe", OffloadConfig(4, store="checkpoint"))

@@ -17,12 +17,12 @@ def test_generation_appends_along_time():
     prompts = [Prompt("hello there"), Prompt("a much longer prompt text")]
     with route(model, record=True) as session:
         generate(model, tok, prompts, max_new_tokens=5, progress=False)
-    trace = session.trace
-    width = len("a much longer prompt text")
-    assert trace.chosen[0].shape == (2, width + 4, 2)
-    assert trace.prompt_len.tolist() == [width, width]
-    assert trace.valid[0, : width - len("hello there")].eq(False).all()  # left padding
-    assert trace.valid[:, width:].all()
+    trace = session.trace  # inside a caller's session the engine decodes one prompt at a time
+    width, short = len("a much longer prompt text"), len("hello there")
+    assert trace.chosen[0].shape == (2, width + 4, 2)  # each prompt a segment; 4 decoding steps
+    assert trace.prompt_len.tolist() == [short, width]
+    assert trace.valid[0, : short + 4].all() and not trace.valid[0, short + 4 :].any()  # padded after
+    assert trace.valid[1].all()
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ import torch
 
 from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
-from moectl.generate import generate, load_prompts
+from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
 from moectl.plots import plot_expert_activation
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, route
@@ -33,11 +33,11 @@ def run_demo(
     e, k = info.num_experts, info.top_k
     result: dict = {"model": name, "inspect": info.summary(), "self_test_passed": test.passed}
 
-    with route(model, record=True) as plain:
-        generate(model, tokenizer, prompts, max_new_tokens, temperature=0.5, seed=seed, progress=True)
-    assert plain.trace is not None
+    _, plain = generate_traced(
+        model, tokenizer, prompts, max_new_tokens, temperature=0.5, seed=seed, progress=True
+    )
     result["switch_rate"] = {
-        f"k_hat={kh}": switch_rate(plain.trace, k_hat=kh).mean for kh in sorted({k, min(e, 2 * k), e // 2})
+        f"k_hat={kh}": switch_rate(plain, k_hat=kh).mean for kh in sorted({k, min(e, 2 * k), e // 2})
     }
 
     enc = tokenizer([p.text for p in prompts])
@@ -67,23 +67,23 @@ def run_demo(
     }
 
     pool = DocumentPool(d=max(k, e // 2), mode="causal")
-    with route(model, pool, record=True) as pooled:
-        generate(model, tokenizer, prompts, max_new_tokens, temperature=0.5, seed=seed, progress=False)
-    assert pooled.trace is not None
+    _, pooled_trace = generate_traced(
+        model, tokenizer, prompts, max_new_tokens, temperature=0.5, seed=seed, progress=False, policies=pool
+    )
     result["document_pool_causal"] = {
         "d": pool.d,
-        "switch_rate_k_hat=d": switch_rate(pooled.trace, k_hat=pool.d).mean,
+        "switch_rate_k_hat=d": switch_rate(pooled_trace, k_hat=pool.d).mean,
         "chosen_inside_pool": all(
             bool(
                 (
-                    pooled.trace.allowed[layer].gather(-1, pooled.trace.chosen[layer].clamp(min=0))
-                    | (pooled.trace.chosen[layer] < 0)
+                    pooled_trace.allowed[layer].gather(-1, pooled_trace.chosen[layer].clamp(min=0))
+                    | (pooled_trace.chosen[layer] < 0)
                 ).all()
             )
-            for layer in pooled.trace.chosen
+            for layer in pooled_trace.chosen
         ),
     }
     if out_dir:
-        figure = plot_expert_activation(plain.trace, Path(out_dir) / "expert_activation_layer0.png", k_hat=k)
+        figure = plot_expert_activation(plain, Path(out_dir) / "expert_activation_layer0.png", k_hat=k)
         result["plots"] = [str(figure)]
     return result

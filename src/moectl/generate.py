@@ -1,13 +1,22 @@
-"""Generate from prompts while a routing session records, with a progress bar."""
+"""Generate from prompts through the engine, with a progress bar: the library's batch entry point.
+
+``generate`` / ``generate_tokens`` / ``generate_traced`` decode a list of prompts with the engine
+(``moectl.engine``: continuous batching, ``batch_size`` rows at a time), optionally under routing
+``policies`` applied to every prompt (each prompt gets its own fork of a policy with sequence
+state) and recording each prompt's routing. Prompt ``i`` samples with seed ``seed + i``.
+
+Inside a caller's own ``moectl.route(...)`` session (``with route(model, policy, record=True):
+generate(...)``) prompts are decoded one at a time, so that session sees each prompt as a sequence
+of its own, as it would around ``model.generate``; pass ``policies=`` / use ``generate_traced``
+to have them batched.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import LogitsProcessor, LogitsProcessorList
+from typing import Any
 
 from moectl.data.jsonl import read_jsonl_rows
 
@@ -43,85 +52,56 @@ def load_prompts(path: str | Path | None) -> list[Prompt]:
     return prompts
 
 
-class _Tick(LogitsProcessor):
-    def __init__(self, progress: Progress, task) -> None:
-        self.progress, self.task = progress, task
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.progress.advance(self.task, input_ids.shape[0])
-        return scores
-
-
-@torch.no_grad()
-def generate(
+def generate_completions(
     model,
     tokenizer,
-    prompts: list[Prompt],
+    prompts: Sequence[Prompt | str],
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     batch_size: int = 8,
     seed: int = 0,
     ignore_eos: bool = True,
     progress: bool = True,
-) -> list[str]:
-    """Generate ``max_new_tokens`` per prompt in batches (left padding); returns the new text.
+    policies: Any = None,
+    record: bool = False,
+    top_p: float = 1.0,
+) -> list:
+    """The engine's ``Completion`` of each prompt (text, token ids, switch rate, trace if ``record``).
 
     ``ignore_eos`` forces every sequence to its full length, as TE-MoE §3.1 measures switch rates
-    on 256 generated tokens per prompt.
-    """
-    rows = generate_tokens(
-        model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, ignore_eos, progress
-    )
-    return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+    on 256 generated tokens per prompt. ``policies``: anything ``moectl.route`` takes, applied to
+    every prompt."""
+    from moectl.engine import Engine, EngineConfig, SamplingParams
+    from moectl.routing.session import sessions_on
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    params = SamplingParams(max_new_tokens, temperature, top_p, seed=seed, ignore_eos=ignore_eos)
+    inside_session = sessions_on(model) > 0
+    config = EngineConfig(max_batch=1 if inside_session else batch_size, max_queue=batch_size, record=record)
+    routings = None if policies is None else {"policies": policies}
+    engine = Engine(model, tokenizer, config, routings=routings)
+    texts = [p.text if isinstance(p, Prompt) else str(p) for p in prompts]
+    routing = None if policies is None else "policies"
+    return engine.generate(texts, params, routing, progress=progress, seed_per_prompt=True)
 
 
-@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[Prompt | str], *args: Any, **kwargs: Any) -> list[str]:
+    """Generate ``max_new_tokens`` per prompt; returns the new text (see ``generate_completions``)."""
+    return [c.text for c in generate_completions(model, tokenizer, prompts, *args, **kwargs)]
+
+
 def generate_tokens(
-    model,
-    tokenizer,
-    prompts: list[Prompt],
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    batch_size: int = 8,
-    seed: int = 0,
-    ignore_eos: bool = True,
-    progress: bool = True,
+    model, tokenizer, prompts: Sequence[Prompt | str], *args: Any, **kwargs: Any
 ) -> list[list[int]]:
     """As :func:`generate`, but the new token ids of each prompt (what the routing trace saw)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    torch.manual_seed(seed)
-    device = next(model.parameters()).device
-    outputs: list[list[int]] = []
-    columns = [
-        TextColumn("generating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task("gen", total=len(prompts) * max_new_tokens)
-        for start in range(0, len(prompts), batch_size):
-            batch = [p.text for p in prompts[start : start + batch_size]]
-            enc = tokenizer(batch, return_tensors="pt", padding=True)
-            enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-            kwargs = (
-                {"do_sample": True, "temperature": temperature, "top_k": None}
-                if temperature > 0
-                else {"do_sample": False}
-            )
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens if ignore_eos else None,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                logits_processor=LogitsProcessorList([_Tick(bar, task)]),
-                **kwargs,
-            )
-            new = out[:, enc["input_ids"].shape[1] :]
-            outputs.extend(row.tolist() for row in new)
-    return outputs
+    return [c.token_ids for c in generate_completions(model, tokenizer, prompts, *args, **kwargs)]
+
+
+def generate_traced(model, tokenizer, prompts: Sequence[Prompt | str], *args: Any, **kwargs: Any) -> tuple:
+    """(texts, trace): :func:`generate` recording each prompt's routing, joined as one batch trace
+    (``RoutingTrace.join``; row i is prompt i)."""
+    from moectl.routing.trace import RoutingTrace
+
+    done = generate_completions(model, tokenizer, prompts, *args, record=True, **kwargs)
+    return [c.text for c in done], RoutingTrace.join([c.trace for c in done])

@@ -25,10 +25,12 @@ def plot_expert_activation(
 ) -> Path:
     """TE-MoE Figure 2: experts activated at one layer over the generated token positions.
 
-    Black cells are the activated experts. With ``k_hat`` the router-as-option mask ω (TE-MoE
-    §2.2) is drawn in blue behind them and every switch of ω is a red tick in the strip above;
-    the subtitle gives the number of switches and the switch rate. ``label`` (e.g. the prompt or its
-    category) is printed under the title.
+    Black cells are the activated experts. The option ω (TE-MoE §2.2) is drawn in blue behind them
+    and every switch of ω is a red tick in the strip above, the subtitle giving the number of
+    switches and the switch rate: with ``k_hat`` ω is the router treated as an option with k-hat
+    experts; without it, ω is the mask a policy recorded at this layer (a controller's option, a
+    subset), when the trace holds one. ``label`` (e.g. the prompt or its category; default: which
+    sequence of the trace) is printed under the title.
     """
     from matplotlib.patches import Patch
 
@@ -41,25 +43,37 @@ def plot_expert_activation(
     start = max(int(trace.prompt_len[row]) - 1, 0)
     valid = trace.valid[row]
     stop = int(valid.nonzero().max()) + 1 if bool(valid.any()) else start
-    chosen = trace.chosen_mask(layer)[row, start:stop].T.float()  # [E, T]
+    activated = trace.chosen_mask(layer)[row, start:stop]  # [T, E]
+    chosen = activated.T.float()  # [E, T]
     n_exp, n_pos = chosen.shape
     width = min(16.0, 4.5 + n_pos / 14)
     fig, (strip, ax) = plt.subplots(
-        2, 1, sharex=True, figsize=(width, 2.4 + n_exp / 10), height_ratios=[1, max(3.0, n_exp / 4)]
+        2, 1, sharex=True, figsize=(width, 2.6 + n_exp / 10), height_ratios=[1, max(3.0, n_exp / 4)]
     )
     image = torch.ones(n_exp, n_pos, 3)  # white
     handles = [Patch(facecolor="black", label="activated")]
-    subtitle = []
+    subtitle = [label if label else f"sequence {row} of the trace"]
+    option, what = None, ""
     if k_hat is not None:
         probs = trace.probs[layer][row : row + 1, start:stop]
-        option = router_option_masks(probs, trace.chosen_mask(layer)[row : row + 1, start:stop], k_hat)[0]
+        option = router_option_masks(probs, activated[None], k_hat)[0]
+        what = f"k-hat = {k_hat}"
+        legend = f"option ω (router, top k-hat={k_hat})"
+    elif layer in trace.allowed:
+        option = trace.allowed[layer][row, start:stop]
+        what = "ω recorded by the policy"
+        legend = "option ω (recorded mask)"
+    if option is not None:
         image[option.T] = torch.tensor([0.62, 0.78, 0.95])  # the option ω: light blue
         switches = (option[1:] != option[:-1]).any(-1).nonzero().flatten() + 1
         strip.vlines(switches.tolist(), 0, 1, color="crimson", linewidth=1.0)
-        handles += [Patch(facecolor=(0.62, 0.78, 0.95), label=f"option ω (top k-hat={k_hat})"),
-                    Patch(facecolor="crimson", label="switch of ω")]  # fmt: skip
+        if bool((option & ~activated).any()):  # ω shows beyond the activated experts
+            handles.append(Patch(facecolor=(0.62, 0.78, 0.95), label=legend))
+        else:
+            handles.append(Patch(facecolor="black", label="ω = the activated experts"))
+        handles.append(Patch(facecolor="crimson", label="switch of ω"))
         rate = len(switches) / max(n_pos - 1, 1)
-        subtitle.append(f"k-hat = {k_hat}: {len(switches)} switches in {n_pos} tokens (switch rate {rate:.0%})")
+        subtitle.append(f"{what}: {len(switches)} switches in {n_pos} tokens (switch rate {rate:.0%})")
     image[chosen.bool()] = 0.0
     ax.imshow(image.numpy(), aspect="auto", interpolation="nearest")
     strip.set_ylim(0, 1)
@@ -72,13 +86,12 @@ def plot_expert_activation(
     if n_exp <= 32:
         ax.set_yticks(range(n_exp))
         ax.tick_params(axis="y", labelsize=7 if n_exp > 16 else 9)
-    if label:
-        subtitle.insert(0, label if len(label) <= 90 else label[:87] + "...")
+    subtitle[0] = subtitle[0] if len(subtitle[0]) <= 70 else subtitle[0][:67] + "..."
     heading = title or f"Activated experts, MoE layer {layer} (TE-MoE Fig. 2)"
-    strip.set_title(heading + ("\n" + " · ".join(subtitle) if subtitle else ""), fontsize=10, loc="left")
+    strip.set_title(heading + "\n" + "\n".join(subtitle), fontsize=9, loc="left")
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

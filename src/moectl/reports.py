@@ -12,11 +12,10 @@ import torch
 
 from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
-from moectl.generate import generate, load_prompts
+from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
 from moectl.plots import plot_expert_activation, plot_switch_rate_per_layer
 from moectl.routing.loader import load_policy
-from moectl.routing.session import route
 
 
 def _summarise(values: list[list[float]]) -> dict:
@@ -76,10 +75,11 @@ def switch_rate_report(
     loaded = load_policy(policy, model) if policy is not None else []
     if k_hat is None and getattr(loaded, "policy_type", None) == "option":
         k_hat = loaded.k_hat  # the router as the option policy the file names
-    with route(model, loaded, record=True) as session:
-        generate(model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, progress=progress)
-    trace = session.trace
-    assert trace is not None
+    info = inspect(model)
+    _, trace = generate_traced(
+        model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed,
+        progress=progress, policies=loaded or None,
+    )  # fmt: skip
     trace.meta["categories"] = [p.category for p in prompts]
     report = switch_rate(trace, k_hat=k_hat)
     by_category: dict[str, list[list[float]]] = {}
@@ -87,13 +87,13 @@ def switch_rate_report(
         by_category.setdefault(prompts[row].category, []).append(values)
     result = {
         "model": model_spec,
-        "family": session.info.family,
+        "family": info.family,
         "k_hat": report.k_hat,
         "policy": policy,
         "source": report.source,
-        "top_k": session.info.top_k,
-        "num_experts": session.info.num_experts,
-        "moe_layers": [layer.layer_idx for layer in session.info.layers],
+        "top_k": info.top_k,
+        "num_experts": info.num_experts,
+        "moe_layers": [layer.layer_idx for layer in info.layers],
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -109,10 +109,18 @@ def switch_rate_report(
         result["trace"] = str(trace.save(trace_path))
     if plot_dir:
         out = Path(plot_dir)
+        name = Path(model_spec).name or model_spec  # a folder's name: titles never wrap a long path
+        omega = "recorded ω" if report.source == "allowed" else f"k-hat = {report.k_hat}"
+        first = prompts[0]
         figure = plot_expert_activation(
-            trace, out / "expert_activation_layer0.png", layer=0, k_hat=report.k_hat
-        )
+            trace, out / "expert_activation_layer0.png", layer=0,
+            k_hat=report.k_hat if report.source == "router" else None,
+            title=f"Activated experts, MoE layer 0 (TE-MoE Fig. 2), {name}",
+            label=f"prompt 0 ({first.category}): {first.text!r}",
+        )  # fmt: skip
         lines = {cat: v["per_layer"] for cat, v in result["categories"].items()}
-        per_layer = plot_switch_rate_per_layer(lines, out / "switch_rate_per_layer.png")
+        per_layer = plot_switch_rate_per_layer(
+            lines, out / "switch_rate_per_layer.png", title=f"Switch rate per MoE layer, {name} ({omega})"
+        )
         result["plots"] = [str(figure), str(per_layer)]
     return result

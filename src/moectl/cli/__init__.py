@@ -23,6 +23,7 @@ from moectl.cli import (
     pretrain,
     roe,
     serve,
+    server,
     subset,
     switch_rate,
 )
@@ -38,6 +39,7 @@ app.command("pretrain")(pretrain.pretrain_command)
 app.command("card")(card.card_command)
 app.command("eval")(eval.eval_command)
 app.command("report")(eval.report_command)
+app.command("serve")(server.serve_command)
 app.command("serve-offload")(serve.serve_offload_command)
 app.add_typer(offload.offload_app, name="offload", help="Expert offloading: which experts to keep resident.")
 app.add_typer(subset.subset_app, name="subset", help="Select, export and analyse per-domain expert subsets.")

@@ -48,6 +48,25 @@ DtypeOpt = Annotated[
     typer.Option("--dtype", help="Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."),
 ]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="torch threads; default: the CPUs this process may use that are idle now "
+        "(affinity, cgroup quota, /proc/stat: moectl.threads).",
+    ),
+]
+
+
+def use_threads(requested: int | None) -> int:
+    """Set torch's thread count (``--threads``, else ``moectl.threads.pick_threads``); returns it."""
+    import torch
+
+    from moectl.threads import pick_threads
+
+    n = pick_threads(requested)
+    torch.set_num_threads(n)
+    return n
 
 # -- Roster of Experts (RoE §2): the ensemble's knobs, one spelling for every verb that takes them
 RoEKOpt = Annotated[

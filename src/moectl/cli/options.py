@@ -205,11 +205,11 @@ def generate_cmd(
     json_path: JsonOpt = None,
 ) -> None:
     """Generate under a controller and show where the options switch."""
-    from moectl.generate import Prompt, generate_tokens
+    from moectl.generate import Prompt, generate_completions
     from moectl.metrics.switch_rate import switch_rate
-    from moectl.options.events import marked_text, switch_events
+    from moectl.options.events import marked_text, omega_switches, switch_events
     from moectl.options.policy import ControllerPolicy
-    from moectl.routing import route
+    from moectl.routing import RoutingTrace
 
     try:
         lm, tokenizer, ctrl, _, _ = _load(model, controller, device, dtype, seed)
@@ -217,15 +217,16 @@ def generate_cmd(
             ctrl, mode="greedy" if greedy_controller else "sample", seed=seed, record=True
         )
         prompts = [Prompt(p) for p in (prompt or ["The history of the"])]
-        with route(lm, policy, record=True) as session:
-            generated = generate_tokens(
-                lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False
-            )
+        done = generate_completions(
+            lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False,
+            policies=policy, record=True,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         fail(err)
-    trace = session.trace
+    generated = [c.token_ids for c in done]
+    trace = RoutingTrace.join([c.trace for c in done])  # each prompt routed by its own fork of the policy
     report = switch_rate(trace, source="allowed")
-    switches = {layer: rec.switch for layer, rec in policy.layer_records().items()}
+    switches = omega_switches(trace.allowed, trace.valid)
     rows = []
     for i, (p, ids) in enumerate(zip(prompts, generated, strict=True)):
         events = switch_events(switches, trace.prompt_len, i)

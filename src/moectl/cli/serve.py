@@ -16,11 +16,12 @@ from moectl.cli.common import (
     DtypeOpt,
     JsonOpt,
     OptionalModelArg,
+    ThreadsOpt,
     TinyOpt,
     console,
     fail,
-    load,
     model_spec,
+    use_threads,
     write_json,
 )
 
@@ -47,35 +48,6 @@ def _rate(r: float | None) -> str:
 
 def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.3f} s"
-
-
-def _preflight(folder: str, dtype: str, budget: float | int, policy: str, slot_dtype: str) -> None:
-    """Refuse a budget below the policy's minimum, or one the memory limit cannot hold, before any
-    weight is read (the model built on meta; a policy that needs the loaded model is checked later)."""
-    from moectl.models.meta_model import build_meta, load_config
-    from moectl.serve.plan import preflight
-    from moectl.serve.policies import parse_policy
-
-    meta = build_meta(load_config(folder), None if dtype == "auto" else dtype)
-    k_hat = _controller_k_hat(policy)
-    try:  # a controller's minimum is its k-hat: read it, do not merge its adapters into the meta model
-        residency = parse_policy(f"option:{k_hat}" if k_hat is not None else policy, meta)
-    except Exception:  # a policy that needs the loaded model
-        residency = None
-    preflight(meta, budget, residency, slot_dtype)
-
-
-def _controller_k_hat(policy: str) -> int | None:
-    """k-hat of a ``controller:DIR`` policy (or a controller / run folder), None for other policies."""
-    import json
-
-    from moectl.options.state import controller_dir
-
-    path = Path(policy.removeprefix("controller:"))
-    try:
-        return int(json.loads((controller_dir(path) / "controller.json").read_text())["k_hat"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 @serve_app.command("serve-offload")
@@ -131,6 +103,14 @@ def serve_offload_command(
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
     ] = 64,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            "--max-batch",
+            help="Prompts decoded together by the engine (their rows share the resident experts); "
+            "1: one at a time.",
+        ),
+    ] = 1,
     plot: Annotated[Path | None, typer.Option(help="PNG (or directory) for the load timeline.")] = None,
     json_path: JsonOpt = None,
     async_loads: Annotated[
@@ -168,6 +148,7 @@ def serve_offload_command(
         ),
     ] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights and of controller sampling.")] = 0,
+    threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -175,9 +156,9 @@ def serve_offload_command(
     import torch
 
     from moectl.generate import load_prompts
-    from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
     from moectl.serve.config import EXPERTS_FORWARDS, STORES, OffloadConfig
     from moectl.serve.int8 import SLOT_DTYPES
+    from moectl.serve.loading import load_for_offload
     from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
     from moectl.serve.runner import serve_offload
@@ -191,9 +172,14 @@ def serve_offload_command(
         raise typer.BadParameter(
             f"--experts-forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {experts_forward!r}"
         )
+    if max_batch < 1:
+        raise typer.BadParameter(f"--max-batch must be >= 1, got {max_batch}")
+    if threads is not None and threads < 1:
+        raise typer.BadParameter(f"--threads must be >= 1, got {threads}")
     if slot_dtype not in SLOT_DTYPES:
         raise typer.BadParameter(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     torch.manual_seed(seed)
+    n_threads = use_threads(threads)
     reader = None
     try:
         config = OffloadConfig(
@@ -208,15 +194,7 @@ def serve_offload_command(
             slot_dtype=slot_dtype,
             load_timeout_s=load_timeout,
         )
-        if store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
-            _preflight(spec, dtype, config.budget, policy, slot_dtype)
-            net, tokenizer, reader = load_lazy(spec, dtype, device, method=read_method)
-        elif store == "checkpoint":
-            raise ValueError(
-                f"--store checkpoint needs a checkpoint folder with safetensors shards, got {spec!r}"
-            )
-        else:
-            net, tokenizer = load(spec, device, dtype, seed=seed)
+        net, tokenizer, reader = load_for_offload(spec, config.with_(policy=policy), dtype, device, seed)
         residency = parse_policy(policy, net)  # a controller's adapters and routers merge into net
         if isinstance(residency, ControllerResidency):
             residency = ControllerResidency(residency.route_policy, seed=seed)
@@ -228,6 +206,7 @@ def serve_offload_command(
             max_new_tokens,
             plot=plot,
             reader=reader,
+            max_batch=max_batch,
         )
     except (ValueError, OSError, RuntimeError, MemoryError) as err:
         fail(err)
@@ -254,6 +233,10 @@ def serve_offload_command(
         ("loads / generated token", f"{result['loads_per_token']:.3f}"),
         ("bytes moved / generated token", _mib(result["bytes_moved_per_token"])),
         ("hit rate", "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"),
+        (
+            "switch rate of the resident option",
+            "-" if result["switch_rate"] is None else f"{result['switch_rate']:.3f}",
+        ),
         ("loader", f"{result['loader']}" + (", prefetch" if result["prefetch"] else "")),
         ("load time (of which compute waited)", f"{result['load_s']:.3f} s ({result['stall_s']:.3f} s)"),
         (
@@ -262,10 +245,14 @@ def serve_offload_command(
         ),
         ("expert compute time", f"{result['expert_compute_s']:.3f} s"),
         ("tokens/s (decode only)", f"{result['tokens_per_s']:.2f} ({_rate(result['decode_tokens_per_s'])})"),
+        ("prompts decoded together (max batch)", str(result["max_batch"])),
+        ("torch threads", str(n_threads)),
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
         ("deliberation cost η", f"{result['eta']['value']:.4f}"),
     ]
+    if result.get("plot"):
+        rows.append(("load timeline (PNG)", result["plot"]))
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    write_json(json_path, result)
+    write_json(json_path, {**result, "threads": n_threads})

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.engine.batch import left_pad
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, request_keys
 from moectl.eval.request_noise import (
     hashed_uniform,
@@ -223,13 +224,7 @@ def generate_texts(
     texts: list[str] = [""] * len(contexts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        width = max(len(encoded[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):  # building the left-padded batch
-            ids[r, width - len(encoded[i]) :] = torch.tensor(encoded[i])
-            mask[r, width - len(encoded[i]) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = left_pad([encoded[i] for i in rows], pad, device)
         batch = RequestBatch(ids, mask, request_keys(ids, mask), "generate")
         for i, text in zip(rows, _generate_batch(model, tokenizer, batch, plan, info, settings, seed, stats),
                            strict=True):  # fmt: skip

@@ -17,25 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.engine.batch import TokenScores
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, to_left_padding
 from moectl.eval.request_noise import needs_isolation, reseed, set_request_codes
 from moectl.roe.head import HEAD_BYTES, Head, compute_dtype, head_rows, output_head, vocab_size
 from moectl.routing.session import route
-
-
-@dataclass
-class TokenScores:
-    """Per position t of a batch: ``logprob`` [B, T] = log p(x_t | x_<t) and ``greedy`` [B, T] =
-    x_t is the argmax of that distribution; 0 and True where nothing was scored."""
-
-    logprob: Tensor
-    greedy: Tensor
 
 
 def head_scores(head: Head, hidden: Tensor, targets: Tensor, rows: int) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from rich.progress import Progress, TaskID
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.generate import Prompt, generate
+from moectl.generate import Prompt, generate_traced
 from moectl.metrics.switch_rate import switch_rate
 from moectl.options.rollout import positions
 from moectl.progress import progress_bar
@@ -47,7 +47,7 @@ def ci95(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    from moectl.options.rollout import left_pad
+    from moectl.engine.batch import left_pad
 
     ids = [tokenizer.encode(t, verbose=False)[:max_length] for t in texts]
     ids = [x if len(x) >= 2 else x + [tokenizer.eos_token_id or 0] * (2 - len(x)) for x in ids]
@@ -180,12 +180,10 @@ def generation_switch_rate(
 ) -> dict:
     """Switch rate on generated tokens with 95% interval over sequences (§2.2, Tables 2–3)."""
     pols = list(policies())
-    with route(model, pols, record=True, info=info) as session:
-        texts = generate(
-            model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed, progress=progress
-        )
-    trace = session.trace
-    assert trace is not None
+    texts, trace = generate_traced(
+        model, tokenizer, prompts, max_new_tokens, temperature, batch_size, seed,
+        progress=progress, policies=pols or None,
+    )  # fmt: skip
     source = "allowed" if trace.allowed else "router"
     report = switch_rate(trace, k_hat=k_hat if source == "router" else None, source=source)
     mean, half = ci95(report.per_sequence)

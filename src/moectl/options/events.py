@@ -11,7 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
+
+
+def omega_switches(allowed: Mapping[int, Tensor], valid: Tensor) -> dict[int, Tensor]:
+    """``{moe_layer: [B, T] bool}``: where the recorded option ω changed from the position before
+    (both positions real tokens), the switch record ``switch_events`` reads, from a trace."""
+    step = valid[:, 1:] & valid[:, :-1]
+    return {
+        layer: torch.cat([torch.zeros_like(valid[:, :1]), (mask[:, 1:] != mask[:, :-1]).any(-1) & step], 1)
+        for layer, mask in allowed.items()
+    }
 
 
 def switch_events(switch: Mapping[int, Tensor], prompt_len: Tensor, row: int) -> dict[int, list[int]]:

@@ -171,6 +171,15 @@ class ControllerPolicy(PolicyConfig):
         if self.pending is not None:
             self.controller = _attach(self.pending, model)
 
+    def fork(self, seed: int) -> ControllerPolicy:
+        """The same controller (shared weights) with no options yet, its draws seeded by ``seed``
+        (``SequencePolicy``: the engine forks one per request). Trained adapters must be merged first."""
+        if self.pending is not None:
+            raise RuntimeError("attach the controller to its model before forking it (route() does)")
+        return ControllerPolicy(
+            self.controller, self.mode, seed, self.record, self.renorm, self.path, self.options
+        )
+
     # -- Policy protocol ----------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:
         self.controller.check(info)

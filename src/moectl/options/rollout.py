@@ -37,21 +37,6 @@ class Rollout:
     records: dict[int, OptionRecord]  # per MoE layer, positions 0 .. P + S − 2
 
 
-def left_pad(
-    prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
-) -> tuple[Tensor, Tensor]:
-    """Token id lists → (ids [B, P], attention [B, P]) padded on the left."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    p = max(len(x) for x in prompts)
-    ids = torch.full((len(prompts), p), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(prompts), p), dtype=torch.long)
-    for i, x in enumerate(prompts):
-        ids[i, p - len(x) :] = torch.tensor(x, dtype=torch.long)
-        attn[i, p - len(x) :] = 1
-    return ids.to(device), attn.to(device)
-
-
 def positions(attention: Tensor) -> Tensor:
     return (attention.cumsum(-1) - 1).clamp(min=0)
 

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import inspect
 from moectl.distributed import Ranks, check_divides, ranks
+from moectl.engine.batch import left_pad
 from moectl.options.config import OptionsConfig
 from moectl.options.controller import OptionController, build_controller
 from moectl.options.losses import (
@@ -52,7 +53,7 @@ from moectl.options.losses import (
     termination_loss,
 )
 from moectl.options.policy import ControllerPolicy
-from moectl.options.rollout import Rollout, left_pad, rollout
+from moectl.options.rollout import Rollout, rollout
 from moectl.options.row_noise import row_codes
 from moectl.options.state import latest_checkpoint, load_weights, save_checkpoint, save_folder
 from moectl.options.step_stats import step_row, tokenize_prompts

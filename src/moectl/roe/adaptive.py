@@ -25,7 +25,7 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.roe.config import RoEConfig
 from moectl.roe.data import Item, LMItem
 from moectl.roe.ensemble import Ensemble, StepOutput, aggregate
-from moectl.roe.score import encode_pair, pad_left, token_logprobs_stepwise
+from moectl.roe.score import pad_left, scored_request, token_logprobs_stepwise
 from moectl.roe.variant_clean import CleanCacheVariant
 from moectl.routing.state import Policy
 
@@ -110,7 +110,7 @@ class AdaptiveEnsemble(Ensemble):
 
 def _run(model, tokenizer, items: list[LMItem], config, threshold, batch_size, max_length, info) -> dict:
     """Teacher-forced perplexity with adaptive K at ``threshold`` (None: fixed K)."""
-    seqs = [encode_pair(tokenizer, i.context, i.continuation, max_length) for i in items]
+    seqs = [scored_request(tokenizer, i.context, i.continuation, max_length) for i in items]
     device = next(model.parameters()).device
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     nll, tokens, samples, fed = 0.0, 0, 0.0, 0

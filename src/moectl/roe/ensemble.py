@@ -115,9 +115,13 @@ class Ensemble:
         self.variant: SampleVariant = make_variant(config.cache, model, config.K, self.noise)
         self.session: RoutingSession = route(model, [*policies, self.noise], info=self.info)
         self.last_samples: float = float(config.K)  # routing samples per row in the latest step
+        self._experts_name = experts
         self._experts = experts_implementation(model, experts)
 
     def __enter__(self) -> Ensemble:
+        """Install the noise and experts implementation; re-enterable (the engine enters an ensemble
+        around each of its steps only), the cache and sample state persist across entries."""
+        self._experts = experts_implementation(self.model, self._experts_name)
         self._experts.__enter__()
         try:
             self.session.__enter__()

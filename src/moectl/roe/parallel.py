@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moectl.engine.batch import TokenScores
 from moectl.roe.config import RoEConfig
 from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs, vocab_size
 from moectl.roe.spans import RoEScoringInputs, is_attention_only, sample_spans
@@ -57,15 +58,6 @@ class Budget:
 
     head_bytes: int = HEAD_BYTES
     span_tokens: int | None = None
-
-
-@dataclass
-class TokenScores:
-    """Per token of a left-padded batch, position t: ``logprob`` [B, T] = log p_RoE(x_t | x_<t) and
-    ``greedy`` [B, T] = x_t is the argmax of p_RoE(· | x_<t). Position 0 and padding: 0 and True."""
-
-    logprob: Tensor
-    greedy: Tensor | None = None
 
 
 def _finish(acc: Tensor, config: RoEConfig) -> Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.engine.batch import left_pad, scored_positions
 from moectl.models.tokens import encode, request
 from moectl.progress import progress_bar
 from moectl.roe.config import RoEConfig, as_config
@@ -42,31 +43,19 @@ from moectl.routing.state import Policy
 
 
 # -- tokens ---------------------------------------------------------------------------------
-def encode_pair(tokenizer, context: str, continuation: str, max_length: int) -> tuple[list[int], int]:
-    """Token ids of context + continuation and the index of the first scored token.
-
-    The one tokenisation of every moectl scorer (``moectl.models.tokens``, lm-eval's convention):
-    the pair encoded whole without special tokens, the continuation's tokens those after the
-    context's; an empty context is the prefix token (BOS), so every token of a text is scored;
-    too-long sequences lose tokens from the left (at least one token of context stays).
-    """
-    ids, scored = request(tokenizer, context, continuation, max_length)
-    return ids, len(ids) - scored
-
-
 def pad_left(
     seqs: Sequence[tuple[list[int], int]], pad_id: int, device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(ids [B, L], attention mask [B, L], scored [B, L] bool) for sequences with their first scored index."""
-    width = max(len(s) for s, _ in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    scored = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for row, (seq, first) in enumerate(seqs):  # building the batch, not a tensor hot path
-        ids[row, width - len(seq) :] = torch.tensor(seq)
-        mask[row, width - len(seq) :] = 1
-        scored[row, width - len(seq) + first :] = True
-    return ids.to(device), mask.to(device), scored.to(device)
+    ids, mask = left_pad([s for s, _ in seqs], pad_id, device)
+    return ids, mask, scored_positions(mask, [first for _, first in seqs])
+
+
+def scored_request(tokenizer, context: str, continuation: str, max_length: int) -> tuple[list[int], int]:
+    """Token ids of context + continuation (``moectl.models.tokens.request``, the one tokenisation of
+    every moectl scorer) and the index of the first scored token."""
+    ids, scored = request(tokenizer, context, continuation, max_length)
+    return ids, len(ids) - scored
 
 
 # -- RoE token log-probabilities ------------------------------------------------------------
@@ -216,7 +205,7 @@ def score(
             assert isinstance(item, LMItem)
             pairs.append((item.context, item.continuation))
             owner.append(n)
-    seqs = [encode_pair(tokenizer, c, x, max_length) for c, x in pairs]
+    seqs = [scored_request(tokenizer, c, x, max_length) for c, x in pairs]
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths share a batch
     device = next(model.parameters()).device
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0

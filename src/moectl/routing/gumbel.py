@@ -111,6 +111,10 @@ class GumbelTopK(PolicyConfig):
         return cls(tau, seed=seed, row_scale=None if row_scale is None else torch.tensor(row_scale))
 
     # -- policy ---------------------------------------------------------------------------------
+    def fork(self, seed: int) -> GumbelTopK:
+        """The same temperatures with a fresh generator seeded by ``seed`` (``SequencePolicy``)."""
+        return GumbelTopK(self.tau_spec, seed=seed, row_scale=self.row_scale)
+
     def bind(self, info: ModelInfo) -> None:
         n = info.num_moe_layers
         spec = self.tau_spec

@@ -140,6 +140,10 @@ class DocumentPool(PolicyConfig):
         return cls(d, mode=data.get("mode", "causal"))
 
     # -- policy ---------------------------------------------------------------------------------
+    def fork(self, seed: int) -> DocumentPool:
+        """The same pool size with no running means (``SequencePolicy``; ``seed`` is unused: no draws)."""
+        return DocumentPool(self.d, self.mode, self.doc_ids)
+
     def bind(self, info: ModelInfo) -> None:
         lo, hi = (int(self.d.min()), int(self.d.max())) if isinstance(self.d, Tensor) else (self.d, self.d)
         for layer in info.layers:

@@ -9,6 +9,7 @@ offset and padding. Leaving the context removes every hook: the model is exactly
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,14 @@ from moectl.routing.kv_cache import cache_in
 from moectl.routing.loader import routing_policies
 from moectl.routing.state import Policy, RouteContext, RoutingState
 from moectl.routing.trace import RoutingTrace
+
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def sessions_on(model: nn.Module) -> int:
+    """How many routing sessions are open on ``model`` now (a registry keyed by the model, nothing
+    stamped on it): the engine decodes one prompt at a time inside a caller's session."""
+    return _ACTIVE.get(model, 0)
 
 
 class RoutingSession:
@@ -50,6 +59,7 @@ class RoutingSession:
         self.trace: RoutingTrace | None = None
         self.ctx = RouteContext()
         self._handles: list[Any] = []
+        self._counted = False  # counted in the registry of open sessions
         self._fired: list[int] = []
 
     # -- context manager ---------------------------------------------------------------------
@@ -71,6 +81,8 @@ class RoutingSession:
         except Exception:
             self.close()
             raise
+        _ACTIVE[self.model] = _ACTIVE.get(self.model, 0) + 1
+        self._counted = True
         return self
 
     @property
@@ -81,6 +93,13 @@ class RoutingSession:
         self.close()
 
     def close(self) -> None:
+        if self._counted:
+            self._counted = False
+            left = _ACTIVE.get(self.model, 1) - 1
+            if left > 0:
+                _ACTIVE[self.model] = left
+            else:
+                _ACTIVE.pop(self.model, None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -149,7 +168,7 @@ class RoutingSession:
                 new = _repack(adapter.output, output, weights, idx)
                 chosen = idx
             else:
-                chosen = _indices_of(adapter.output, output, rule.top_k)
+                chosen = indices_of(adapter.output, output, rule.top_k)
             shape = (ctx.batch, ctx.length, -1)
             if self.collect:
                 self.collected[layer.index] = (state.logits, chosen.reshape(shape))
@@ -169,7 +188,7 @@ def _repack(fmt: str, output: tuple, weights: Tensor, idx: Tensor) -> tuple:
     return logits, weights.to(old_w.dtype), idx.to(old_idx.dtype)
 
 
-def _indices_of(fmt: str, output: tuple, k: int) -> Tensor:
+def indices_of(fmt: str, output: tuple, k: int) -> Tensor:
     if fmt == "llama4":
         return output[0].topk(k, dim=-1).indices
     return output[2]

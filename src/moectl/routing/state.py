@@ -81,3 +81,18 @@ class Policy(Protocol):
 
     def apply(self, state: RoutingState) -> None:
         """Narrow ``state.allowed`` and/or add ``state.noise`` for ``state.layer``."""
+
+
+@runtime_checkable
+class SequencePolicy(Protocol):
+    """A policy that keeps per-sequence state (a controller's option, a document pool's running mean,
+    a Gumbel generator): one instance follows one batch of sequences from its first token.
+
+    ``fork(seed)`` returns a fresh instance with the same configuration and no sequence state (the
+    shared, read-only parts, e.g. a controller's weights, are shared, not copied). The engine forks
+    one per request, so a request's routing is the same whatever else is in the batch.
+    Policies without sequence state (an expert mask) are shared as they are.
+    """
+
+    def fork(self, seed: int) -> Policy:
+        """A fresh instance for new sequences, its random draws seeded by ``seed``."""

@@ -61,6 +61,23 @@ class RoutingTrace:
         self._call: _Call | None = None  # the latest forward's records, not yet on the host
         self._copied: list[Any] = []  # CUDA events after the copies to the host not yet waited on
 
+    @classmethod
+    def join(cls, traces: list[RoutingTrace]) -> RoutingTrace:
+        """One trace whose rows are the rows of ``traces`` in order (their segments stacked along B),
+        as if their sequences had been recorded as one batch; meta from the first."""
+        if not traces:
+            raise ValueError("no traces to join")
+        first = traces[0]
+        joined = cls(first.num_layers, first.meta, first.probs_dtype)
+        for trace in traces:
+            if trace.num_layers != first.num_layers:
+                raise ValueError(
+                    f"cannot join traces of {trace.num_layers} and {first.num_layers} MoE layers"
+                )
+            trace._ready()
+            joined._segments += trace._segments
+        return joined
+
     # -- recording ---------------------------------------------------------------------------
     def begin_call(self, offset: int, valid: Tensor) -> None:
         """Start a forward call: a new segment at offset 0, else continue the current one."""

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-from moectl.generate import Prompt, generate
-from moectl.routing import route
+from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.generate import Prompt
 from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
-from moectl.serve.offload import offload
 from moectl.serve.policies import LRUPolicy
 
 
@@ -42,16 +41,17 @@ def _io_bytes() -> int | None:
     return None
 
 
-def _first_token_s(step_times: list[float], step_tokens: list[int]) -> float | None:
-    """Mean seconds of the prompts' prefill steps (each ends with its first new token):
-    ``step_times`` holds each forward's start and, last, the end of generation."""
-    spans = [step_times[i + 1] - step_times[i] for i, n in enumerate(step_tokens) if n > 1]
+def _first_token_s(step_times: list[float], kinds: list[str]) -> float | None:
+    """Mean seconds of the prompts' prefill forwards (each ends with its first new token):
+    ``step_times`` holds each forward's start and, last, the end of generation; ``kinds`` each
+    forward's kind (the engine's ``forward_log``: prefill | decode)."""
+    spans = [step_times[i + 1] - step_times[i] for i, k in enumerate(kinds) if k == "prefill"]
     return sum(spans) / len(spans) if spans else None
 
 
-def _decode_s(step_times: list[float], step_tokens: list[int]) -> float:
-    """Seconds of the one-token (decoding) steps, each from its start to the next forward's."""
-    return sum(step_times[i + 1] - step_times[i] for i, n in enumerate(step_tokens) if n == 1)
+def _decode_s(step_times: list[float], kinds: list[str]) -> float:
+    """Seconds of the decoding forwards, each from its start to the next forward's."""
+    return sum(step_times[i + 1] - step_times[i] for i, k in enumerate(kinds) if k == "decode")
 
 
 def _tensor_bytes(model) -> int:
@@ -73,9 +73,12 @@ def serve_offload(
     plot: str | Path | None = None,
     progress: bool = True,
     reader=None,
+    max_batch: int = 1,
 ) -> dict:
-    """Generate ``max_new_tokens`` per prompt (greedy, one prompt at a time) with offloaded experts.
+    """Generate ``max_new_tokens`` per prompt (greedy) with offloaded experts, through the engine.
 
+    ``max_batch``: prompts decoded together (continuous batching; 1: one prompt at a time, as the
+    figures of earlier versions were measured). The rows of a batch share one resident set.
     ``config``: the budget, residency policy, store and loader settings (``OffloadConfig``).
     ``reader``: the checkpoint's shard reader when the model was loaded lazily
     (``moectl.models.load_lazy``): its experts are then read from the checkpoint's own shards.
@@ -88,28 +91,33 @@ def serve_offload(
     if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # offloading runs the experts' own eager forward
     try:  # the model's experts implementation comes back whatever happens
-        return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl)
+        return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch)
     finally:
         if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(impl)
 
 
-def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl) -> dict:
+def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch) -> dict:
     total_params = _tensor_bytes(model)
     io0 = _io_bytes()
-    with offload(model, config, reader=reader) as rt:
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, offload=config, log_forwards=True), reader=reader)
+    with engine:
+        rt = engine.runtime
         non_expert_bytes = _tensor_bytes(model)
-        with route(model, rt.policy.routing(rt.info)):
-            t0, c0 = time.perf_counter(), time.process_time()
-            texts = generate(model, tokenizer, prompts, max_new_tokens, batch_size=1, progress=progress)
-            t1 = time.perf_counter()
-            wall, cpu = t1 - t0, time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
+        params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
+        done = engine.generate([p.text for p in prompts], params, progress=progress)
+        texts = [c.text for c in done]
+        t1 = time.perf_counter()
+        wall, cpu = t1 - t0, time.process_time() - c0
         io1 = _io_bytes()
         read_stats = getattr(getattr(rt.store, "io", None), "stats", None)
         shard_bytes = None if read_stats is None else read_stats.file_bytes
         shard_gbps = None if read_stats is None else read_stats.gb_per_s
-        ttft = _first_token_s([*rt.step_times, t1], list(rt.step_tokens))
-        decode_s = _decode_s([*rt.step_times, t1], list(rt.step_tokens))
+        kinds = [kind for kind, _ in engine.forward_log]
+        ttft = _first_token_s([*rt.step_times, t1], kinds)
+        decode_s = _decode_s([*rt.step_times, t1], kinds)
+        decode_tokens = sum(rows for kind, rows in engine.forward_log if kind == "decode")
         totals = rt.totals()
         events = rt.events()
         step_tokens = list(rt.step_tokens)
@@ -120,7 +128,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         store = rt.store_kind
         read_method = rt.store.method if store == "checkpoint" else None
     generated = len(prompts) * max_new_tokens
-    decode_steps = {s for s, n in enumerate(step_tokens, 1) if n == 1}
+    decode_steps = {s for s, kind in enumerate(kinds, 1) if kind == "decode"}
     decode_loads = [e for e in events if e[0] in decode_steps]
     expert_bytes = totals["expert_bytes"]
     total_expert_bytes = sum(
@@ -161,7 +169,9 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "hit_rate": totals["hits"] / accesses if accesses else None,
         "switches": totals["switches"],
         "switch_rate": (
-            totals["switches"] / (len(decode_steps) * len(info.layers)) if pinned and decode_steps else None
+            totals["switches"] / (len(decode_steps) * len(info.layers))
+            if pinned and decode_steps and max_batch == 1  # the runtime counts ω changes of one-row steps
+            else None
         ),
         "loader": loader,
         "async_loads": async_on,
@@ -195,7 +205,8 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
             "stall_s_per_load": stall_per_load,
         },
         "time_to_first_token_s": ttft,
-        "decode_tokens_per_s": len(decode_steps) / decode_s if decode_s > 0 else None,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+        "max_batch": max_batch,
         "disk_read_bytes": None if io0 is None or io1 is None else io1 - io0,
         "disk_read_bytes_per_token": None if io0 is None or io1 is None else (io1 - io0) / max(generated, 1),
         "shard_read_bytes": shard_bytes,
@@ -204,12 +215,12 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
     }
     if plot is not None:
         result["plot"] = str(
-            plot_timeline(events, step_tokens, info, plot, title=f"{rt.policy.name}, {store}")
+            plot_timeline(events, kinds, info, plot, title=f"{rt.policy.name}, {store}")
         )
     return result
 
 
-def plot_timeline(events, step_tokens: list[int], info, path: str | Path, title: str = "") -> Path:
+def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str = "") -> Path:
     """PNG: expert loads per step (top) and which expert of which layer was loaded (bottom)."""
     import matplotlib
 
@@ -220,7 +231,7 @@ def plot_timeline(events, step_tokens: list[int], info, path: str | Path, title:
     if path.suffix != ".png":
         path = path / "offload_timeline.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    steps = len(step_tokens)
+    steps = len(kinds)
     per_step = torch.zeros(steps + 1)
     for s, _, _ in events:
         per_step[s] += 1
@@ -229,13 +240,13 @@ def plot_timeline(events, step_tokens: list[int], info, path: str | Path, title:
     ax0.bar(range(steps + 1), per_step.tolist(), width=1.0, color="tab:red")
     ax0.set_ylabel("expert loads")
     ax0.set_title(f"expert loads over forward steps ({title})")
-    for s, n in enumerate(step_tokens, 1):
-        if n > 1:
+    for s, kind in enumerate(kinds, 1):
+        if kind == "prefill":
             ax0.axvline(s, color="grey", lw=0.5, ls=":")
     if events:
         ax1.scatter([s for s, _, _ in events], [layer * e + x for _, layer, x in events], s=4, marker="s")
     ax1.set_ylabel("MoE layer x experts + expert")
-    ax1.set_xlabel("forward step (dotted: a prompt's prefill; then one generated token per step)")
+    ax1.set_xlabel("forward step (dotted: a prompt's prefill; a decoding step adds one token to each running prompt)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

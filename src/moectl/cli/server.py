@@ -1,0 +1,200 @@
+"""``moectl serve MODEL``: an OpenAI-compatible HTTP server (``moectl.server``) over the batching engine."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    OptionalModelArg,
+    ThreadsOpt,
+    TinyOpt,
+    console,
+    fail,
+    load,
+    model_spec,
+    use_threads,
+)
+
+ROUTING = re.compile(r"^([^=]+)=(.+)$")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def parse_routings(items: list[str]) -> dict[str, str]:
+    """``NAME=SPEC`` items as a dict; ``ValueError`` for a malformed or repeated name."""
+    out: dict[str, str] = {}
+    for item in items:
+        match = ROUTING.match(item)
+        if not match:
+            raise ValueError(
+                f"--routing {item!r}: give NAME=SPEC, e.g. math=math.subset.json, opt8=option:8 or "
+                "ctl=controller:DIR"
+            )
+        name, spec = match.group(1).strip(), match.group(2).strip()
+        if name in out:
+            raise ValueError(f"--routing {name!r} is given twice: one spec per name")
+        out[name] = spec
+    return out
+
+
+def served_name(spec: str) -> str:
+    """The name /v1/models lists: a checkpoint folder's basename, else the spec itself."""
+    path = Path(spec).expanduser()
+    return path.resolve().name if path.exists() else spec
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port that cannot be bound before the model loads (``OSError`` naming it)."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r} is not an address this machine can bind: {err.strerror}") from err
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
+
+
+def serve_command(
+    model: OptionalModelArg = None,
+    tiny: TinyOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; loopback by default.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    routing: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--routing",
+            help='NAME=SPEC (repeatable): a routing requests may name with "routing": NAME — a subset or '
+            "policy file, option:K, controller:DIR (`moectl.load_policy`). No routing: the model as trained.",
+        ),
+    ] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences generated together.")] = 8,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests waiting for a row; past it requests get 429.")
+    ] = 64,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key", envvar="MOECTL_API_KEY", help="Require Authorization: Bearer KEY (all but /health)."
+        ),
+    ] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Offload experts: resident experts per MoE layer, a fraction (0.25) or a count (4)."
+        ),
+    ] = None,
+    residency: Annotated[
+        str | None,
+        typer.Option(help="With --budget: lru | option:K | controller:DIR (which experts stay resident)."),
+    ] = None,
+    slot_dtype: Annotated[
+        str | None,
+        typer.Option("--slot-dtype", help="With --budget: same | int8 (resident experts' weights)."),
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="With --budget: disk | checkpoint | host (where other experts live).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights.")] = 0,
+    log_level: Annotated[str, typer.Option("--log-level", help=", ".join(LOG_LEVELS))] = "info",
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Serve MODEL over HTTP with OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions
+    (stream: true as server-sent events), /health, /metrics (Prometheus). SIGTERM drains and exits 0."""
+    try:
+        spec = model_spec(model, tiny)
+    except typer.BadParameter as err:
+        fail(str(err))
+    try:
+        routings = parse_routings(routing or [])
+        if max_batch < 1:
+            raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
+        if max_queue < 1:
+            raise ValueError(f"--max-queue must be at least 1, got {max_queue}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        offload = _offload_config(budget, residency, slot_dtype, store)
+        check_port(host, port)
+    except (ValueError, OSError) as err:
+        fail(err)
+
+    from moectl.engine import Engine, EngineConfig
+    from moectl.server.app import create_app
+    from moectl.server.run import serve
+
+    n_threads = use_threads(threads)
+    reader = None
+    try:
+        if offload is not None:  # a checkpoint's experts stay in its shards (moectl.serve.loading)
+            from moectl.serve.loading import load_for_offload
+
+            net, tokenizer, reader = load_for_offload(spec, offload, dtype, device, seed)
+        else:
+            net, tokenizer = load(spec, device, dtype, seed=seed)
+        engine = Engine(
+            net,
+            tokenizer,
+            EngineConfig(
+                max_batch=max_batch, max_queue=max_queue, offload=offload, adapt_threads=threads is None
+            ),
+            routings=routings,
+            reader=reader,
+        )
+        engine.open()  # the routing and the offload runtime installed now: their errors are one line here
+    except (ValueError, OSError, RuntimeError, MemoryError) as err:
+        fail(err)
+    name = served_name(spec)
+    app = create_app(engine, name, api_key=api_key)
+    names = ", ".join(sorted(routings)) or "none"
+    console.print(f"serving {name} on http://{host}:{port}/v1 (routings: {names}; {n_threads} torch threads)")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        console.print(
+            f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it"
+        )
+    try:
+        serve(app, host, port, log_level=log_level)
+    except OSError as err:
+        fail(err)
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _offload_config(budget: str | None, residency: str | None, slot_dtype: str | None, store: str | None):
+    """The offload settings, or None when --budget is not given (the others need it)."""
+    if budget is None:
+        given = [
+            f"--{n}" for n, v in (("residency", residency), ("slot-dtype", slot_dtype), ("store", store)) if v
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --budget (offloaded experts)")
+        return None
+    from moectl.serve.config import STORES, OffloadConfig
+    from moectl.serve.int8 import SLOT_DTYPES
+
+    if store is not None and store not in STORES:
+        raise ValueError(f"--store must be one of {', '.join(STORES)}, got {store!r}")
+    if slot_dtype is not None and slot_dtype not in SLOT_DTYPES:
+        raise ValueError(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
+    try:
+        amount = float(budget) if any(c in budget for c in ".eE") else int(budget)
+    except ValueError as err:
+        raise ValueError(f"--budget must be a fraction like 0.25 or a count like 4, got {budget!r}") from err
+    return OffloadConfig(
+        budget=amount, policy=residency or "lru", slot_dtype=slot_dtype or "same", store=store or "disk"
+    )

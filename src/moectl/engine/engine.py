@@ -1,0 +1,713 @@
+"""The engine: the one place moectl runs a model forward for a set of sequences.
+
+Requests join and leave the running batch at step boundaries (continuous batching). A step admits
+waiting requests while the batch has room — each is prefilled alone, its first token sampled, and
+its KV cache joined to the batch's (``kv.join``) — then runs one decoding forward for every running
+row and samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
+EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (``kv.keep``).
+
+Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
+or subset, a document pool, Gumbel noise, ``option:K`` or a controller with its own option state.
+The offload runtime (``moectl.serve.offload``) can sit underneath: the batch's rows then share one
+resident expert set, and an expert that any row needs is loaded once per step.
+
+Use it synchronously (``engine.generate(prompts, params)``, as the batch commands do) or as a
+server's back end (``engine.start()``; ``submit(..., on_event=...)`` from any thread; events are
+delivered from the engine's thread).
+
+Why not transformers' ``ContinuousBatchingManager``: its paged attention runs the model through its
+own attention kernels and batches tokens of all requests as one ragged sequence, so a router sees
+no per-request rows to route differently, and it cannot run the offload runtime's expert modules
+under its CUDA-graph / paged path; per-row routing needs per-row batch rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.engine.kv import check_batchable, join, keep, new_cache
+from moectl.engine.routings import Routing, resolve_all
+from moectl.engine.rows import Group, RowRouter, SwitchMeter
+from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
+from moectl.engine.text import TextStream
+from moectl.progress import progress_bar
+from moectl.routing.keyed_hash import seed_key
+from moectl.routing.kv_cache import cache_out, with_cache
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """A prompt's token ids as the tokenizer makes them for a batch of one (special tokens included,
+    as ``tokenizer([text])`` gives ``model.generate``)."""
+    ids = tokenizer([text])["input_ids"][0]
+    return [int(t) for t in (ids.tolist() if isinstance(ids, Tensor) else ids)]
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue holds ``max_queue`` requests already."""
+
+
+class RequestFailed(RuntimeError):
+    """A request of ``Engine.generate`` ended with an error (the engine's message)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down and accepts no new requests."""
+
+
+@dataclass
+class EngineConfig:
+    """``max_batch``: rows decoded together; ``max_queue``: requests waiting beyond them.
+    ``offload``: an ``OffloadConfig`` to keep only a budget of experts resident (None: all).
+    ``log_forwards``: record each forward's kind and rows (a batch run's timeline; a server leaves
+    it off, the log would grow without bound)."""
+
+    max_batch: int = 8
+    max_queue: int = 64
+    offload: Any = None
+    log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
+    record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
+    adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class Event:
+    """What a request produced in one step. ``finish_reason`` (on its last event): stop (EOS or a
+    stop string) | length | cancelled | error; ``usage`` and ``info`` come with the last event."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: dict | None = None
+    info: dict | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as ``Engine.generate`` returns it."""
+
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    routing: str | None
+    switch_rate: float | None
+    error: str | None = None
+    trace: Any = None  # its RoutingTrace (EngineConfig.record), as route(record=True) records one prompt
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    routing: Routing | None
+    policies: list
+    key: int
+    on_event: Callable[[Event], None] | None
+    stream: TextStream
+    generated: list[int] = field(default_factory=list)
+    seen: int = 0  # real tokens fed through the model
+    submitted: float = field(default_factory=time.perf_counter)
+    switches: int = 0
+    ensemble: Any = None  # a RoE request's Ensemble (its K samples and clean cache)
+    last: Tensor | None = None  # a RoE request's latest token
+    unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
+    ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
+    done: threading.Event = field(default_factory=threading.Event)
+    completion: Completion | None = None
+    trace: Any = None
+
+
+class Engine:
+    """Continuous batching with routing per row over one model (see the module doc)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        config: EngineConfig | None = None,
+        routings: Mapping[str, Any] | None = None,
+        *,
+        info: ModelInfo | None = None,
+        reader=None,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        self.info = info or inspect(model)
+        self.routings: dict[str, Routing] = resolve_all(routings, model, self.info)
+        self.reader = reader
+        self.device = next(p.device for p in model.parameters())
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids = (
+            set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        )
+        self.router = RowRouter()
+        self.meter = SwitchMeter(self.info, self.router)
+        self._lock = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._roe_rows: list[_Request] = []  # RoE requests: each its own K-sample ensemble
+        self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
+        self._cancelled: set[str] = set()
+        self._ids = itertools.count()
+        self._cache = None
+        self._valid: Tensor | None = None
+        self._prev: Tensor | None = None  # [B, L, E] ω at each row's latest token
+        self._switches: Tensor | None = None  # [B, L]
+        self._last: Tensor | None = None  # [B] each row's latest token, fed at the next step
+        self._session = None
+        self._offload = None
+        self.runtime = None  # the OffloadRuntime while open, if offloading
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._drain = True
+        self._checked_cache = False
+        self.counters = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0, "errors": 0}
+        self.routing_stats: dict[str, dict[str, float]] = {}
+        self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def open(self) -> Engine:
+        """Install the routing (and the offload runtime); ``close()`` removes them."""
+        if self._session is not None:
+            return self
+        from moectl.routing.session import route
+
+        policies: list = []
+        try:
+            if self.config.offload is not None:
+                from moectl.serve.offload import offload
+
+                runtime = offload(self.model, self.config.offload, reader=self.reader)
+                self.runtime = runtime.__enter__()  # a failed entry cleans up after itself
+                self._offload = runtime
+                policies += list(self.runtime.policy.routing(self.runtime.info))
+            self._residency = policies
+            self._session = route(self.model, [*policies, self.router], info=self.info)
+            self._session.__enter__()
+            self.meter.install(self.model)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        self.meter.remove()
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        if self._offload is not None:
+            offloaded, self._offload, self.runtime = self._offload, None, None
+            offloaded.__exit__(None, None, None)
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> Engine:
+        """Run the step loop in a background thread (a server's mode)."""
+        if self._thread is not None:
+            return self
+        self.open()
+        self._thread = threading.Thread(target=self._loop, name="moectl-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with ``drain`` finish the running and waiting requests, else cancel them."""
+        with self._lock:
+            self._stopping, self._drain = True, drain
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self.close()
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None = None,
+        routing: str | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Thread-safe. ``ValueError`` for an unknown routing or a
+        prompt that does not fit the context, ``QueueFull`` when ``max_queue`` are waiting."""
+        return self._submit(prompt, params, routing, on_event).id
+
+    def _submit(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None,
+        routing: str | None,
+        on_event: Callable[[Event], None] | None,
+    ) -> _Request:
+        params = params or SamplingParams()
+        ids = encode(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if routing is not None and routing not in self.routings:
+            names = ", ".join(sorted(self.routings)) or "none registered"
+            raise ValueError(f"unknown routing {routing!r}; registered routings: {names}")
+        if self.max_context is not None and len(ids) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_context} tokens"
+            )
+        chosen = self.routings.get(routing) if routing is not None else None
+        seed = request_seed(params)
+        policies = [] if chosen is None else chosen.for_request(seed, self.info)
+        with self._lock:
+            if self._stopping:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
+            req = _Request(
+                id=f"req-{next(self._ids)}",
+                prompt=ids,
+                params=params,
+                routing=chosen,
+                policies=policies,
+                key=seed_key(seed),
+                on_event=on_event,
+                stream=TextStream(self.tokenizer, params.stop),
+                trace=self._new_trace(),
+            )
+            self._waiting.append(req)
+            self._lock.notify_all()
+        return req
+
+    def cancel(self, request_id: str) -> None:
+        """Finish a request at the next step boundary (its row and cache are freed)."""
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._lock.notify_all()
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        routing: str | None = None,
+        progress: bool = False,
+        seed_per_prompt: bool = False,
+    ) -> list[Completion]:
+        """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order.
+        ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt).
+        ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws)."""
+        params = params or SamplingParams()
+        if seed_per_prompt and params.seed is not None:
+            pending = [(p, replace(params, seed=params.seed + i)) for i, p in enumerate(prompts)]
+        else:
+            pending = [(p, params) for p in prompts]
+        own_loop = self._thread is None
+        opened = own_loop and self._session is None
+        if opened:
+            self.open()
+        try:
+            with progress_bar("generating", progress) as bar:
+                task = bar.add_task("gen", total=len(pending) * params.max_tokens)
+                start = self.counters["generated_tokens"]
+
+                def advance() -> None:
+                    bar.update(task, completed=self.counters["generated_tokens"] - start)
+
+                return self._run(pending, routing, own_loop, advance)
+        finally:
+            if opened:
+                self.close()
+
+    def _run(
+        self,
+        pending: list[tuple[Any, SamplingParams]],
+        routing: str | None,
+        own_loop: bool,
+        advance: Callable[[], None],
+    ) -> list[Completion]:
+        ids: list[str] = []
+        reqs: dict[str, _Request] = {}
+        while pending or any(not reqs[i].done.is_set() for i in ids):
+            while pending and len(self._waiting) < self.config.max_queue:
+                prompt, params = pending.pop(0)
+                req = self._submit(prompt, params, routing, None)
+                ids.append(req.id)
+                reqs[req.id] = req
+            if own_loop:
+                self.step()
+                advance()
+            else:
+                next(r for r in reqs.values() if not r.done.is_set()).done.wait(0.05)
+        done = [reqs[i].completion for i in ids]
+        failed = next((c for c in done if c is not None and c.error is not None), None)
+        if failed is not None:
+            raise RequestFailed(failed.error)
+        return done  # type: ignore[return-value]
+
+    # -- the step -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        governor = None
+        if self.config.adapt_threads:
+            from moectl.threads import ThreadGovernor
+
+            governor = ThreadGovernor()
+        while True:
+            if governor is not None:
+                governor.update()  # in this thread: torch's thread count is per thread under OpenMP
+            with self._lock:
+                busy = bool(self._running or self._roe_rows)
+                while not self._stopping and not self._waiting and not busy:
+                    self._lock.wait()
+                    busy = bool(self._running or self._roe_rows)
+                if self._stopping and not self._drain:
+                    self._cancelled.update(r.id for r in (*self._waiting, *self._running, *self._roe_rows))
+                if self._stopping and not self._waiting and not busy:
+                    return
+            self.step()
+
+    def step(self) -> bool:
+        """One engine step: admit, drop cancelled, decode. Returns whether any work was done."""
+        with torch.inference_mode():
+            try:
+                admitted = self._admit()
+                self._drop_cancelled()
+                if not self._running and not self._roe_rows:
+                    return admitted
+                if self._running:
+                    self._decode()
+                self._step_roe()
+            except Exception as err:  # the batch is lost; the requests get the error, serving goes on
+                self._fail_all(err)
+            self.counters["steps"] += 1
+            return True
+
+    def _admit(self) -> bool:
+        admitted = False
+        while len(self._running) + len(self._roe_rows) < self.config.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    break
+                req = self._waiting.popleft()
+                cancelled = req.id in self._cancelled
+            if cancelled:
+                self._finish(req, "cancelled")
+                continue
+            try:
+                if req.routing is not None and req.routing.roe is not None:
+                    self._prefill_roe(req)
+                else:
+                    self._prefill(req)
+            except Exception as err:  # this request alone fails
+                self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+                if self._cache is None:
+                    raise
+            admitted = True
+        return admitted
+
+    def _prefill(self, req: _Request) -> None:
+        ids = torch.tensor([req.prompt], device=self.device)
+        n = ids.shape[1]
+        cache = new_cache(self.model)
+        groups = [Group(torch.zeros(1, dtype=torch.long), req.policies, 0)] if req.policies else []
+        self.router.set_groups(groups, 1, self.device)
+        prev = torch.zeros(
+            1, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=self.device
+        )
+        switches = torch.zeros(1, self.info.num_moe_layers, dtype=torch.long, device=self.device)
+        self.meter.start(prev, switches, counting=False)
+        self._begin_traces([req], n, prefill=True)
+        self._log("prefill", 1)
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                position_ids=torch.arange(n, device=self.device)[None],
+                **with_cache(cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            self._between_steps()
+        cache = cache if cache_out(out) is None else cache_out(out)
+        if not self._checked_cache:
+            check_batchable(cache, self.model.config)
+            self._checked_cache = True
+        req.seen = n
+        self.counters["prefills"] += 1
+        token = self._choose(out.logits[:, -1], [req])
+        self._cache, self._valid = join(self._cache, self._valid, cache, n)
+        self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
+        self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
+        self._last = token if self._last is None else torch.cat([self._last, token])
+        self._running.append(req)
+        if self._emit(req, int(token[0])):
+            self._remove([len(self._running) - 1])
+
+    def _prefill_roe(self, req: _Request) -> None:
+        """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
+        once per engine step; entered only around its own forwards, so its noise never reaches the
+        batch. Deviation: RoE requests are not batched with each other (one ensemble each)."""
+        from moectl.roe.ensemble import Ensemble
+
+        assert req.routing is not None
+        ensemble = Ensemble(self.model, req.routing.roe, info=self.info, policies=self._residency)
+        ids = torch.tensor([req.prompt], device=self.device)
+        self._log("prefill", 1)
+        with ensemble:
+            out = ensemble.start(ids, torch.ones_like(ids))
+        req.seen = ids.shape[1]
+        self.counters["prefills"] += 1
+        req.ensemble, req.last = ensemble, self._choose(out.logprobs, [req])
+        self._roe_rows.append(req)
+        if self._emit(req, int(req.last[0])):
+            self._end_roe(req)
+
+    def _step_roe(self) -> None:
+        for req in list(self._roe_rows):
+            self._log("decode", 1)
+            with req.ensemble:
+                out = req.ensemble.step(req.last)
+            req.seen += 1
+            req.last = self._choose(out.logprobs, [req])
+            if self._emit(req, int(req.last[0])):
+                self._end_roe(req)
+
+    def _end_roe(self, req: _Request) -> None:
+        self._roe_rows.remove(req)
+        req.ensemble = None
+        reason, piece = req.ending or ("cancelled", "")
+        self._finish(req, reason, piece=piece)
+
+    def _new_trace(self):
+        if not self.config.record:
+            return None
+        from moectl.routing.trace import RoutingTrace
+
+        meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
+        return RoutingTrace(self.info.num_moe_layers, meta)
+
+    def _begin_traces(self, reqs: list[_Request], length: int, prefill: bool) -> None:
+        """Open a call in each recording request's trace (its own offset: the tokens it has seen)."""
+        if not self.config.record:
+            self.meter.traces = None
+            return
+        for req in reqs:
+            valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
+            req.trace.begin_call(0 if prefill else req.seen, valid)
+        self.meter.traces = [r.trace for r in reqs]
+
+    def _log(self, kind: str, rows: int) -> None:
+        if self.config.log_forwards:
+            self.forward_log.append((kind, rows))
+
+    def _between_steps(self) -> None:
+        """Outside the engine's own forwards the model routes as it would without the engine."""
+        self.router.set_groups([], 0, self.device)
+        self.meter.start(None, None, counting=False)
+        self.meter.traces = None
+
+    def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
+        dev = logits.device
+        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
+        keys = torch.tensor([r.key for r in reqs], dtype=torch.int64, device=dev)
+        steps = torch.tensor([len(r.generated) for r in reqs], dtype=torch.int64, device=dev)
+        return choose_tokens(logits.float(), temperature, top_p, keys, steps)
+
+    def _groups(self) -> list[Group]:
+        by_policies: dict[int, list[int]] = {}
+        for i, req in enumerate(self._running):
+            if req.policies:
+                by_policies.setdefault(id(req.policies), []).append(i)
+        groups = []
+        for rows in by_policies.values():
+            first = self._running[rows[0]]
+            groups.append(Group(torch.tensor(rows, dtype=torch.long), first.policies, first.seen))
+        return groups
+
+    def _decode(self) -> None:
+        assert self._valid is not None and self._last is not None
+        b = len(self._running)
+        self.router.set_groups(self._groups(), b, self.device)
+        self.meter.start(self._prev, self._switches, counting=True)
+        valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
+        positions = torch.tensor([[r.seen] for r in self._running], device=self.device)
+        self._begin_traces(self._running, 1, prefill=False)
+        self._log("decode", b)
+        try:
+            out = self.model(
+                input_ids=self._last[:, None],
+                attention_mask=valid.long(),
+                position_ids=positions,
+                **with_cache(self._cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            self._between_steps()
+        self._cache = self._cache if cache_out(out) is None else cache_out(out)
+        self._valid = valid
+        for req in self._running:
+            req.seen += 1
+        tokens = self._choose(out.logits[:, -1], self._running)
+        self._last = tokens
+        finished = [
+            i
+            for i, (req, tok) in enumerate(zip(self._running, tokens.tolist(), strict=True))
+            if self._emit(req, tok)
+        ]
+        if finished:
+            self._remove(finished)
+
+    def _emit(self, req: _Request, token: int) -> bool:
+        """Hand one new token to its request; finish it if it is done. Returns whether it finished."""
+        self.counters["generated_tokens"] += 1
+        eos = token in self.eos_ids and not req.params.ignore_eos
+        if eos:
+            piece, stopped = req.stream.finish(), True
+        else:
+            req.generated.append(token)
+            piece, stopped = req.stream.push([token])
+        if eos or stopped:
+            reason = "stop"
+        elif len(req.generated) >= req.params.max_tokens:
+            reason = "length"
+            piece += req.stream.finish()
+        else:
+            reason = None
+        if not eos:
+            req.unsent.append(token)
+        if reason is None:
+            if req.on_event is not None and piece:
+                req.on_event(Event(req.id, req.unsent, piece))
+                req.unsent = []
+            return False
+        req.ending = (reason, piece)  # finished when its row is removed
+        return True
+
+    def _remove(self, rows: list[int]) -> None:
+        """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""
+        gone = set(rows)
+        done = [self._running[i] for i in sorted(gone)]
+        if self._switches is not None:
+            per_row = self._switches.sum(1).tolist()  # one host sync per leave
+            for i in gone:
+                self._running[i].switches = int(per_row[i])
+        keep_rows = [i for i in range(len(self._running)) if i not in gone]
+        index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        self._cache, self._valid = keep(self._cache, self._valid, index)
+        self._prev = self._prev[index] if self._prev is not None else None
+        self._switches = self._switches[index] if self._switches is not None else None
+        self._last = self._last[index] if self._last is not None else None
+        self._running = [self._running[i] for i in keep_rows]
+        if not self._running:
+            self._cache = self._valid = self._prev = self._switches = self._last = None
+        for req in done:
+            reason, piece = req.ending or ("cancelled", "")
+            self._finish(req, reason, piece=piece)
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            cancelled = self._cancelled
+            self._cancelled = set()
+        if not cancelled:
+            return
+        rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
+        if rows:
+            self._remove(rows)
+        for req in [r for r in self._roe_rows if r.id in cancelled]:
+            self._end_roe(req)
+        with self._lock:  # ones still waiting are finished when admitted
+            self._cancelled |= {c for c in cancelled if any(r.id == c for r in self._waiting)}
+
+    def _fail_all(self, err: Exception) -> None:
+        self.counters["errors"] += 1
+        failed = [*self._running, *self._roe_rows]
+        self._running, self._roe_rows = [], []
+        self._cache = self._valid = self._prev = self._switches = self._last = None
+        for req in failed:
+            self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+
+    def _finish(self, req: _Request, reason: str, *, piece: str = "", error: str | None = None) -> None:
+        decode_steps = max(len(req.generated) - 1, 0)
+        layers = self.info.num_moe_layers
+        roe = req.routing is not None and req.routing.roe is not None  # K routings: no one switch rate
+        switch_rate = req.switches / (decode_steps * layers) if decode_steps and not roe else None
+        name = req.routing.name if req.routing is not None else None
+        completion = Completion(
+            req.id,
+            len(req.prompt),
+            list(req.generated),
+            req.stream.text,
+            reason,
+            name,
+            switch_rate,
+            error,
+            req.trace,
+        )
+        req.completion = completion
+        self.counters["finished"] += 1
+        stats = self.routing_stats.setdefault(name or "", {"requests": 0, "switches": 0, "steps": 0})
+        stats["requests"] += 1
+        stats["switches"] += req.switches
+        stats["steps"] += 0 if roe else decode_steps * layers
+        if req.on_event is not None:
+            usage = {
+                "prompt_tokens": len(req.prompt),
+                "completion_tokens": len(req.generated),
+                "total_tokens": len(req.prompt) + len(req.generated),
+            }
+            info = {"routing": name, "switch_rate": switch_rate}
+            if error is not None:
+                info["error"] = error
+            req.on_event(Event(req.id, req.unsent, piece, reason, usage, info))
+            req.unsent = []
+        req.done.set()
+
+    # -- figures ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters, queue, per-routing switch rates and (offloading) the resident set's figures."""
+        with self._lock:
+            waiting = len(self._waiting)
+        out: dict[str, Any] = {
+            **self.counters,
+            "running": len(self._running) + len(self._roe_rows),
+            "waiting": waiting,
+            "switch_rate": {
+                name or "default": (s["switches"] / s["steps"] if s["steps"] else None)
+                for name, s in self.routing_stats.items()
+            },
+        }
+        if self.runtime is not None:
+            totals = self.runtime.totals()
+            accesses = totals["hits"] + totals["misses"]
+            out["offload"] = {
+                "resident_experts": sum(len(r.resident) for r in self.runtime.resident_sets),
+                "budget_experts": sum(r.budget for r in self.runtime.resident_sets),
+                "resident_expert_bytes": totals["resident_expert_bytes"],
+                "hits": totals["hits"],
+                "misses": totals["misses"],
+                "hit_rate": totals["hits"] / accesses if accesses else None,
+                "bytes_moved": totals["bytes_moved"],
+                "loads": totals["loads"],
+            }
+        return out

@@ -1,0 +1,99 @@
+"""The running batch's KV cache: rows join (left-padded to a common length) and leave at step boundaries.
+
+The batch cache is a transformers ``DynamicCache`` whose every layer holds keys and values
+[B, H, L, D]; ``valid`` [B, L] marks each row's real positions (a row that joined shorter than the
+batch is padded on the left, and padding is masked out of attention by the 2-D attention mask).
+Position ids are passed explicitly (each row's count of real tokens), so a row's numbers do not
+depend on the padding in front of it. A join copies the cache once (O(B·L) per join, none per
+step); a leave selects the remaining rows and drops columns that are padding in every row.
+
+Sliding-window layers (gpt-oss) keep the last W − 1 columns of the same padded layout: with
+padding on the left, a column distance is a position distance, so the window stays exact; their
+``cumulative_length`` is kept equal to the batch's length L. Recurrent or linear-attention layers
+(Qwen3-Next, Jamba), caches of a model's own (MiniMax) and chunked attention (Llama 4, whose chunks
+are aligned to absolute positions) cannot be padded this way: ``check_batchable`` refuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class UnbatchableCacheError(ValueError):
+    """The model's KV cache has layers that cannot be padded and re-batched."""
+
+
+def new_cache(model: nn.Module):
+    """An empty ``DynamicCache`` for ``model``."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def check_batchable(cache, config=None) -> None:
+    """Refuse caches the engine cannot pad and re-batch (see the module doc)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    ok = (DynamicLayer, DynamicSlidingWindowLayer)
+    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in ok})
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    if odd or chunked:
+        what = ", ".join(odd) + " layers" if odd else "chunked attention"
+        raise UnbatchableCacheError(
+            f"the engine batches full- and sliding-window attention caches only; this model has {what} "
+            "(recurrent, linear or chunked attention), which it cannot pad and re-batch"
+        )
+
+
+def _window(layer) -> int | None:
+    """How many columns a sliding-window layer keeps (W − 1), None for a full-attention layer."""
+    return layer.sliding_window - 1 if getattr(layer, "is_sliding", False) else None
+
+
+def _pad_left(t: Tensor, length: int) -> Tensor:
+    """[B, H, L, D] -> [B, H, length, D] with zeros in front."""
+    return F.pad(t, (0, 0, length - t.shape[-2], 0)) if t.shape[-2] < length else t
+
+
+def join(batch, valid: Tensor | None, row_cache, row_length: int) -> tuple[object, Tensor]:
+    """Append one prefilled row (its cache holding ``row_length`` real positions) to the batch.
+
+    Returns the batch cache (the row's own when the batch is empty) and the new ``valid`` [B + 1, L']."""
+    device = row_cache.layers[0].keys.device
+    row_valid = torch.ones(1, row_length, dtype=torch.bool, device=device)
+    if batch is None or valid is None or valid.shape[0] == 0:
+        return row_cache, row_valid
+    length = max(valid.shape[1], row_length)
+    for mine, theirs in zip(batch.layers, row_cache.layers, strict=True):
+        window = _window(mine)
+        cols = length if window is None else min(length, window)
+        mine.keys = torch.cat([_pad_left(mine.keys, cols), _pad_left(theirs.keys, cols)])
+        mine.values = torch.cat([_pad_left(mine.values, cols), _pad_left(theirs.values, cols)])
+        if window is not None:
+            mine.cumulative_length = length
+    valid = torch.cat(
+        [F.pad(valid, (length - valid.shape[1], 0)), F.pad(row_valid, (length - row_length, 0))]
+    )
+    return batch, valid
+
+
+def keep(batch, valid: Tensor, rows: Tensor) -> tuple[object, Tensor]:
+    """Keep the batch rows ``rows`` (indices, in order), then drop leading all-padding columns."""
+    valid = valid[rows]
+    for layer in batch.layers:
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+    if valid.shape[0] == 0:
+        return None, valid
+    first_real = int(valid.any(0).long().argmax())  # one host sync per leave, not per step
+    if first_real > 0:
+        valid = valid[:, first_real:]
+        length = valid.shape[1]
+        for layer in batch.layers:
+            window = _window(layer)
+            cols = length if window is None else min(length, window)
+            layer.keys, layer.values = layer.keys[:, :, -cols:], layer.values[:, :, -cols:]
+            if window is not None:
+                layer.cumulative_length = length
+    return batch, valid

@@ -1,0 +1,157 @@
+"""Named routings a request may pick: what each name resolves to, and the policies one request gets.
+
+A routing is anything ``moectl.load_policy`` reads — an expert-mask or subset file, a policy file,
+``option:K``, ``controller:DIR`` or a controller folder, a list of them — or a policy object.
+Policies with per-sequence state (``SequencePolicy``: a controller, a document pool, Gumbel noise)
+are forked for each request; the others are shared by every request that names the routing.
+
+Names, not paths, reach the engine from a request: a server registers the routings it offers and
+a request can only pick among them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.routing.state import Policy, SequencePolicy
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+@dataclass
+class Routing:
+    """One registered routing: its name, the spec it came from, its (bound) policies."""
+
+    name: str
+    spec: str
+    policies: list[Policy] = field(default_factory=list)
+    changes_model: bool = False  # merged trained weights (a controller's adapters/routers) into the model
+    roe: Any = None  # a RoEConfig: K routing samples per token, averaged (RoE §2), instead of policies
+
+    @property
+    def per_request(self) -> bool:
+        """Whether requests get their own fork (some policy keeps sequence state)."""
+        return any(isinstance(p, SequencePolicy) for p in self.policies)
+
+    def for_request(self, seed: int, info: ModelInfo) -> list[Policy]:
+        """The policies one request routes with: stateful ones forked with ``seed`` and bound."""
+        if not self.per_request:
+            return self.policies
+        out = []
+        for policy in self.policies:
+            if isinstance(policy, SequencePolicy):
+                policy = policy.fork(seed)
+                policy.bind(info)
+            out.append(policy)
+        return out
+
+
+def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
+    """The routing ``spec`` describes for ``model``, checked against it (``ValueError`` if not)."""
+    from moectl.routing.loader import routing_policies
+
+    if not NAME.match(name):
+        raise ValueError(
+            f"routing name {name!r} must be 1-64 letters, digits, '_', '.', ':' or '-', starting with a "
+            "letter or digit"
+        )
+    roe = _roe_config(spec)
+    if roe is not None:
+        roe.taus(info.num_moe_layers)  # checks tau's length against the model
+        return Routing(name, spec if isinstance(spec, str) else "roe", [], False, roe)
+    changes_model = _carries_weights(spec, info)
+    policies = routing_policies([spec], model, info)
+    renorms = {getattr(p, "renorm", "pruned") for p in policies}
+    if len(renorms) > 1:
+        raise ValueError(f"routing {name!r} mixes renormalisation modes {sorted(renorms)}")
+    for policy in policies:
+        policy.bind(info)
+    label = spec if isinstance(spec, str) else type(spec).__name__
+    return Routing(name, str(label), list(policies), changes_model)
+
+
+def _roe_config(spec: Any) -> Any:
+    """The RoEConfig ``spec`` is (a RoE profile file, dict or config), else None."""
+    if getattr(spec, "policy_type", None) == "roe":
+        return spec
+    if not isinstance(spec, (str, Mapping)) and not hasattr(spec, "__fspath__"):
+        return None
+    from moectl.routing.loader import load_policy
+
+    try:
+        loaded = load_policy(spec)
+    except (ValueError, OSError, TypeError, KeyError):
+        return None  # not loadable without the model: not a RoE profile (the real load says why)
+    return loaded if getattr(loaded, "policy_type", None) == "roe" else None
+
+
+def _carries_weights(spec: Any, info: ModelInfo) -> bool:
+    """Whether loading ``spec`` merges trained weights into the model (a trained controller's
+    LoRA adapters and routers: ``ControllerPolicy.pending``)."""
+    from moectl.routing.loader import load_policy
+
+    if not isinstance(spec, (str, Mapping, list, tuple)) and not hasattr(spec, "__fspath__"):
+        return getattr(spec, "pending", None) is not None
+    try:
+        loaded = load_policy(spec, info)
+    except (ValueError, OSError, TypeError, KeyError):
+        return False  # the real load (with the model) reports what is wrong
+    items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
+    return any(getattr(item, "pending", None) is not None for item in items)
+
+
+def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelInfo) -> dict[str, Routing]:
+    """Every named routing, checked before any is loaded into the model; one renormalisation mode
+    across them (the rows of a batch are selected with one mode)."""
+    specs = dict(specs or {})
+    merging = [name for name, spec in specs.items() if _carries_weights(spec, info)]
+    if merging and len(specs) > 1:
+        raise ValueError(
+            f"routing {merging[0]!r} merges a controller's trained adapters and routers into the model, "
+            "which every request would then run with; register it alone (requests without a routing then "
+            "also run the merged weights), or serve its model separately"
+        )
+    routings = {name: resolve(name, spec, model, info) for name, spec in specs.items()}
+    renorms = {getattr(p, "renorm", "pruned") for r in routings.values() for p in r.policies}
+    if len(renorms) > 1:
+        raise ValueError(
+            f"the registered routings mix renormalisation modes {sorted(renorms)}; rows of one batch are "
+            "selected with one mode: register routings of one mode"
+        )
+    return routings
+
+
+def _roe_config(spec: Any) -> Any:
+    """The RoEConfig ``spec`` is (a RoE profile file, dict or config), else None."""
+    if getattr(spec, "policy_type", None) == "roe":
+        return spec
+    if not isinstance(spec, (str, Mapping)) and not hasattr(spec, "__fspath__"):
+        return None
+    from moectl.routing.loader import load_policy
+
+    try:
+        loaded = load_policy(spec)
+    except (ValueError, OSError, TypeError, KeyError):
+        return None  # not loadable without the model: not a RoE profile (the real load says why)
+    return loaded if getattr(loaded, "policy_type", None) == "roe" else None
+
+
+def _carries_weights(spec: Any, info: ModelInfo) -> bool:
+    """Whether loading ``spec`` merges trained weights into the model (a trained controller's
+    LoRA adapters and routers: ``ControllerPolicy.pending``)."""
+    from moectl.routing.loader import load_policy
+
+    if not isinstance(spec, (str, Mapping, list, tuple)) and not hasattr(spec, "__fspath__"):
+        return getattr(spec, "pending", None) is not None
+    try:
+        loaded = load_policy(spec, info)
+    except (ValueError, OSError, TypeError, KeyError):
+        return False  # the real load (with the model) reports what is wrong
+    items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
+    return any(getattr(item, "pending", None) is not None for item in items)

@@ -1,0 +1,157 @@
+"""Routing per row: one policy installed on the model that hands each row to its own request's policies.
+
+``RowRouter`` is a routing policy (``moectl.routing.state.Policy``). Before each forward the engine
+says which rows belong to which routing (``set_groups``); at every MoE layer the router applies each
+group's policies to a ``RoutingState`` cut to that group's rows, with a context as the request alone
+would have it (its own offset: the real tokens it has seen), and writes their ``allowed`` / ``noise``
+back into the batch's state. A row with no routing is left as the model routes it. Stateless
+routings (an expert mask) share one group for all their rows; a policy with sequence state (a
+controller, a document pool, Gumbel noise) is forked per request, so its state never mixes rows.
+
+``SwitchMeter`` records, per row, its routing into the request's own ``RoutingTrace`` when the engine
+records (``EngineConfig.record``), and counts, per row, how often each layer's expert set ω changes from one generated
+token to the next (TE-MoE §2.2): ω is the row's allowed mask where its routing restricts the layer,
+else the experts the router chose (the router as an option with k-hat = top-k). The prefill's last
+token starts the count ("from the last prompt token on"); only decoding steps are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moectl.adapters.inspect import ModelInfo
+from moectl.routing.state import Policy, RouteContext, RoutingState
+
+
+@dataclass
+class Group:
+    """Rows [n] of the batch that share one list of policies, and each row's offset (tokens seen)."""
+
+    rows: Tensor
+    policies: list[Policy]
+    offset: int
+
+
+class RowRouter:
+    """The one policy the engine installs: each group's policies on its rows (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.groups: list[Group] = []
+        self.allowed: dict[int, Tensor] = {}  # per MoE layer: [B, T, E] of the latest call, where restricted
+        self.restricted_rows: Tensor | None = None  # [B] bool: rows whose routing restricted ``allowed``
+
+    def bind(self, info: ModelInfo) -> None:
+        self.allowed = {}
+
+    def set_groups(self, groups: list[Group], batch: int, device: torch.device) -> None:
+        """The rows of the next forward by routing (empty: route every row as the model does)."""
+        self.groups = groups
+        self.allowed = {}
+        self.restricted_rows = torch.zeros(batch, dtype=torch.bool, device=device) if groups else None
+
+    def apply(self, state: RoutingState) -> None:
+        if not self.groups:
+            return
+        ctx = state.ctx
+        allowed: Tensor | None = None
+        noise: Tensor | None = None
+        renorm = None
+        for group in self.groups:
+            rows = group.rows.to(state.logits.device)
+            sub_ctx = RouteContext(
+                batch=int(rows.numel()),
+                length=ctx.length,
+                offset=group.offset,
+                valid=None if ctx.valid is None else ctx.valid[rows],
+                calls=ctx.calls,
+            )
+            sub = RoutingState(state.layer, state.logits[rows], state.rule, sub_ctx)
+            if state.hidden is not None:
+                sub.hidden = state.hidden[rows]
+            for policy in group.policies:
+                policy.apply(sub)
+            if sub.allowed is not None:
+                if allowed is None:
+                    allowed = torch.ones_like(state.logits, dtype=torch.bool)
+                allowed[rows] = sub.allowed
+                renorm = sub.renorm  # one mode across registered routings (engine.routings checks)
+                if self.restricted_rows is not None:
+                    self.restricted_rows[rows] = True
+            if sub.noise is not None:
+                if noise is None:
+                    noise = torch.zeros_like(state.logits)
+                noise[rows] = sub.noise
+        if allowed is not None:
+            state.restrict(allowed, renorm=renorm)
+            self.allowed[state.layer] = allowed
+        if noise is not None:
+            state.add_noise(noise)
+
+
+class SwitchMeter:
+    """Per-row switch counts of the running batch (see the module doc); rows follow the batch."""
+
+    def __init__(self, info: ModelInfo, router: RowRouter) -> None:
+        self.info, self.router = info, router
+        self.num_experts = max(layer.num_experts for layer in info.layers)
+        self.prev: Tensor | None = None  # [B, L, E] bool: ω at each row's latest token
+        self.switches: Tensor | None = None  # [B, L] switches counted per row and layer
+        self.counting = False
+        self.traces: list | None = None  # per row: its request's RoutingTrace (recording), or None
+        self._handles: list = []
+
+    def install(self, model: nn.Module) -> None:
+        """Hook every router after moectl's routing hook (registered later, so it sees the final choice)."""
+        for layer in self.info.layers:
+            self._handles.append(layer.router.register_forward_hook(self._hook(layer)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, layer):
+        from moectl.routing.session import indices_of
+
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            if self.prev is None or self.switches is None:
+                return
+            chosen = indices_of(layer.adapter.output, output, layer.top_k)
+            b = self.prev.shape[0]
+            chosen = chosen.reshape(b, -1, chosen.shape[-1])
+            if self.traces is not None:
+                self._record(layer, output, chosen)
+            last = chosen[:, -1]  # [B, k] the call's last token per row
+            omega = torch.zeros(b, self.prev.shape[-1], dtype=torch.bool, device=last.device)
+            omega.scatter_(1, last.long(), True)
+            allowed = self.router.allowed.get(layer.index)
+            rows = self.router.restricted_rows
+            if allowed is not None and rows is not None:
+                omega = torch.where(rows[:, None], allowed[:, -1], omega)
+            prev = self.prev[:, layer.index].to(omega.device)
+            if self.counting:
+                self.switches[:, layer.index] += (omega != prev).any(-1).to(self.switches.device)
+            self.prev[:, layer.index] = omega.to(self.prev.device)
+
+        return hook
+
+    def _record(self, layer, output, chosen: Tensor) -> None:
+        """Each row's probs, chosen experts and (where its routing restricts) allowed set."""
+        assert self.traces is not None
+        b, t = chosen.shape[:2]
+        probs = layer.rule.probs(layer.adapter.logits_of(output).reshape(b, t, -1).float())
+        allowed = self.router.allowed.get(layer.index)
+        rows = self.router.restricted_rows
+        restricted = rows.tolist() if allowed is not None and rows is not None else [False] * b
+        for r, trace in enumerate(self.traces):
+            if trace is not None:
+                keep = allowed[r : r + 1] if restricted[r] else None
+                trace.record(layer.index, probs[r : r + 1], chosen[r : r + 1], keep)
+
+    def start(self, prev: Tensor | None, switches: Tensor | None, counting: bool) -> None:
+        """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]
+        (updated in place), and whether this call is a decoding step (switches count)."""
+        self.prev, self.switches, self.counting = prev, switches, counting

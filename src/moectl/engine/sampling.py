@@ -1,0 +1,88 @@
+"""Choosing each row's next token: greedy, or temperature + top-p sampling with a seed per request.
+
+Sampling is Gumbel-max over the (temperature-scaled, top-p filtered) logits, the Gumbel draws a
+counter-based hash of (request seed, generated-token index, vocabulary index)
+(``moectl.routing.keyed_hash``): a request's tokens depend on its own seed only, never on which
+other requests share its batch or in what order they arrived. Rows are handled together, one
+vectorised call per step.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from moectl.routing.keyed_hash import M32, mix, uniforms
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes: OpenAI's knobs (``max_tokens``, ``temperature``, ``top_p``,
+    ``seed``, ``stop``) and ``ignore_eos`` (generate ``max_tokens`` whatever the model says, as
+    TE-MoE §3.1 measures switch rates on a fixed number of tokens). ``temperature = 0``: greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or (
+            self.temperature < 0
+        ):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: its own, or a fresh random one."""
+    return params.seed if params.seed is not None else secrets.randbits(31)
+
+
+def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
+    """[B, V] True for the tokens outside each row's nucleus: the smallest set of most probable
+    tokens whose mass reaches ``top_p[b]`` (never empty)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = before >= top_p[:, None]
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def choose_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
+    """Next token [B] from logits [B, V] (float32), each row with its own ``temperature`` [B],
+    ``top_p`` [B], seed key ``keys`` [B] (int64, ``seed_key(seed)``) and generated-token index
+    ``steps`` [B] (int64)."""
+    greedy = logits.argmax(-1)
+    sampled_rows = temperature > 0
+    if not bool(sampled_rows.any()):
+        return greedy
+    scaled = logits / temperature.clamp(min=1e-6)[:, None]
+    scaled = scaled.masked_fill(top_p_mask(scaled, top_p), float("-inf"))
+    code = mix(keys.to(logits.device) ^ (steps.to(logits.device) * 0x2545F491 & M32))
+    gumbel = -torch.log(-torch.log(uniforms(code, logits.shape[-1])))
+    sampled = (scaled + gumbel).argmax(-1)
+    return torch.where(sampled_rows, sampled, greedy)

@@ -1,0 +1,200 @@
+"""``create_app(engine, model_name)``: the OpenAI-compatible FastAPI app over a :class:`moectl.engine.Engine`.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
+as server-sent events), ``GET /health``, ``GET /metrics``. A request may name one of the
+engine's registered routings (``"routing": NAME``); it never names a server-side path — anything
+but a registered name is a 400 listing them. The app owns the engine's thread: it starts the
+engine when the server starts, and when the server stops (uvicorn's SIGTERM handling: no new
+connections, in-flight responses finished) it drains the engine before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from moectl.server.auth import APIKeyMiddleware
+from moectl.server.errors import APIError, install_error_handlers
+from moectl.server.generation import Generation, collect
+from moectl.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from moectl.server.prompts import chat_ids, completion_ids
+from moectl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from moectl.server.responses import DONE, Shape, sse
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class EngineStream(StreamingResponse):
+    """A stream that cancels its request however it ends early: the client disconnected (Starlette
+    cancels the body iterator), a send failed, or the iterator never started."""
+
+    def __init__(self, generation: Generation, content: AsyncIterator[bytes]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancel()
+
+
+def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> FastAPI:
+    """The app serving ``engine``'s model as ``model_name``; ``api_key`` guards every path but /health."""
+    from moectl.engine import SamplingParams
+
+    metrics = ServerMetrics(engine)
+    tokenizer = engine.tokenizer
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown, drain=True)
+
+    app = FastAPI(title="moectl", lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: 401s are counted too
+    app.state.metrics = metrics
+
+    def routing_names() -> list[str]:
+        return sorted(engine.routings)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(
+                404, f"model {name!r} is not served here; this server serves {model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def check_routing(name: str | None) -> str | None:
+        if name is None or name in engine.routings:
+            return name
+        names = ", ".join(routing_names()) or "none"
+        raise APIError(
+            400,
+            f"routing {name!r} is not registered on this server; registered: {names} "
+            "(leave routing out for the model as trained)",
+            param="routing",
+        )
+
+    def max_tokens_for(body: SamplingFields, prompt_len: int, default: int | None, param: str) -> int:
+        """The request's max_tokens, checked against the context (a 400 naming what fits); chat's
+        default is the rest of the context."""
+        context = engine.max_context
+        room = None if context is None else context - prompt_len
+        if room is not None and room < 1:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; the model's context is {context}", param=param)
+        if body.max_tokens is None:
+            wanted = default or room or COMPLETION_DEFAULT_MAX_TOKENS
+            return wanted if room is None else min(wanted, room)
+        if room is not None and body.max_tokens > room:
+            raise APIError(
+                400,
+                f"max_tokens={body.max_tokens} with a {prompt_len}-token prompt passes the model's context of "
+                f"{context} tokens: at most {room}",
+                param="max_tokens",
+            )
+        return body.max_tokens
+
+    async def respond(
+        request: Request, body: SamplingFields, ids: list[int], shape: Shape, default: int | None, param: str
+    ) -> Response:
+        routing = check_routing(body.routing)
+        try:  # what the engine refuses beyond the request's own checks (e.g. too many stop strings)
+            params = SamplingParams(
+                max_tokens=max_tokens_for(body, len(ids), default, param),
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                stop=body.stop_list(),
+                ignore_eos=body.ignore_eos,
+            )
+        except ValueError as err:
+            raise APIError(400, str(err)) from err
+        generation = Generation(engine, metrics, request.state.arrived)
+        generation.submit(ids, params, routing)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EngineStream(generation, stream(generation, shape, usage))
+        done = await collect(generation, request.receive)
+        if done is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        text, last = done
+        if last.finish_reason == "error":
+            raise APIError(500, f"generation failed: {(last.info or {}).get('error', 'engine error')}")
+        return JSONResponse(shape.body(text, last.finish_reason, last.usage, last.info))
+
+    async def stream(generation: Generation, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+        if shape.chat:
+            yield sse(shape.chunk(None, role=True))
+        async for event in generation.events():
+            if event.finish_reason == "error":
+                error = APIError(500, f"generation failed: {(event.info or {}).get('error', 'engine error')}")
+                yield sse(error.body())
+                break
+            if event.text:
+                yield sse(shape.chunk(event.text))
+            if event.finish_reason is not None:
+                yield sse(shape.last_chunk(event.finish_reason, event.info))
+                if include_usage:
+                    yield sse(shape.usage_chunk(event.usage))
+        yield DONE
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return model_card()
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "moectl",
+            "max_model_len": engine.max_context,
+            "routings": routing_names(),
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check()
+        check_model(body.model)
+        ids = completion_ids(tokenizer, body.text())
+        return await respond(request, body, ids, Shape(model_name, chat=False), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check()
+        check_model(body.model)
+        ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        return await respond(request, body, ids, Shape(model_name, chat=True), None, "messages")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = engine.stats()
+        return {"status": "ok", "running": stats.get("running", 0), "waiting": stats.get("waiting", 0)}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,47 @@
+"""Request text to prompt token ids: a completion's prompt as the tokenizer encodes it, a chat
+through the tokenizer's chat template.
+
+A completion's ids are ``tokenizer.encode(prompt)`` (special tokens as the tokenizer adds them),
+the ids ``tokenizer(prompt)`` gives offline: a greedy request equals ``model.generate`` of the
+same prompt. Deviation from OpenAI, stated: a tokenizer without a chat template (moectl's byte
+tokenizer for tiny and shape models) gets a plain fallback, one ``role: text`` line per message
+and ``assistant:`` — there is no template to follow, and a plain transcript is what such a model
+would be prompted with offline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moectl.server.errors import APIError
+
+
+def completion_ids(tokenizer: Any, prompt: str, param: str = "prompt") -> list[int]:
+    """``prompt``'s token ids; an empty prompt is the BOS token where the tokenizer has one."""
+    ids = list(tokenizer.encode(prompt)) if prompt else []
+    if not ids:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise APIError(400, f"{param} is empty and the tokenizer has no BOS token to start from", param=param)
+        ids = [int(bos)]
+    return [int(i) for i in ids]
+
+
+def plain_chat(messages: list[dict[str, str]]) -> str:
+    """The fallback transcript: ``role: text`` per message, then ``assistant:`` to answer."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt ids of a chat: the tokenizer's chat template with the generation prompt (its
+    special tokens come from the template, none added again), else :func:`plain_chat`."""
+    if not getattr(tokenizer, "chat_template", None):
+        return completion_ids(tokenizer, plain_chat(messages), param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # the template's own checks (e.g. roles must alternate) raise anything
+        raise APIError(400, f"the model's chat template refused these messages: {err}", param="messages") from err
+    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    if not ids:
+        raise APIError(400, "the chat template made an empty prompt from these messages", param="messages")
+    return ids

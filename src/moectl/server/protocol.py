@@ -1,0 +1,147 @@
+"""The OpenAI request shapes ``moectl serve`` accepts, and what it refuses in them.
+
+Fields follow OpenAI's completions and chat completions APIs. Unknown fields are accepted and
+ignored (clients send ``user``, ``stream_options`` and the like); a field moectl cannot honour
+with a value that would change the answer (``n`` > 1, ``echo``, ``logprobs``, penalties, tools)
+is refused with 400 naming it, never silently dropped. Two fields are moectl's own (the
+``openai`` client sends them with ``extra_body``): ``routing``, the name of a routing the server
+registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM names it), to generate
+``max_tokens`` tokens whatever the model says (load tests, fixed-length switch-rate measurements).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from moectl.server.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default; 0 is greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    routing: str | None = None
+    ignore_eos: bool = False  # moectl's (and vLLM's) extra: generate max_tokens whatever the model says
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check(self) -> None:
+        """400 naming the first field moectl refuses."""
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: moectl serve returns one choice (n=1)", param="n")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise APIError(
+                400, f"temperature must be in [0, 2] (0 is greedy), got {self.temperature}", param="temperature"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise APIError(400, f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported: leave it out or 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported: leave it out", param="logit_bias")
+        if any(not s for s in self.stop_list()):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: one prompt string (or a list holding one)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise APIError(
+                400, f"prompt must be a string or a list of one string, got a list of {len(self.prompt)}",
+                param="prompt",
+            )
+        if self.echo:
+            raise APIError(400, "echo is not supported: leave it out or false", param="echo")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported: leave it out", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of} is not supported: leave it out or 1", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported: leave it out", param="suffix")
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, or its text parts joined (other parts are refused)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    400, f"content part of type {part.get('type')!r} is not supported: only text parts",
+                    param="messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # newer clients' name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        elif self.max_completion_tokens is not None and self.max_completion_tokens != self.max_tokens:
+            raise APIError(
+                400, "max_tokens and max_completion_tokens differ: give one of them", param="max_completion_tokens"
+            )
+        super().check()
+        if not self.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs is not supported: leave it out or false", param="logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported: leave them out", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format other than text is not supported", param="response_format")
+        for message in self.messages:
+            message.text()

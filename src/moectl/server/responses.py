@@ -1,0 +1,88 @@
+"""OpenAI response bodies and server-sent events, for completions and chat completions.
+
+Both endpoints answer through one :class:`Shape`: the non-streamed body, and the chunks of a
+stream (OpenAI's chunk format: ``data: {json}`` events, the last one ``data: [DONE]``). moectl
+adds two top-level fields to every body and to a stream's last chunk: ``routing`` (the registered
+routing name the request used, null for the model as trained) and ``switch_rate`` (the request's
+own expert switch rate, null where the engine does not measure it). OpenAI clients keep unknown
+fields (``response.routing`` / ``response.model_extra``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``data`` as compact JSON."""
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage_body(usage: dict[str, int] | None) -> dict[str, int] | None:
+    if usage is None:
+        return None
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def routing_fields(info: dict[str, Any] | None) -> dict[str, Any]:
+    info = info or {}
+    rate = info.get("switch_rate")
+    return {"routing": info.get("routing"), "switch_rate": None if rate is None else float(rate)}
+
+
+@dataclass
+class Shape:
+    """The bodies of one request: ``chat`` picks chat.completion over text_completion."""
+
+    model: str
+    chat: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def body(self, text: str, finish_reason: str | None, usage: dict | None, info: dict | None) -> dict[str, Any]:
+        """The whole response of a request that was not streamed."""
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage_body(usage), **routing_fields(info)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+        """One streamed chunk: a text delta (chat: ``role`` opens the message), or the finish."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def last_chunk(self, finish_reason: str | None, info: dict | None) -> dict[str, Any]:
+        """The chunk that closes the choice, with moectl's routing fields."""
+        return {**self.chunk(None, finish_reason), **routing_fields(info)}
+
+    def usage_chunk(self, usage: dict | None) -> dict[str, Any]:
+        """``stream_options.include_usage``: a last chunk with no choices and the usage."""
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": usage_body(usage)}

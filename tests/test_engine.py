@@ -1,0 +1,262 @@
+"""The engine: continuous batching equals solo generation, routing per row, sampling, streaming, limits."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import moectl
+from moectl.engine import (
+    Engine,
+    EngineConfig,
+    QueueFull,
+    RequestFailed,
+    SamplingParams,
+    UnbatchableCacheError,
+)
+from moectl.routing import route
+
+PROMPTS = [
+    "The history of the city of",
+    "def f(x):",
+    "2 + 2 = 4, and 3 + 3 = 6, and so on for a while longer than the others",
+    "a",
+    "Photosynthesis converts",
+]
+MASK = {"type": "expert_mask", "experts": {"0": [0, 1, 2, 3], "2": [4, 5, 6, 7]}}
+
+
+@functools.cache
+def _loaded(family: str):
+    return moectl.load(f"tiny:{family}", dtype="float32")
+
+
+def _offline(model, tok, prompt: str, n: int, policies=None) -> tuple[list[int], float]:
+    """Greedy ``model.generate`` of one prompt under ``policies``; its tokens and switch rate."""
+    with route(model, policies or [], record=True) as session:
+        enc = tok([prompt], return_tensors="pt")
+        out = model.generate(
+            **enc, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None
+        )
+    return out[0, enc["input_ids"].shape[1] :].tolist(), moectl.switch_rate(session.trace).mean
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_batched_greedy_equals_solo_generate(family):
+    """Rows joining and leaving a batch of 2 (5 prompts, different lengths) give model.generate's tokens;
+    gpt-oss's sliding-window layers included (a prompt longer than its window of 64)."""
+    model, tok, _ = _loaded(family)
+    prompts = [*PROMPTS, "x" * 80]
+    engine = Engine(model, tok, EngineConfig(max_batch=2))
+    got = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.token_ids == _offline(model, tok, prompt, 12)[0], prompt
+        assert completion.finish_reason == "length"
+    assert engine.stats()["prefills"] == len(prompts)
+
+
+@pytest.mark.parametrize(
+    "name,spec",
+    [
+        ("mask", MASK),
+        ("gumbel", {"type": "gumbel", "tau": 1.0, "seed": 5}),
+        ("pool", {"type": "document_pool", "d": 4}),
+    ],
+)
+def test_each_row_routes_as_it_would_alone(name, spec):
+    """Rows of one batch with a routing, another and none: each equals its solo run under route();
+    the per-request switch rate equals moectl.switch_rate of the solo trace (per-request seed 5)."""
+    model, tok, _ = _loaded("olmoe")
+    engine = Engine(model, tok, EngineConfig(max_batch=4), routings={name: spec, "other": MASK})
+    params = SamplingParams(max_tokens=10, ignore_eos=True, seed=5)
+    ids, tokens, final = [], {}, {}
+
+    def on_event(e):
+        tokens.setdefault(e.request_id, []).extend(e.token_ids)
+        if e.finish_reason:
+            final[e.request_id] = e
+
+    with engine:
+        for i, prompt in enumerate(PROMPTS[:4]):
+            routing = [name, None, name, "other"][i]
+            ids.append((engine.submit(prompt, params, routing, on_event), prompt, routing))
+        while len(final) < len(ids):
+            engine.step()
+    specs = {name: spec, "other": MASK, None: None}
+    for rid, prompt, routing in ids:
+        solo, rate = _offline(model, tok, prompt, 10, specs[routing])
+        assert tokens[rid] == solo, (routing, prompt)
+        assert final[rid].info["routing"] == routing
+        if name != "mask" and routing == name:  # masks on some layers: see SwitchMeter's doc
+            assert final[rid].info["switch_rate"] == pytest.approx(rate)
+
+
+def test_controller_rows_keep_their_own_options():
+    """A fresh (untrained) controller: each request forks it; batched rows equal solo runs."""
+    model, tok, info = _loaded("olmoe")
+    policy = moectl.options.ControllerPolicy(moectl.options.build_controller(info, k_hat=4), seed=0)
+    engine = Engine(model, tok, EngineConfig(max_batch=3), routings={"ctrl": policy})
+    got = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=10, ignore_eos=True, seed=7), "ctrl")
+    for prompt, completion in zip(PROMPTS[:3], got, strict=True):
+        tokens, rate = _offline(model, tok, prompt, 10, [policy.fork(7)])
+        assert completion.token_ids == tokens
+        assert completion.switch_rate == pytest.approx(rate)
+
+
+def test_sampling_depends_on_the_request_seed_only():
+    model, tok, _ = _loaded("olmoe")
+    engine = Engine(model, tok, EngineConfig(max_batch=4))
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    batched = [c.token_ids for c in engine.generate(PROMPTS[:4], params)]
+    solo = [engine.generate([p], params)[0].token_ids for p in PROMPTS[:4]]
+    assert batched == solo
+    other = engine.generate(
+        PROMPTS[:4], SamplingParams(max_tokens=10, temperature=0.8, seed=12, ignore_eos=True)
+    )
+    assert [c.token_ids for c in other] != batched
+
+
+def test_stream_events_concatenate_to_the_text_and_stop_strings_cut():
+    model, tok, _ = _loaded("olmoe")
+    full = Engine(model, tok).generate(["abc"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    stop = full.text[5:7]  # a stop string that occurs in the greedy text
+    assert stop and full.text.find(stop) >= 0
+    events = []
+    engine = Engine(model, tok).start()
+    try:
+        rid = engine.submit(
+            "abc", SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True), on_event=events.append
+        )
+        engine.shutdown(drain=True)
+    finally:
+        engine.close()
+    assert all(e.request_id == rid for e in events)
+    text = "".join(e.text for e in events)
+    assert text == full.text[: full.text.find(stop)]
+    assert events[-1].finish_reason == "stop"
+    assert sum(len(e.token_ids) for e in events) == events[-1].usage["completion_tokens"]
+
+
+def test_cancel_frees_the_row_at_the_next_step():
+    model, tok, _ = _loaded("olmoe")
+    engine = Engine(model, tok, EngineConfig(max_batch=2))
+    events: list = []
+    with engine:
+        rid = engine.submit("abc", SamplingParams(max_tokens=500, ignore_eos=True), on_event=events.append)
+        other = engine.submit("xyz", SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.step()
+        engine.step()
+        assert engine.stats()["running"] >= 1
+        engine.cancel(rid)
+        engine.step()
+        assert any(e.finish_reason == "cancelled" for e in events)  # finished at that step
+        while engine.stats()["running"]:
+            engine.step()
+    finals = [e for e in events if e.finish_reason]
+    assert [e.finish_reason for e in finals] == ["cancelled"]
+    assert finals[0].usage["completion_tokens"] < 500
+    assert other
+
+
+def test_bad_requests_are_refused_with_the_allowed_values():
+    model, tok, _ = _loaded("olmoe")
+    engine = Engine(model, tok, EngineConfig(max_batch=1, max_queue=2), routings={"math": MASK})
+    with pytest.raises(ValueError, match="registered routings: math"):
+        engine.submit("abc", routing="/etc/passwd")
+    with pytest.raises(ValueError, match="context of 1024"):
+        engine.submit("abc", SamplingParams(max_tokens=1023))
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"temperature": float("nan")}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    engine.submit("abc")
+    engine.submit("abc")
+    with pytest.raises(QueueFull):
+        engine.submit("abc")
+    with pytest.raises(ValueError, match="routing name"):
+        Engine(model, tok, routings={"a b": MASK})
+
+
+def test_models_whose_cache_cannot_be_rebatched_are_refused():
+    model, tok, _ = _loaded("llama4_text")
+    with pytest.raises(RequestFailed, match="chunked attention"):
+        Engine(model, tok).generate(["abc"], SamplingParams(max_tokens=2))
+    assert issubclass(UnbatchableCacheError, ValueError)
+
+
+def test_offloaded_batch_equals_the_resident_model_and_counts_hits():
+    from moectl.serve.config import OffloadConfig
+
+    model, tok, _ = _loaded("olmoe")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = [c.token_ids for c in Engine(model, tok).generate(PROMPTS[:4], params)]
+    engine = Engine(model, tok, EngineConfig(max_batch=4, offload=OffloadConfig(budget=4, store="host")))
+    with engine:
+        got = [c.token_ids for c in engine.generate(PROMPTS[:4], params)]
+        stats = engine.stats()["offload"]
+    assert got == plain
+    assert stats["hits"] + stats["misses"] > 0 and stats["loads"] == stats["misses"]
+    assert all(p.device.type != "meta" for p in model.parameters())  # restored on close
+    assert Engine(model, tok).generate(PROMPTS[:1], params)[0].token_ids == plain[0]
+
+
+def test_roe_requests_equal_roe_generate_beside_plain_rows(tmp_path):
+    """A RoE profile's requests (K = 4 samples over one clean cache, averaged) give moectl.roe.generate's
+    tokens while plain rows run in the same steps and stay equal to their solo runs."""
+    model, tok, _ = _loaded("olmoe")
+    profile = tmp_path / "roe.json"
+    profile.write_text('{"type": "roe", "format_version": 1, "K": 4, "tau": 0.5, "seed": 0}')
+    prompts = PROMPTS[:3]
+    reference = moectl.roe.generate(model, tok, prompts, str(profile), max_new_tokens=8, ignore_eos=True)
+    engine = Engine(model, tok, EngineConfig(max_batch=4), routings={"roe": str(profile)})
+    tokens, final = {}, {}
+
+    def on_event(e):
+        tokens.setdefault(e.request_id, []).extend(e.token_ids)
+        if e.finish_reason:
+            final[e.request_id] = e
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with engine:
+        roe_ids = [engine.submit(p, params, "roe", on_event) for p in prompts]
+        plain_ids = [engine.submit(p, params, None, on_event) for p in prompts]
+        while len(final) < 6:
+            engine.step()
+    assert [tokens[i] for i in roe_ids] == [g.token_ids for g in reference]
+    assert [tokens[i] for i in plain_ids] == [_offline(model, tok, p, 8)[0] for p in prompts]
+    assert all(final[i].info["switch_rate"] is None for i in roe_ids)  # K routings: no one ω
+
+
+def test_each_request_records_the_trace_it_would_record_alone():
+    """EngineConfig.record: per-request traces, joined, equal route(record=True) around solo generate."""
+    from moectl.routing.trace import RoutingTrace
+
+    model, tok, _ = _loaded("olmoe")
+    spec = {"type": "document_pool", "d": 4}
+    engine = Engine(model, tok, EngineConfig(max_batch=3, record=True), routings={"pool": spec})
+    got = engine.generate(PROMPTS[:4], SamplingParams(max_tokens=8, ignore_eos=True), "pool")
+    joined = RoutingTrace.join([c.trace for c in got])
+    solo = []
+    for prompt in PROMPTS[:4]:
+        with route(model, spec, record=True) as session:
+            enc = tok([prompt], return_tensors="pt")
+            model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+        solo.append(session.trace)
+    expected = RoutingTrace.join(solo)
+    assert torch.equal(joined.valid, expected.valid) and torch.equal(joined.prompt_len, expected.prompt_len)
+    for layer in range(3):
+        assert torch.allclose(joined.probs[layer], expected.probs[layer])
+        assert torch.equal(joined.chosen[layer], expected.chosen[layer])
+        assert torch.equal(joined.allowed[layer], expected.allowed[layer])
+    assert moectl.switch_rate(joined).mean == pytest.approx(moectl.switch_rate(expected).mean)
+
+
+def test_left_pad_and_scored_positions():
+    from moectl.engine.batch import left_pad, scored_positions
+
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert scored_positions(mask, [1, 0]).tolist() == [[False, True, True], [False, False, True]]
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[1], []], pad_id=0)

@@ -1,0 +1,62 @@
+"""``moectl serve``'s bad command lines: exit 2 with one ``error:`` line naming what is allowed,
+before any model loads where the command line alone says it (no server is started here)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli import app
+from moectl.cli.server import parse_routings, served_name
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["serve", "tiny:olmoe", "--tiny", "olmoe"], "give exactly one of MODEL"),
+        (["serve", "tiny:olmoe", "--routing", "math"], "give NAME=SPEC"),
+        (["serve", "tiny:olmoe", "--routing", "a=option:4", "--routing", "a=option:2"], "given twice"),
+        (["serve", "tiny:olmoe", "--port", "70000"], "--port must be in 1..65535"),
+        (["serve", "tiny:olmoe", "--max-batch", "0"], "--max-batch must be at least 1"),
+        (["serve", "tiny:olmoe", "--max-queue", "0"], "--max-queue must be at least 1"),
+        (["serve", "tiny:olmoe", "--residency", "option:4"], "--residency only apply with --budget"),
+        (["serve", "tiny:olmoe", "--budget", "lots"], "--budget must be a fraction like 0.25"),
+        (["serve", "tiny:olmoe", "--budget", "4", "--store", "cloud"], "--store must be one of disk, checkpoint, host"),
+        (["serve", "tiny:olmoe", "--budget", "4", "--slot-dtype", "int4"], "--slot-dtype must be one of same, int8"),
+        (["serve", "tiny:olmoe", "--log-level", "loud"], "--log-level must be one of"),
+        (["serve", "tiny:olmoe", "--routing", "x=no/such/subset.json"], "no/such/subset.json"),
+        (["serve", "tiny:olmoe", "--routing", "bad name=option:4"], "routing name 'bad name'"),
+        (["serve", "tiny:olmoe", "--budget", "1"], "a budget of 1 resident experts is too small"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_line(args, words):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    flat = " ".join(result.output.split())
+    assert words in flat
+    assert "Traceback" not in result.output
+    assert result.output.count("error:") == 1
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["serve", "tiny:olmoe", "--port", str(port)])
+    assert result.exit_code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in " ".join(result.output.split())
+
+
+def test_routing_specs_and_served_names(tmp_path):
+    assert parse_routings(["math=m.json", "opt8 = option:8", "a=b=c"]) == {
+        "math": "m.json", "opt8": "option:8", "a": "b=c",
+    }  # fmt: skip
+    assert served_name("tiny:olmoe") == "tiny:olmoe"
+    assert served_name("allenai/OLMoE-1B-7B-0924") == "allenai/OLMoE-1B-7B-0924"
+    (tmp_path / "emo-small").mkdir()
+    assert served_name(str(tmp_path / "emo-small")) == "emo-small"
