@@ -144,7 +144,7 @@ def test_serve_offload_restores_the_experts_implementation_after_an_error(monkey
     def broken(*args, **kwargs):
         raise RuntimeError("injected: generation failed")
 
-    monkeypatch.setattr(runner, "generate", broken)
+    monkeypatch.setattr(runner.Engine, "generate", broken)  # generation runs through the engine
     with pytest.raises(RuntimeError, match="injected"):
         runner.serve_offload(model, tok, ["hello"], OffloadConfig(budget=2), max_new_tokens=2, progress=False)
     assert model.config._experts_implementation == "grouped_mm"
