@@ -123,9 +123,13 @@ def export_cmd(
     """Slice the unselected experts out and save a checkpoint plain transformers loads."""
     from moectl.adapters import inspect
     from moectl.models.load_lazy import is_checkpoint_folder
-    from moectl.subsets.export import export_subset
+    from moectl.subsets.export import check_out_dir, export_subset
     from moectl.subsets.files import load_subset
 
+    try:  # before the model loads: an existing checkpoint (or MODEL itself) is never written into
+        check_out_dir(out)
+    except ValueError as err:
+        fail(f"--out {err}")
     if stream is None:
         stream = is_checkpoint_folder(model) and dtype == "auto"
     if stream:
