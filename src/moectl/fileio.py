@@ -159,14 +159,29 @@ def recover_dir(final: str | Path) -> Path:
     return final
 
 
+def _carry_over(old: Path, new: Path) -> None:
+    """Hard-link every entry of ``old`` that ``new`` lacks into ``new`` (folders recursively)."""
+    for entry in old.iterdir():
+        target = new / entry.name
+        if target.exists() or target.is_symlink() or entry.name.startswith((".tmp-", ".old-")):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            shutil.copytree(entry, target, symlinks=True, copy_function=os.link)
+        else:
+            os.link(entry, target)
+
+
 @contextmanager
-def atomic_dir(final: str | Path, overwrite: bool = True) -> Iterator[Path]:
+def atomic_dir(final: str | Path, overwrite: bool = True, keep_others: bool = False) -> Iterator[Path]:
     """Yield a fresh ``.tmp-NAME`` folder beside ``final``; when the block succeeds, give its files the
     usual mode, sync them, and put it in place of ``final`` in one step (an existing ``final`` is
     exchanged with it, then removed), so ``final`` is the old folder or the new, never a mix.
 
     An existing ``final`` is replaced only with ``overwrite`` (else FileExistsError before anything is
-    written). On an error the temporary folder is removed; after a kill it stays, and the next write of
+    written). ``keep_others``: entries of an existing ``final`` that the block did not write are carried
+    into the new folder (hard links: no copy, and the old folder stays as it was). On an error the temporary folder is removed; after a kill it stays, and the next write of
     the same name removes it.
     """
     final = Path(final)
@@ -184,6 +199,8 @@ def atomic_dir(final: str | Path, overwrite: bool = True) -> Iterator[Path]:
     try:
         yield tmp
         usual_modes(tmp)
+        if keep_others and final.is_dir():
+            _carry_over(final, tmp)
         crash_point(f"wrote {tmp.name}")
         fsync_tree(tmp)
         crash_point(f"synced {tmp.name}")

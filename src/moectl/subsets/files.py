@@ -24,6 +24,7 @@ from pathlib import Path
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
+from moectl.fileio import write_text_atomic
 from moectl.routing.config import FORMAT_VERSION
 
 
@@ -56,10 +57,7 @@ def save_subset(
     subset = SubsetFile(
         {int(k): sorted(int(i) for i in v) for k, v in keep.items()}, model, method, calibration or {}
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(subset.to_json(), indent=2) + "\n")
-    return path
+    return write_text_atomic(path, json.dumps(subset.to_json(), indent=2) + "\n")
 
 
 def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
