@@ -187,3 +187,39 @@ def test_config_json_is_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         TrainConfig(out="y").save(path)
     assert json.loads(path.read_text())["out"] == "x"
+
+
+# -- found by the crash sweep (benchmarks/crash_sweep.py) ---------------------------------------------
+def test_a_run_resumed_after_its_last_step_logs_the_same_final_record(tmp_path, corpus):
+    """Killed while writing final/ (its last checkpoint complete): the resumed run has no step left to
+    train, and its final record must still carry the last step's figures (was: ce, lb, z null)."""
+    run = tmp_path / "run"
+    pretrain(_config(run, corpus), progress=False)
+    before = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()][-1]
+    shutil.rmtree(run / "final")
+    pretrain(_config(run, corpus), resume=True, progress=False)
+    after = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()][-1]
+    assert after["final"] and after["ce"] is not None
+    drop = ("tokens_per_s",)
+    assert {k: v for k, v in after.items() if k not in drop} == {
+        k: v for k, v in before.items() if k not in drop
+    }
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_options_training_restarted_before_its_first_checkpoint_starts_a_new_log(tmp_path):
+    """Killed after logging step 1 but before its checkpoint: the rerun starts at step 1 again, and its
+    log must not keep the first attempt's step 1 (was: steps 1, 1, 2)."""
+    from moectl.models.load import load_model
+    from moectl.options.trainer import OptionsConfig, train_options
+
+    cfg = OptionsConfig(
+        k_hat=4, eta=0.5, steps=2, batch_size=3, max_new_tokens=4, save_every=100, lora_r=2, lora_alpha=2
+    )
+    prompts = ["The capital of France is", "One plus one is", "Water boils at"]
+    model, tok = load_model("tiny:qwen2_moe")
+    train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False, stop_after=1)  # no checkpoint yet
+    model, tok = load_model("tiny:qwen2_moe")
+    result = train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)
+    assert not result["resumed"]
+    assert [json.loads(x)["step"] for x in (tmp_path / "o" / "log.jsonl").read_text().splitlines()] == [1, 2]

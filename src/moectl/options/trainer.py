@@ -329,6 +329,8 @@ def train_options(
     processes.barrier()
     trainer = OptionsTrainer(model, tokenizer, prompts, config, out, processes)
     resumed = trainer.resume() if resume else False
+    if not resumed and processes.is_main:  # step 1 afresh: a log of an earlier start is not continued
+        (out / "log.jsonl").unlink(missing_ok=True)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     rows: list[dict] = []

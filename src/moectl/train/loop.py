@@ -322,7 +322,10 @@ class Trainer:
             TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(),
         ]
-        last: dict[str, Any] = {}
+        # resumed after its last step (a crash while writing final/): the final record's training
+        # figures are the last logged step's, as in the run that was not interrupted
+        logged = read_log(self.log_path) if self.start_step and acc.is_main_process else []
+        last: dict[str, Any] = next((r for r in reversed(logged) if "ce" in r and not r.get("final")), {})
         window_start, window_tokens = time.perf_counter(), 0
         with Progress(*columns, disable=not (self.progress and acc.is_main_process)) as bar:
             task = bar.add_task(
