@@ -78,11 +78,11 @@ def fsync_tree(folder: str | Path) -> None:
 def output_error(path: str | Path, err: OSError) -> OSError:
     """``err`` as one line naming ``path`` (not a temporary name, not ``[Errno 21]``): what is wrong."""
     path = Path(path)
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # NotADirectoryError, or FileExistsError from mkdir(parents=True)
+        return NotADirectoryError(f"{path} cannot be written: {blocker} is a file, not a folder")
     if isinstance(err, IsADirectoryError):
         why = "is a folder: give a file path"
-    elif isinstance(err, NotADirectoryError):
-        parent = next((p for p in path.parents if p.exists() and not p.is_dir()), path.parent)
-        why = f"cannot be written: {parent} is a file, not a folder"
     elif isinstance(err, PermissionError):
         why = "cannot be written: permission denied"
     else:

@@ -31,8 +31,10 @@ from moectl.cli.common import (
     RoESeedOpt,
     RoETemperaturesOpt,
     TinyOpt,
+    check_out_file,
     console,
     fail,
+    interrupted,
     load,
     model_spec,
     write_json,
@@ -277,7 +279,9 @@ def tune_cmd(
     uniform_step: Annotated[
         float, typer.Option("--uniform-step", help="Grid step of --uniform's sweep.")
     ] = 0.05,
-    out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path("out/roe/profile.json"),
+    out: Annotated[
+        Path, typer.Option("--out", help="Profile JSON to write.", callback=check_out_file)
+    ] = Path("out/roe/profile.json"),
     storage: Annotated[
         Path | None,
         typer.Option(
@@ -318,13 +322,16 @@ def tune_cmd(
         lm, tokenizer = load(spec, device, dtype)
         info = inspect(lm)
         k = 16 if k is None else k
-        result = tune(
-            lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau, skip_layers=skip_layers,
-            seed=seed, aggregation=aggregation, uniform=uniform, uniform_step=uniform_step,
-            storage=storage or out.with_suffix(".optuna.journal" if several else ".optuna.db"), study_name=study_name, out=out,
-            plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
-            info=info, model_name=spec, max_docs=max_docs,
-        )  # fmt: skip
+        study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
+        kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
+        with interrupted(kept):
+            result = tune(
+                lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau,
+                skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
+                uniform_step=uniform_step, storage=study_file, study_name=study_name, out=out,
+                plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
+                info=info, model_name=spec, max_docs=max_docs,
+            )  # fmt: skip
     except _ERRORS as err:
         fail(err)
     except ImportError as err:

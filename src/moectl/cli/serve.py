@@ -19,6 +19,7 @@ from moectl.cli.common import (
     TinyOpt,
     console,
     fail,
+    interrupted,
     load,
     model_spec,
     write_json,
@@ -79,6 +80,7 @@ def _controller_k_hat(policy: str) -> int | None:
 
 
 @serve_app.command("serve-offload")
+@interrupted("nothing was written (results are written when the command finishes); run the command again")
 def serve_offload_command(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,

@@ -22,9 +22,22 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    check_out_file,
+    check_out_folder,
+    console,
+    err_console,
+    fail,
+    load,
+    write_json,
+)
 from moectl.fileio import write_text_atomic
 
 subset_app = typer.Typer(
@@ -50,7 +63,7 @@ def select_cmd(
     model: ModelArg,
     data: Annotated[Path, typer.Option("--data", help="Calibration JSONL with a 'text' field per line.")],
     keep: Annotated[int, typer.Option("--keep", help="Experts kept in every MoE layer.")],
-    out: Annotated[Path, typer.Option("--out", help="Subset file to write (JSON).")],
+    out: Annotated[Path, typer.Option("--out", help="Subset file to write (JSON).", callback=check_out_file)],
     method: Annotated[
         str, typer.Option("--method", help="router | frequency | easy-ep | reconstruction | wanda | random")
     ] = "router",
@@ -90,7 +103,7 @@ def select_cmd(
         "layerwise": layerwise,
         "seed": seed,
     }
-    save_subset(out, kept, model=model, method=method, calibration=calibration)
+    save_subset(out, kept, model=model, method=method, calibration=calibration, num_experts=info.num_experts)
     table = Table(title=f"{method} subset: {keep} of {info.num_experts} experts per MoE layer")
     for column in ("MoE layer", "decoder layer", "kept experts"):
         table.add_column(column)
@@ -106,7 +119,9 @@ def select_cmd(
 def export_cmd(
     model: ModelArg,
     subset: Annotated[Path, typer.Option("--subset", help="Subset file from `moectl subset select`.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the smaller checkpoint.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the smaller checkpoint.", callback=check_out_folder)
+    ],
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
@@ -143,10 +158,7 @@ def export_cmd(
             console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
         info = inspect(lm)
         chosen = load_subset(subset, info)
-        if chosen.model not in (None, model):
-            console.print(
-                f"[yellow]warning:[/yellow] {subset} was selected on {chosen.model}, exporting {model}"
-            )
+        warn_mismatch(subset, chosen, model, info)
         source = Path(model) if Path(model).is_dir() else None
         metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
                     "calibration": chosen.calibration}  # fmt: skip
@@ -155,6 +167,15 @@ def export_cmd(
         fail(err)
     _print_export(out, report)
     write_json(json_path, report)
+
+
+def warn_mismatch(path: Path, chosen, model: str, info) -> None:
+    """``warning: ...`` on standard error when the subset file was chosen on another model."""
+    from moectl.subsets.files import subset_mismatch
+
+    note = subset_mismatch(path, chosen, model, info)
+    if note:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(note)}")
 
 
 def _print_export(out: Path, report: dict, how: str = "") -> None:
@@ -187,7 +208,9 @@ def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None
     try:
         if not is_checkpoint_folder(model):
             raise ValueError(f"--stream needs a checkpoint folder with safetensors shards, got {model!r}")
-        chosen = load_subset(subset, inspect(build_meta(load_config(model))))
+        meta_info = inspect(build_meta(load_config(model)))
+        chosen = load_subset(subset, meta_info)
+        warn_mismatch(subset, chosen, model, meta_info)
         metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
                     "calibration": chosen.calibration}  # fmt: skip
         report = export_checkpoint_subset(model, chosen.keep, out, metadata)
@@ -200,7 +223,12 @@ def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None
 def modularity_cmd(
     model: ModelArg,
     data: DataOpt,
-    out: Annotated[Path, typer.Option("--out", help="Directory for the heatmap PNGs and similarity.json.")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="Directory for the heatmap PNGs and similarity.json.", callback=check_out_folder
+        ),
+    ],
     max_docs: MaxDocsOpt = None,
     max_length: MaxLengthOpt = 512,
     seed: SeedOpt = 0,
@@ -258,6 +286,7 @@ def gate_cmd(
         lm, tokenizer = load(model, device, dtype, seed=seed)
         info = inspect(lm)
         chosen = load_subset(subset, info)
+        warn_mismatch(subset, chosen, model, info)
         own = domain or Path(str(chosen.calibration.get("data", ""))).stem
         report = gate_report(lm, tokenizer, texts, chosen.keep, info, own, max_length)
     except _ERRORS as err:
@@ -289,7 +318,9 @@ def clusters_cmd(
         Path,
         typer.Option("--data", help="A JSONL file, a directory of DOMAIN.jsonl files or a corpus folder."),
     ],
-    out: Annotated[Path, typer.Option("--out", help="Directory for clusters.json.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for clusters.json.", callback=check_out_folder)
+    ],
     clusters: Annotated[int, typer.Option("--clusters", help="k of spherical k-means (EMO: 32).")] = 32,
     first: Annotated[int, typer.Option("--first", help="Tokens per document (the first; EMO: 100).")] = 100,
     variance: Annotated[float, typer.Option("--variance", help="PCA variance kept (EMO: 0.95).")] = 0.95,

@@ -16,12 +16,14 @@ from moectl.cli.common import (
     TinyOpt,
     console,
     fail,
+    interrupted,
     load,
     model_spec,
     write_json,
 )
 
 
+@interrupted("nothing was written (results are written when the command finishes); run the command again")
 def switch_rate_cmd(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,
