@@ -223,3 +223,30 @@ def test_options_training_restarted_before_its_first_checkpoint_starts_a_new_log
     result = train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)
     assert not result["resumed"]
     assert [json.loads(x)["step"] for x in (tmp_path / "o" / "log.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_plots_are_written_atomically(tmp_path, monkeypatch):
+    """A plot redrawn after every checkpoint (loss_curve.png, curves.png) is the old one or the new,
+    never a half-written PNG (was: savefig straight onto the target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moectl.plots import plot_curves
+
+    png = tmp_path / "loss_curve.png"
+    plot_curves({"a": ([0, 1], [2.0, 1.0])}, png, xlabel="tokens", ylabel="loss")
+    old = png.read_bytes()
+    real = plt.Figure.savefig
+
+    def torn(self, fname, *args, **kwargs):
+        with open(fname, "wb") as fh:
+            fh.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plt.Figure, "savefig", torn)
+    with pytest.raises(OSError):
+        plot_curves({"a": ([0, 1], [3.0, 1.0])}, png, xlabel="tokens", ylabel="loss")
+    monkeypatch.setattr(plt.Figure, "savefig", real)
+    assert png.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["loss_curve.png"]

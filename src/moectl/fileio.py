@@ -124,6 +124,15 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     return Path(path)
 
 
+def save_figure(fig, path: str | Path, dpi: int = 100) -> Path:
+    """``fig.savefig`` to ``path`` atomically (the format from ``path``'s suffix, PNG without one):
+    a plot rewritten after every checkpoint is never left half-drawn."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
+    return path
+
+
 _RENAME_EXCHANGE = 2
 
 
