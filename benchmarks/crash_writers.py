@@ -3,7 +3,7 @@
 Each writer works in the current folder (the sweep runs it inside a fresh copy of its template):
 pretraining (a whole run, resumed after the kill), one pretraining checkpoint written over another,
 options training, subset export (in memory and streamed), GGUF export, tokenizer and corpus-sample
-builds, RoE tau profiles / subset files / JSON results, and a model card.
+builds, RoE tau profiles / subset files / JSON results, a model card, and RoE tuning (SQLite study).
 """
 
 from __future__ import annotations
@@ -288,6 +288,59 @@ def model_card_writer() -> Writer:
     )
 
 
+def roe_tune_writer() -> Writer:
+    """RoE tau tuning into an SQLite study (Optuna commits each trial), then the profile and plots. A
+    rerun resumes the study (by design with reseeded proposals, so its tau need not equal an
+    uninterrupted run's): what must hold is a study that loads, the full budget of finished trials
+    after the rerun, and a profile that is the old file or the new one."""
+    trials = 4
+
+    def tune_once() -> None:
+        import moectl
+        from moectl.roe.tune import tune
+
+        model, tokenizer, _ = moectl.load("tiny:olmoe")
+        tune(
+            model, tokenizer, "val.jsonl", K=2, trials=trials, storage="study.db", out="tau.json",
+            plot_dir="plots", batch_size=4, max_length=32, progress=False, model_name="tiny:olmoe",
+        )  # fmt: skip
+
+    def setup() -> None:
+        lines = [
+            json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog."})
+            for i in range(6)
+        ]
+        Path("val.jsonl").write_text("\n".join(lines) + "\n")
+
+    def view() -> dict[str, str]:
+        if not Path("tau.json").is_file():
+            return {}
+        profile = json.loads(Path("tau.json").read_text())
+        kept = {k: v for k, v in profile.items() if k != "history"}  # history holds wall-clock seconds
+        return {"tau.json": json.dumps(kept, sort_keys=True)}
+
+    def result() -> Any:
+        import optuna
+
+        summaries = optuna.get_all_study_summaries("sqlite:///study.db")
+        done = sum(
+            t.state == optuna.trial.TrialState.COMPLETE
+            for s in summaries
+            for t in optuna.load_study(study_name=s.study_name, storage="sqlite:///study.db").trials
+        )
+        return {"complete_trials": done >= trials, "profile": Path("tau.json").is_file()}
+
+    return Writer(
+        "roe-tune",
+        setup=setup,
+        write=tune_once,
+        view=view,
+        source=["val.jsonl"],
+        resume=tune_once,
+        result=result,
+    )
+
+
 WRITERS: dict[str, Callable[[], Writer]] = {
     "pretrain": pretrain_writer,
     "pretrain-checkpoint": pretrain_checkpoint_writer,
@@ -299,4 +352,5 @@ WRITERS: dict[str, Callable[[], Writer]] = {
     "corpus-sample": corpus_sample_writer,
     "small-files": small_files_writer,
     "model-card": model_card_writer,
+    "roe-tune": roe_tune_writer,
 }

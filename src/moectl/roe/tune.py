@@ -38,6 +38,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, ranks
+from moectl.fileio import crash_point
 from moectl.progress import progress_bar
 from moectl.roe.config import AGGREGATIONS, RoEConfig, save_profile
 from moectl.roe.data import Item, item_kind, load_items
@@ -227,6 +228,7 @@ def tune(
 
         def tick(study, trial) -> None:
             bar.update(task, advance=1, best=f"{study.best_value:.4g}")
+            crash_point(f"trial {trial.number} stored")  # the crash tests kill between trials too
 
         if remaining:
             with quiet_interrupted_trial():
