@@ -250,3 +250,26 @@ def test_plots_are_written_atomically(tmp_path, monkeypatch):
         plot_curves({"a": ([0, 1], [3.0, 1.0])}, png, xlabel="tokens", ylabel="loss")
     monkeypatch.setattr(plt.Figure, "savefig", real)
     assert png.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["loss_curve.png"]
+
+
+def test_options_training_resumes_from_the_newest_complete_checkpoint_when_latest_is_lost(tmp_path):
+    """The same fault in options training's checkpoints: ``latest`` names a folder that is gone."""
+    from moectl.models.load import load_model
+    from moectl.options.trainer import OptionsConfig, train_options
+
+    cfg = OptionsConfig(
+        k_hat=4, eta=0.5, steps=3, batch_size=3, max_new_tokens=4, save_every=1, lora_r=2, lora_alpha=2
+    )
+    prompts = ["The capital of France is", "One plus one is", "Water boils at"]
+    model, tok = load_model("tiny:qwen2_moe")
+    train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)  # keeps step-2 and step-3
+    shutil.rmtree(tmp_path / "o" / "checkpoints" / "step-000003")
+    model, tok = load_model("tiny:qwen2_moe")
+    with pytest.warns(UserWarning, match="step-000002"):
+        result = train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)
+    assert result["resumed"]  # was: a fresh start, its steps appended to the old log
+    assert [json.loads(x)["step"] for x in (tmp_path / "o" / "log.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+    ]

@@ -124,6 +124,6 @@ def check_nothing_to_resume(
     left = sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
     if left:
         raise ValueError(
-            f"--resume {out}: no complete checkpoint in {root} (found {', '.join(left)}; a complete "
+            f"cannot resume {out}: no complete checkpoint in {root} (found {', '.join(left)}; a complete "
             f"one holds trainer_state.pt): {fresh}"
         )
