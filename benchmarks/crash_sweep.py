@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,6 @@ def in_child(folder: Path, action: Callable[[], None], env: dict[str, str]) -> s
             os.environ.update(env)
             fileio._crash_steps = 0
             random.seed(0)  # Python reseeds `random` in a forked child: every child the same state
-            import warnings
-
             warnings.simplefilter("ignore")
             action()
         except BaseException as err:  # any failure: reported to the parent through the exit code
@@ -90,7 +89,9 @@ def sweep(writer: Writer, scratch: Path, limit: int | None = None) -> dict[str, 
     here = Path.cwd()
     os.chdir(template)
     try:
-        writer.setup()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the setup's own notes (e.g. a small evaluation set)
+            writer.setup()
     finally:
         os.chdir(here)
     for stale in template.rglob(".child-error"):

@@ -3,7 +3,7 @@
 Each writer works in the current folder (the sweep runs it inside a fresh copy of its template):
 pretraining (a whole run, resumed after the kill), one pretraining checkpoint written over another,
 options training, subset export (in memory and streamed), GGUF export, tokenizer and corpus-sample
-builds, RoE tau profiles / subset files / JSON results, a model card, and RoE tuning (SQLite study).
+builds, RoE tau profiles / subset files / JSON results, a model card, RoE tuning (SQLite study) and an evaluation-set import.
 """
 
 from __future__ import annotations
@@ -341,6 +341,65 @@ def roe_tune_writer() -> Writer:
     )
 
 
+def _pro_rows(split: str, per_category: int) -> list[dict]:
+    """MMLU-Pro-shaped rows (the user-supplied evaluation set moectl imports from files)."""
+    rows = []
+    for cat in ("biology", "math"):
+        for k in range(per_category):
+            i = len(rows)
+            options = [f"option {j} of {i}" for j in range(4)]
+            rows.append({
+                "question_id": 1000 * (split == "validation") + i, "question": f"[{cat}] {split} {k}?",
+                "options": options, "answer": "ABCD"[i % 4], "answer_index": i % 4,
+                "cot_content": "" if split == "test" else f"A: ({'ABCD'[i % 4]})", "category": cat,
+                "src": f"ori_mmlu-{cat}",
+            })  # fmt: skip
+    return rows
+
+
+def eval_set_cache_writer() -> Writer:
+    """An evaluation set imported over an older copy: the set's folder is swapped in whole, the
+    manifest replaced after it (each file old or new; the two are separate files)."""
+    from moectl.eval.fetch import fetch_evals
+
+    def files(tag: str, per_category: int) -> list[str]:
+        out = []
+        for split in ("test", "validation"):
+            path = Path(f"{tag}-{split}.jsonl")
+            path.write_text("".join(json.dumps(r) + "\n" for r in _pro_rows(split, per_category)))
+            out.append(str(path))
+        return out
+
+    def setup() -> None:
+        files("new", 3)
+        fetch_evals("evals", files={"mmlu_pro": files("old", 2)}, progress=False)
+
+    def view() -> dict[str, str]:
+        found = files_of(Path("."), ["evals/mmlu_pro"])
+        manifest = Path("evals/manifest.json")
+        if manifest.is_file():  # the user files' absolute paths differ between working folders
+            text = json.dumps(_without(json.loads(manifest.read_text()), "file"), sort_keys=True)
+            found["evals/manifest.json"] = hashlib.sha256(text.encode()).hexdigest()
+        return found
+
+    def write() -> None:
+        new = ["new-test.jsonl", "new-validation.jsonl"]
+        fetch_evals("evals", files={"mmlu_pro": new}, progress=False)
+
+    return Writer(
+        "eval-set-cache", setup=setup, write=write, view=view,
+        source=["new-test.jsonl", "new-validation.jsonl"], per_file=True,
+    )  # fmt: skip
+
+
+def _without(data: Any, key: str) -> Any:
+    if isinstance(data, dict):
+        return {k: _without(v, key) for k, v in data.items() if k != key}
+    if isinstance(data, list):
+        return [_without(v, key) for v in data]
+    return data
+
+
 WRITERS: dict[str, Callable[[], Writer]] = {
     "pretrain": pretrain_writer,
     "pretrain-checkpoint": pretrain_checkpoint_writer,
@@ -353,4 +412,5 @@ WRITERS: dict[str, Callable[[], Writer]] = {
     "small-files": small_files_writer,
     "model-card": model_card_writer,
     "roe-tune": roe_tune_writer,
+    "eval-set-cache": eval_set_cache_writer,
 }

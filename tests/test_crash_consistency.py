@@ -19,7 +19,7 @@ from crash_writers import WRITERS
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the harness forks its writers")
 EVERY_POINT = ["small-files", "pretrain-checkpoint", "subset-export", "subset-export-stream",
-               "tokenizer-build", "corpus-sample", "gguf"]  # fmt: skip
+               "tokenizer-build", "corpus-sample", "gguf", "eval-set-cache"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
