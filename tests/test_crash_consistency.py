@@ -1,7 +1,7 @@
 """Crash consistency (issue #29): every writer killed at every step of its write leaves the old state
 or the new, never its source touched, and a training run resumed after the kill ends bit for bit as
 an uninterrupted one. The harness is ``benchmarks/crash_sweep.py`` (``--json``: the full sweep);
-here, each cheap writer at every crash point and pretraining at two, bounded to well under a minute."""
+here, each cheap writer at every crash point and pretraining at its last, bounded to well under a minute."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_a_kill_at_any_step_leaves_the_old_state_or_the_new(tmp_path, name):
 
 
 def test_pretraining_killed_mid_write_resumes_to_the_uninterrupted_run(tmp_path):
-    row = crash_sweep.sweep(WRITERS["pretrain"](), tmp_path, limit=2)  # the first and the last step
-    assert row["steps"] >= 20 and row["tried"] == 2
+    row = crash_sweep.sweep(WRITERS["pretrain"](), tmp_path, limit=1)  # the last step: final/ written
+    assert row["steps"] >= 20 and row["tried"] == 1
     assert row["damaged"] == 0, row["damage"]
 
 

@@ -56,8 +56,8 @@ def test_the_packed_cache_is_rebuilt_for_another_seq_len_or_corpus(tmp_path, cor
 
 
 def test_overwrite_clears_the_packed_cache(tmp_path, corpus):
-    pretrain(_config(tmp_path / "run", corpus, max_steps=1, checkpoint_every=0), progress=False)
     stale = tmp_path / "run" / "data" / "stale.pt"
+    stale.parent.mkdir(parents=True)
     stale.write_bytes(b"x")
     Trainer(_config(tmp_path / "run", corpus, max_steps=1), progress=False, overwrite=True)
     assert not stale.exists()
@@ -214,7 +214,7 @@ def test_options_training_restarted_before_its_first_checkpoint_starts_a_new_log
     from moectl.options.trainer import OptionsConfig, train_options
 
     cfg = OptionsConfig(
-        k_hat=4, eta=0.5, steps=2, batch_size=3, max_new_tokens=4, save_every=100, lora_r=2, lora_alpha=2
+        k_hat=4, eta=0.5, steps=2, batch_size=3, max_new_tokens=2, save_every=100, lora_r=2, lora_alpha=2
     )
     prompts = ["The capital of France is", "One plus one is", "Water boils at"]
     model, tok = load_model("tiny:qwen2_moe")
@@ -258,18 +258,15 @@ def test_options_training_resumes_from_the_newest_complete_checkpoint_when_lates
     from moectl.options.trainer import OptionsConfig, train_options
 
     cfg = OptionsConfig(
-        k_hat=4, eta=0.5, steps=3, batch_size=3, max_new_tokens=4, save_every=1, lora_r=2, lora_alpha=2
+        k_hat=4, eta=0.5, steps=2, batch_size=3, max_new_tokens=2, save_every=1, lora_r=2, lora_alpha=2
     )
     prompts = ["The capital of France is", "One plus one is", "Water boils at"]
     model, tok = load_model("tiny:qwen2_moe")
-    train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)  # keeps step-2 and step-3
-    shutil.rmtree(tmp_path / "o" / "checkpoints" / "step-000003")
+    train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)  # keeps step-1 and step-2
+    shutil.rmtree(tmp_path / "o" / "checkpoints" / "step-000002")
     model, tok = load_model("tiny:qwen2_moe")
-    with pytest.warns(UserWarning, match="step-000002"):
+    with pytest.warns(UserWarning, match="step-000001"):
         result = train_options(model, tok, prompts, cfg, tmp_path / "o", progress=False)
-    assert result["resumed"]  # was: a fresh start, its steps appended to the old log
-    assert [json.loads(x)["step"] for x in (tmp_path / "o" / "log.jsonl").read_text().splitlines()] == [
-        1,
-        2,
-        3,
-    ]
+    assert result["resumed"]  # was: no checkpoint found (the run refused, or started afresh)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "o" / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
