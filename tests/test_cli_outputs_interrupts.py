@@ -190,3 +190,18 @@ def test_a_subset_file_missing_layers_is_refused_by_eval_as_by_export(tmp_path):
     experts = tmp_path / "experts.json"  # a per-layer policy, spelled as one: still allowed
     experts.write_text(json.dumps({"type": "expert_mask", "experts": {"0": [0, 1]}}))
     moectl.load_policy(experts, model)
+
+
+def test_a_write_that_fails_after_the_work_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr("moectl.subsets.files.write_text_atomic", full_disk)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"document {i} about things"}) for i in range(3)))
+    out = tmp_path / "s.json"
+    result = runner.invoke(
+        app, ["subset", "select", "tiny:olmoe", "--data", str(data), "--keep", "4", "--out", str(out)]
+    )
+    assert result.exit_code == 2 and not isinstance(result.exception, OSError)  # was: a traceback
+    assert f"error: --out {out}: No space left on device" in _flat(result.output)

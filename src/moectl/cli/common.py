@@ -105,12 +105,8 @@ def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
         return
     try:
         write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n")
-    except OSError as err:
-        fail(
-            f"--json {path}: {err.strerror or err}"
-            if not isinstance(err, IsADirectoryError)
-            else f"--json {err}"
-        )
+    except OSError as err:  # the atomic writers' errors name the path already (fileio.output_error)
+        fail(f"--json {err}" if err.strerror is None else f"--json {path}: {err.strerror}")
     console.print(f"[dim]wrote {path}[/dim]")
 
 
@@ -169,6 +165,15 @@ def interrupted(kept: str) -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print(f"[bold yellow]interrupted:[/bold yellow] {escape(kept)}")
         raise typer.Exit(code=130) from None
+
+
+def write_or_fail(option: str, write, *args, **kwargs):
+    """``write(*args, **kwargs)``; an ``OSError`` (a full disk, a folder gone) as ``error: OPTION ...``
+    and exit 2, not a traceback after the work is done."""
+    try:
+        return write(*args, **kwargs)
+    except OSError as err:
+        fail(f"{option} {err}" if err.strerror is None else f"{option} {err.filename or ''}: {err.strerror}")
 
 
 def fail(err: Exception | str) -> NoReturn:

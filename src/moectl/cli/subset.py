@@ -37,6 +37,7 @@ from moectl.cli.common import (
     fail,
     load,
     write_json,
+    write_or_fail,
 )
 from moectl.fileio import write_text_atomic
 
@@ -103,7 +104,10 @@ def select_cmd(
         "layerwise": layerwise,
         "seed": seed,
     }
-    save_subset(out, kept, model=model, method=method, calibration=calibration, num_experts=info.num_experts)
+    write_or_fail(
+        "--out", save_subset, out, kept, model=model, method=method, calibration=calibration,
+        num_experts=info.num_experts,
+    )  # fmt: skip
     table = Table(title=f"{method} subset: {keep} of {info.num_experts} experts per MoE layer")
     for column in ("MoE layer", "decoder layer", "kept experts"):
         table.add_column(column)
@@ -254,7 +258,7 @@ def modularity_cmd(
         table.add_row(index, *(f"{summary[key]:.3f}" for key in ("mean", "min", "max")))
     console.print(table)
     result = {"model": model, **report}
-    write_text_atomic(out / "similarity.json", json.dumps(result, indent=2) + "\n")
+    write_or_fail("--out", write_text_atomic, out / "similarity.json", json.dumps(result, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/similarity.json and {len(report['plots'])} heatmaps[/dim]")
     write_json(json_path, result)
 
@@ -362,7 +366,7 @@ def clusters_cmd(
         "clusters": clusters, "first": first, "variance": variance, "components": result.components,
         "purity": result.purity, "report": report,
     }  # fmt: skip
-    write_text_atomic(out / "clusters.json", json.dumps(data_out, indent=2) + "\n")
+    write_or_fail("--out", write_text_atomic, out / "clusters.json", json.dumps(data_out, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/clusters.json[/dim]")
     write_json(json_path, data_out)
 
