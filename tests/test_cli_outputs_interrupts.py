@@ -75,6 +75,11 @@ def test_subset_select_into_a_file_path_is_refused_before_the_selection(tmp_path
         ["inspect", "--tiny", "olmoe", "--json", "{bad}/i.json"],
         ["corpus", "build", "--out", "{bad}/corpus"],
         ["tokenizer", "train", "--out", "{bad}/tok"],
+        ["switch-rate", "--tiny", "olmoe", "--trace", "{bad}/trace"],
+        ["switch-rate", "--tiny", "olmoe", "--plot", "{bad}/figures"],
+        ["roe", "tune", "--tiny", "olmoe", "--data", "D", "--plot-dir", "{bad}/plots"],
+        ["data", "list-evals", "--json", "{bad}/l.json"],
+        ["pretrain", "--json", "{bad}/f.json"],
     ],
 )
 def test_every_output_option_is_checked_when_the_command_line_is_parsed(blocker, no_model, args):

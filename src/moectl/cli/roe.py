@@ -32,6 +32,7 @@ from moectl.cli.common import (
     RoETemperaturesOpt,
     TinyOpt,
     check_out_file,
+    check_out_folder,
     console,
     fail,
     interrupted,
@@ -294,7 +295,10 @@ def tune_cmd(
         typer.Option("--study-name", help="Optuna study name (default: roe-FAMILY-KK-OBJECTIVE-MODE)."),
     ] = None,
     plot_dir: Annotated[
-        Path | None, typer.Option("--plot-dir", help="Where the PNGs go (default: --out's folder).")
+        Path | None,
+        typer.Option(
+            "--plot-dir", help="Where the PNGs go (default: --out's folder).", callback=check_out_folder
+        ),
     ] = None,
     limit: LimitOpt = None,
     max_docs: Annotated[
