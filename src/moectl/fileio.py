@@ -18,6 +18,7 @@ write; ``MOECTL_CRASH_LOG=FILE``: list the steps) that the crash-consistency tes
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -56,12 +57,23 @@ def crash_point(what: str) -> None:
 
 
 def fsync_path(path: str | Path) -> None:
-    """Flush a file's (or, on POSIX, a folder's entries') data to the disk."""
-    if Path(path).is_dir() and os.name == "nt":
-        return  # Windows cannot open a folder to sync it
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file's (or, on POSIX, a folder's entries') data to the disk. A folder that cannot be
+    opened or synced (Windows; some network and FUSE file systems: EINVAL, ENOTSUP; no read
+    permission) is skipped: the rename is then as durable as that file system makes it."""
+    folder = Path(path).is_dir()
+    if folder and os.name == "nt":
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        if folder:
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError as err:
+        if not (folder and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
     finally:
         os.close(fd)
 
@@ -148,10 +160,10 @@ def _exchange(a: Path, b: Path) -> bool:
     at_cwd = -100
     if rename(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this file system cannot
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # this file system cannot
         return False
-    raise OSError(errno, os.strerror(errno), str(b))
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def recover_dir(final: str | Path) -> Path:
