@@ -5,15 +5,33 @@ file, wrong for a result renamed into place: a trace, a results JSON or a fetche
 must get the mode any other new file gets (0666 less the umask). ``atomic_path`` yields a
 temporary path beside the target, and on success gives it that mode and renames it into place;
 on any error the temporary file is removed and the target is untouched.
+
+Durable too: the file is ``fsync``-ed before the rename and its folder after it, so a power loss
+leaves the old file or the new one, never a complete-looking empty one. ``atomic_dir`` does the
+same for a whole folder (a checkpoint, an export): written beside its final name, synced, then
+swapped in with one ``renameat2(RENAME_EXCHANGE)`` where the system has it.
+
+``crash_point`` is a test hook (``MOECTL_CRASH_AFTER=N``: SIGKILL at the N-th step of an atomic
+write; ``MOECTL_CRASH_LOG=FILE``: list the steps) that the crash-consistency tests sweep.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
+import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+CRASH_AFTER = "MOECTL_CRASH_AFTER"
+CRASH_LOG = "MOECTL_CRASH_LOG"
+_crash_steps = 0
 
 
 def default_mode(directory: bool = False) -> int:
@@ -43,22 +61,208 @@ def _umask() -> int:
     return mask
 
 
+def crash_point(what: str) -> None:
+    """One step of an atomic write, for the crash-consistency tests: with ``MOECTL_CRASH_LOG`` set,
+    append ``N what`` to that file; with ``MOECTL_CRASH_AFTER=N``, SIGKILL this process at step N
+    (no cleanup, no ``finally``: what a power cut or ``kill -9`` leaves). Free when neither is set."""
+    global _crash_steps
+    after, log = os.environ.get(CRASH_AFTER), os.environ.get(CRASH_LOG)
+    if not after and not log:
+        return
+    _crash_steps += 1
+    if log:
+        with open(log, "a", encoding="utf-8") as fh:
+            fh.write(f"{_crash_steps} {what}\n")
+    if after and _crash_steps == int(after):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's (or, on POSIX, a folder's entries') data to the disk. A folder that cannot be
+    opened or synced (Windows; some network and FUSE file systems: EINVAL, ENOTSUP; no read
+    permission) is skipped: the rename is then as durable as that file system makes it."""
+    folder = Path(path).is_dir()
+    if folder and os.name == "nt":
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        if folder:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if not (folder and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """``fsync`` every file and folder under ``folder`` (and ``folder``), deepest first."""
+    folder = Path(folder)
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if not path.is_symlink():
+            fsync_path(path)
+    fsync_path(folder)
+
+
+def output_error(path: str | Path, err: OSError) -> OSError:
+    """``err`` as one line naming ``path`` (not a temporary name, not ``[Errno 21]``): what is wrong."""
+    path = Path(path)
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # NotADirectoryError, or FileExistsError from mkdir(parents=True)
+        return NotADirectoryError(f"{path} cannot be written: {blocker} is a file, not a folder")
+    if isinstance(err, IsADirectoryError):
+        why = "is a folder: give a file path"
+    elif isinstance(err, PermissionError):
+        why = "cannot be written: permission denied"
+    else:
+        why = f"cannot be written: {err.strerror or err}"
+    return type(err)(f"{path} {why}")
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it to ``path`` when the block succeeds."""
+    """Yield a temporary path beside ``path``; rename it to ``path`` when the block succeeds (the
+    file synced before, its folder after)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder: give a file path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise output_error(path, err) from err
     os.close(fd)
     tmp = Path(name)
     try:
         yield tmp
+        crash_point(f"wrote {tmp.name}")
+        fsync_path(tmp)
         tmp.chmod(default_mode())
+        crash_point(f"synced {tmp.name}")
         os.replace(tmp, path)
+        crash_point(f"renamed to {path.name}")
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically, with the usual mode."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 100, **savefig: Any) -> Path:
+    """``fig.savefig`` to ``path`` atomically (the format from ``path``'s suffix, PNG without one):
+    a plot rewritten after every checkpoint is never left half-drawn. ``savefig``: more of
+    matplotlib's options (``bbox_inches="tight"``)."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png", **savefig)
+    return path
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rename = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd = -100
+    if rename(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # this file system cannot
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def recover_dir(final: str | Path) -> Path:
+    """Finish a folder swap that a crash cut short where no one-step exchange exists: if ``final`` is
+    missing and ``.old-NAME`` beside it holds the previous version, put it back; a ``.old-NAME``
+    beside a present ``final`` is stale and removed."""
+    final = Path(final)
+    old = final.with_name(f".old-{final.name}")
+    if old.is_dir():
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+    return final
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Hard-link every entry of ``old`` that ``new`` lacks into ``new`` (folders recursively)."""
+    for entry in old.iterdir():
+        target = new / entry.name
+        if target.exists() or target.is_symlink() or entry.name.startswith((".tmp-", ".old-")):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            shutil.copytree(entry, target, symlinks=True, copy_function=os.link)
+        else:
+            os.link(entry, target)
+
+
+@contextmanager
+def atomic_dir(final: str | Path, overwrite: bool = True, keep_others: bool = False) -> Iterator[Path]:
+    """Yield a fresh ``.tmp-NAME`` folder beside ``final``; when the block succeeds, give its files the
+    usual mode, sync them, and put it in place of ``final`` in one step (an existing ``final`` is
+    exchanged with it, then removed), so ``final`` is the old folder or the new, never a mix.
+
+    An existing ``final`` is replaced only with ``overwrite`` (else FileExistsError before anything is
+    written). ``keep_others``: entries of an existing ``final`` that the block did not write are carried
+    into the new folder (hard links: no copy, and the old folder stays as it was). On an error the temporary folder is removed; after a kill it stays, and the next write of
+    the same name removes it.
+    """
+    final = Path(final)
+    recover_dir(final)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists (pass overwrite / --overwrite to replace it)")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".tmp-{final.name}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as err:
+        raise output_error(final, err) from err
+    try:
+        yield tmp
+        usual_modes(tmp)
+        if keep_others and final.is_dir():
+            _carry_over(final, tmp)
+        crash_point(f"wrote {tmp.name}")
+        fsync_tree(tmp)
+        crash_point(f"synced {tmp.name}")
+        if not final.exists():
+            os.replace(tmp, final)
+            crash_point(f"renamed to {final.name}")
+        elif _exchange(tmp, final):
+            crash_point(f"exchanged with {final.name}")
+        else:  # two renames: a crash between them leaves .old-NAME, which recover_dir puts back
+            old = final.with_name(f".old-{final.name}")
+            os.replace(final, old)
+            crash_point(f"moved {final.name} aside")
+            os.replace(tmp, final)
+            crash_point(f"renamed to {final.name}")
+            tmp = old
+        fsync_path(final.parent)
+        crash_point(f"synced {final.parent.name}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from moectl.fileio import save_figure
 from moectl.metrics.switch_rate import router_option_masks
 from moectl.routing.trace import RoutingTrace
 
@@ -91,7 +92,7 @@ def plot_expert_activation(
     strip.set_title(heading + "\n" + "\n".join(subtitle), fontsize=9, loc="left")
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -111,7 +112,7 @@ def plot_switch_rate_per_layer(
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -148,6 +149,6 @@ def plot_curves(
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

@@ -21,7 +21,17 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    check_out_file,
+    console,
+    fail,
+    load,
+    write_json,
+)
 
 _ERRORS = (ValueError, OSError, KeyError)
 PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.data``)
@@ -38,7 +48,10 @@ def baselines_command(
         ),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Write the masks as a subset file (fixed baselines).")
+        Path | None,
+        typer.Option(
+            "--out", help="Write the masks as a subset file (fixed baselines).", callback=check_out_file
+        ),
     ] = None,
     json_path: JsonOpt = None,
     num_prompts: Annotated[

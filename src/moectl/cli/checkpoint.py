@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, console, fail, write_json
+from moectl.cli.common import JsonOpt, check_out_folder, console, fail, write_json
 
 checkpoint_app = typer.Typer(
     help="Write checkpoints of real models' shapes (random weights).", no_args_is_help=True
@@ -29,7 +29,9 @@ def _gb(n: int) -> str:
 @checkpoint_app.command("make")
 def make_cmd(
     spec: Annotated[str, typer.Argument(help="shape:NAME[@LAYERS][~wWIDTH], e.g. shape:olmoe-1b-7b@2.")],
-    out: Annotated[Path, typer.Option("--out", help="Folder to write (must be empty or new).")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Folder to write (must be empty or new).", callback=check_out_folder)
+    ],
     max_shard_gb: Annotated[
         float, typer.Option("--max-shard-gb", help="Largest shard in GB (10^9 bytes), as Hugging Face's 5GB.")
     ] = 5.0,

@@ -9,6 +9,9 @@ transformers or other heavy package: ``moectl --help`` stays fast.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -121,21 +124,75 @@ def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
         return
     try:
         write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n")
-    except OSError as err:
-        fail(
-            f"--json {path}: {err.strerror or err}"
-            if not isinstance(err, IsADirectoryError)
-            else f"--json {err}"
-        )
+    except OSError as err:  # the atomic writers' errors name the path already (fileio.output_error)
+        fail(f"--json {err}" if err.strerror is None else f"--json {path}: {err.strerror}")
     console.print(f"[dim]wrote {path}[/dim]")
+
+
+def output_problem(path: Path, folder: bool = False) -> str | None:
+    """Why ``path`` (a file to write, or with ``folder`` a folder to create or fill) cannot be written,
+    or None: the wrong kind of thing already there, a file where a parent folder must go, or a
+    parent folder this process may not write in. Cheap, so every verb checks before any work."""
+    path = Path(path).expanduser()
+    if not folder and path.is_dir():
+        name = "results.json" if path.suffix != ".json" else "out.json"
+        return f"{path} is a folder: give a file path, e.g. {path / name}"
+    if folder and path.exists() and not path.is_dir():
+        return f"{path} is a file: give a folder"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be written: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be written: no permission to write in {parent}"
+    return None
+
+
+def check_out_file(param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """A typer callback: an output file checked when the command line is parsed, before any work;
+    ``error: --OPTION PROBLEM`` and exit 2 when it cannot be written."""
+    problem = None if path is None else output_problem(path)
+    if problem:
+        fail(f"{param.opts[0]} {problem}")
+    return path
+
+
+def check_out_folder(param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """A typer callback: an output folder checked when the command line is parsed, before any work."""
+    problem = None if path is None else output_problem(path, folder=True)
+    if problem:
+        fail(f"{param.opts[0]} {problem}")
+    return path
 
 
 def check_json_path(path: Path | None) -> Path | None:
     """``--json`` checked when the command line is parsed, before any work: not a folder, and its
-    folder creatable."""
-    if path is not None and path.is_dir():
-        raise typer.BadParameter(f"{path} is a folder: give a file path, e.g. {path / 'results.json'}")
+    folder creatable and writable."""
+    problem = None if path is None else output_problem(path)
+    if problem:
+        fail(f"--json {problem}")
     return path
+
+
+@contextmanager
+def interrupted(kept: str) -> Iterator[None]:
+    """Ctrl-C inside the block ends the command with one line, ``interrupted: KEPT`` (what was kept
+    and how to go on), and exit code 130, instead of a traceback or a bare blank line."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"[bold yellow]interrupted:[/bold yellow] {escape(kept)}")
+        raise typer.Exit(code=130) from None
+
+
+def write_or_fail(option: str, write, *args, **kwargs):
+    """``write(*args, **kwargs)``; an ``OSError`` (a full disk, a folder gone) as ``error: OPTION ...``
+    and exit 2, not a traceback after the work is done."""
+    try:
+        return write(*args, **kwargs)
+    except OSError as err:
+        fail(f"{option} {err}" if err.strerror is None else f"{option} {err.filename or ''}: {err.strerror}")
 
 
 def fail(err: Exception | str) -> NoReturn:

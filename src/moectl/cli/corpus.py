@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.common import err_console, write_json
+from moectl.cli.common import check_out_folder, err_console, write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app", "tokenizer_app"]
@@ -68,7 +68,7 @@ def corpus_table(stats: dict[str, Any]) -> Table:
 
 @corpus_app.command("build")
 def build_command(
-    out: Annotated[Path, typer.Option("--out", help="output folder for {train,validation,test}.jsonl")] = Path(
+    out: Annotated[Path, typer.Option("--out", help="output folder for {train,validation,test}.jsonl", callback=check_out_folder)] = Path(
         "data/corpus"),
     cache: Annotated[Path, typer.Option("--cache", help="download/unpack/document cache")] = Path("data/cache"),
     domains: Annotated[str | None, typer.Option("--domains", help=f"comma-separated subset of: "
@@ -117,7 +117,7 @@ def sources_command(
 def train_command(
     corpus_dir: Annotated[Path, typer.Argument(help="corpus folder (from `moectl corpus build`)")],
     vocab: Annotated[int, typer.Option("--vocab", help="vocabulary size (8k-16k suits CPU-sized models)")] = 16384,
-    out: Annotated[Path, typer.Option("--out", help="output folder (save_pretrained)")] = Path("data/tok"),
+    out: Annotated[Path, typer.Option("--out", help="output folder (save_pretrained)", callback=check_out_folder)] = Path("data/tok"),
     max_chars_per_domain: Annotated[int | None, typer.Option("--max-chars-per-domain", min=1,
                                                              help="train on at most N characters per domain")] = None,
     count: Annotated[bool, typer.Option("--count/--no-count", help="count real tokens per domain and split")] = True,

@@ -8,7 +8,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import FAMILY_HELP, DeviceOpt, DtypeOpt, JsonOpt, console, fail, load, write_json
+from moectl.cli.common import (
+    FAMILY_HELP,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    check_out_folder,
+    console,
+    fail,
+    load,
+    write_json,
+)
 
 
 def demo_cmd(
@@ -16,7 +26,9 @@ def demo_cmd(
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
     ] = 48,
-    out: Annotated[Path, typer.Option(help="Directory for figures.")] = Path("out/demo"),
+    out: Annotated[Path, typer.Option(help="Directory for figures.", callback=check_out_folder)] = Path(
+        "out/demo"
+    ),
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     json_path: JsonOpt = None,

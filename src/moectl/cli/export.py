@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, console, fail, write_json
+from moectl.cli.common import JsonOpt, check_out_file, console, fail, write_json
 
 export_app = typer.Typer(
     help="Write a model in another engine's format (GGUF for llama.cpp).", no_args_is_help=True
@@ -30,7 +30,7 @@ def gguf_cmd(
             help="A checkpoint folder (config.json + safetensors): qwen2_moe, olmoe or qwen3_moe."
         ),
     ],
-    out: Annotated[Path, typer.Option("--out", help="The GGUF file to write.")],
+    out: Annotated[Path, typer.Option("--out", help="The GGUF file to write.", callback=check_out_file)],
     subset: Annotated[
         Path | None,
         typer.Option("--subset", help="Keep only this subset's experts (a `moectl subset select` file)."),

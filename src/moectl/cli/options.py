@@ -16,6 +16,8 @@ from moectl.cli.common import (
     JsonOpt,
     MaxNewTokensOpt,
     ModelArg,
+    check_out_file,
+    check_out_folder,
     console,
     fail,
     load,
@@ -40,7 +42,12 @@ def train_cmd(
     model: ModelArg,
     k_hat: Annotated[int, typer.Option("--k-hat", help="Experts per option k̂ (top-k ≤ k̂ ≤ N).")],
     out: Annotated[
-        Path, typer.Option("--out", help="Output folder (checkpoints/, final/, log.jsonl, curves.png).")
+        Path,
+        typer.Option(
+            "--out",
+            help="Output folder (checkpoints/, final/, log.jsonl, curves.png).",
+            callback=check_out_folder,
+        ),
     ],
     eta: Annotated[float, typer.Option("--eta", help="Deliberation cost η (nats per switch).")] = 0.02,
     eta_from_latency: Annotated[
@@ -197,7 +204,10 @@ def generate_cmd(
         typer.Option("--greedy-controller", help="Switch when β > 1/2 and take the top-k̂ (no sampling)."),
     ] = False,
     plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write the options over positions (Fig. 6) here.")
+        Path | None,
+        typer.Option(
+            "--plot", help="Write the options over positions (Fig. 6) here.", callback=check_out_file
+        ),
     ] = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
@@ -346,7 +356,12 @@ def card_cmd(
         typer.Option("--base", help="The base model's folder (config.json): the model it was trained on."),
     ],
     out: Annotated[
-        Path, typer.Option("--out", help="The folder to write: controller files, log, curves, README.md.")
+        Path,
+        typer.Option(
+            "--out",
+            help="The folder to write: controller files, log, curves, README.md.",
+            callback=check_out_folder,
+        ),
     ],
     checkpoint: Annotated[
         str,

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import console, fail, write_json
+from moectl.cli.common import check_out_file, console, fail, write_json
 
 
 def pretrain_command(
@@ -84,7 +84,8 @@ def pretrain_command(
         bool, typer.Option(help="Start a new run in an --out that already holds one (its checkpoints go).")
     ] = False,
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="Also write the final evaluation here.")
+        Path | None,
+        typer.Option("--json", help="Also write the final evaluation here.", callback=check_out_file),
     ] = None,
 ) -> None:
     """Pretrain one of moectl's MoEs with the standard or the EMO objective."""

@@ -31,8 +31,11 @@ from moectl.cli.common import (
     RoESeedOpt,
     RoETemperaturesOpt,
     TinyOpt,
+    check_out_file,
+    check_out_folder,
     console,
     fail,
+    interrupted,
     load,
     model_spec,
     write_json,
@@ -277,7 +280,9 @@ def tune_cmd(
     uniform_step: Annotated[
         float, typer.Option("--uniform-step", help="Grid step of --uniform's sweep.")
     ] = 0.05,
-    out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path("out/roe/profile.json"),
+    out: Annotated[
+        Path, typer.Option("--out", help="Profile JSON to write.", callback=check_out_file)
+    ] = Path("out/roe/profile.json"),
     storage: Annotated[
         Path | None,
         typer.Option(
@@ -290,7 +295,10 @@ def tune_cmd(
         typer.Option("--study-name", help="Optuna study name (default: roe-FAMILY-KK-OBJECTIVE-MODE)."),
     ] = None,
     plot_dir: Annotated[
-        Path | None, typer.Option("--plot-dir", help="Where the PNGs go (default: --out's folder).")
+        Path | None,
+        typer.Option(
+            "--plot-dir", help="Where the PNGs go (default: --out's folder).", callback=check_out_folder
+        ),
     ] = None,
     limit: LimitOpt = None,
     max_docs: Annotated[
@@ -318,13 +326,16 @@ def tune_cmd(
         lm, tokenizer = load(spec, device, dtype)
         info = inspect(lm)
         k = 16 if k is None else k
-        result = tune(
-            lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau, skip_layers=skip_layers,
-            seed=seed, aggregation=aggregation, uniform=uniform, uniform_step=uniform_step,
-            storage=storage or out.with_suffix(".optuna.journal" if several else ".optuna.db"), study_name=study_name, out=out,
-            plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
-            info=info, model_name=spec, max_docs=max_docs,
-        )  # fmt: skip
+        study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
+        kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
+        with interrupted(kept):
+            result = tune(
+                lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau,
+                skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
+                uniform_step=uniform_step, storage=study_file, study_name=study_name, out=out,
+                plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
+                info=info, model_name=spec, max_docs=max_docs,
+            )  # fmt: skip
     except _ERRORS as err:
         fail(err)
     except ImportError as err:

@@ -20,6 +20,7 @@ from moectl.cli.common import (
     TinyOpt,
     console,
     fail,
+    interrupted,
     model_spec,
     use_threads,
     write_json,
@@ -51,6 +52,7 @@ def _seconds(s: float | None) -> str:
 
 
 @serve_app.command("serve-offload")
+@interrupted("nothing was written (results are written when the command finishes); run the command again")
 def serve_offload_command(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,

@@ -22,9 +22,23 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    check_out_file,
+    check_out_folder,
+    console,
+    err_console,
+    fail,
+    load,
+    write_json,
+    write_or_fail,
+)
 from moectl.fileio import write_text_atomic
 
 subset_app = typer.Typer(
@@ -50,7 +64,7 @@ def select_cmd(
     model: ModelArg,
     data: Annotated[Path, typer.Option("--data", help="Calibration JSONL with a 'text' field per line.")],
     keep: Annotated[int, typer.Option("--keep", help="Experts kept in every MoE layer.")],
-    out: Annotated[Path, typer.Option("--out", help="Subset file to write (JSON).")],
+    out: Annotated[Path, typer.Option("--out", help="Subset file to write (JSON).", callback=check_out_file)],
     method: Annotated[
         str, typer.Option("--method", help="router | frequency | easy-ep | reap | reconstruction | wanda | random")
     ] = "router",
@@ -90,7 +104,10 @@ def select_cmd(
         "layerwise": layerwise,
         "seed": seed,
     }
-    save_subset(out, kept, model=model, method=method, calibration=calibration)
+    write_or_fail(
+        "--out", save_subset, out, kept, model=model, method=method, calibration=calibration,
+        num_experts=info.num_experts,
+    )  # fmt: skip
     table = Table(title=f"{method} subset: {keep} of {info.num_experts} experts per MoE layer")
     for column in ("MoE layer", "decoder layer", "kept experts"):
         table.add_column(column)
@@ -106,7 +123,9 @@ def select_cmd(
 def export_cmd(
     model: ModelArg,
     subset: Annotated[Path, typer.Option("--subset", help="Subset file from `moectl subset select`.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the smaller checkpoint.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the smaller checkpoint.", callback=check_out_folder)
+    ],
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
@@ -123,9 +142,13 @@ def export_cmd(
     """Slice the unselected experts out and save a checkpoint plain transformers loads."""
     from moectl.adapters import inspect
     from moectl.models.load_lazy import is_checkpoint_folder
-    from moectl.subsets.export import export_subset
+    from moectl.subsets.export import check_out_dir, export_subset
     from moectl.subsets.files import load_subset
 
+    try:  # before the model loads: an existing checkpoint (or MODEL itself) is never written into
+        check_out_dir(out)
+    except ValueError as err:
+        fail(f"--out {err}")
     if stream is None:
         stream = is_checkpoint_folder(model) and dtype == "auto"
     if stream:
@@ -139,10 +162,7 @@ def export_cmd(
             console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
         info = inspect(lm)
         chosen = load_subset(subset, info)
-        if chosen.model not in (None, model):
-            console.print(
-                f"[yellow]warning:[/yellow] {subset} was selected on {chosen.model}, exporting {model}"
-            )
+        warn_mismatch(subset, chosen, model, info)
         source = Path(model) if Path(model).is_dir() else None
         metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
                     "calibration": chosen.calibration}  # fmt: skip
@@ -151,6 +171,15 @@ def export_cmd(
         fail(err)
     _print_export(out, report)
     write_json(json_path, report)
+
+
+def warn_mismatch(path: Path, chosen, model: str, info) -> None:
+    """``warning: ...`` on standard error when the subset file was chosen on another model."""
+    from moectl.subsets.files import subset_mismatch
+
+    note = subset_mismatch(path, chosen, model, info)
+    if note:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(note)}")
 
 
 def _print_export(out: Path, report: dict, how: str = "") -> None:
@@ -183,7 +212,9 @@ def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None
     try:
         if not is_checkpoint_folder(model):
             raise ValueError(f"--stream needs a checkpoint folder with safetensors shards, got {model!r}")
-        chosen = load_subset(subset, inspect(build_meta(load_config(model))))
+        meta_info = inspect(build_meta(load_config(model)))
+        chosen = load_subset(subset, meta_info)
+        warn_mismatch(subset, chosen, model, meta_info)
         metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
                     "calibration": chosen.calibration}  # fmt: skip
         report = export_checkpoint_subset(model, chosen.keep, out, metadata)
@@ -196,7 +227,12 @@ def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None
 def modularity_cmd(
     model: ModelArg,
     data: DataOpt,
-    out: Annotated[Path, typer.Option("--out", help="Directory for the heatmap PNGs and similarity.json.")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="Directory for the heatmap PNGs and similarity.json.", callback=check_out_folder
+        ),
+    ],
     max_docs: MaxDocsOpt = None,
     max_length: MaxLengthOpt = 512,
     seed: SeedOpt = 0,
@@ -222,7 +258,7 @@ def modularity_cmd(
         table.add_row(index, *(f"{summary[key]:.3f}" for key in ("mean", "min", "max")))
     console.print(table)
     result = {"model": model, **report}
-    write_text_atomic(out / "similarity.json", json.dumps(result, indent=2) + "\n")
+    write_or_fail("--out", write_text_atomic, out / "similarity.json", json.dumps(result, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/similarity.json and {len(report['plots'])} heatmaps[/dim]")
     write_json(json_path, result)
 
@@ -254,6 +290,7 @@ def gate_cmd(
         lm, tokenizer = load(model, device, dtype, seed=seed)
         info = inspect(lm)
         chosen = load_subset(subset, info)
+        warn_mismatch(subset, chosen, model, info)
         own = domain or Path(str(chosen.calibration.get("data", ""))).stem
         report = gate_report(lm, tokenizer, texts, chosen.keep, info, own, max_length)
     except _ERRORS as err:
@@ -285,7 +322,9 @@ def clusters_cmd(
         Path,
         typer.Option("--data", help="A JSONL file, a directory of DOMAIN.jsonl files or a corpus folder."),
     ],
-    out: Annotated[Path, typer.Option("--out", help="Directory for clusters.json.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for clusters.json.", callback=check_out_folder)
+    ],
     clusters: Annotated[int, typer.Option("--clusters", help="k of spherical k-means (EMO: 32).")] = 32,
     first: Annotated[int, typer.Option("--first", help="Tokens per document (the first; EMO: 100).")] = 100,
     variance: Annotated[float, typer.Option("--variance", help="PCA variance kept (EMO: 0.95).")] = 0.95,
@@ -327,7 +366,7 @@ def clusters_cmd(
         "clusters": clusters, "first": first, "variance": variance, "components": result.components,
         "purity": result.purity, "report": report,
     }  # fmt: skip
-    write_text_atomic(out / "clusters.json", json.dumps(data_out, indent=2) + "\n")
+    write_or_fail("--out", write_text_atomic, out / "clusters.json", json.dumps(data_out, indent=2) + "\n")
     console.print(f"[dim]wrote {out}/clusters.json[/dim]")
     write_json(json_path, data_out)
 

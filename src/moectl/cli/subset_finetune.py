@@ -19,8 +19,18 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, console, fail, load, write_json
-from moectl.cli.subset import _ERRORS, subset_app
+from moectl.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    check_out_folder,
+    console,
+    fail,
+    load,
+    write_json,
+)
+from moectl.cli.subset import _ERRORS, subset_app, warn_mismatch
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")]
 
@@ -29,7 +39,10 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out i
 def finetune_cmd(
     checkpoint: Annotated[str, typer.Argument(help="Exported subset checkpoint (or any model spec).")],
     data: Annotated[Path, typer.Option("--data", help="JSONL: prompt+response/completion, or text.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the fine-tuned checkpoint.")],
+    out: Annotated[
+        Path,
+        typer.Option("--out", help="Directory for the fine-tuned checkpoint.", callback=check_out_folder),
+    ],
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the data (EMO: 1).")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (EMO: 5e-5).")] = 5e-5,
     batch_size: Annotated[
@@ -121,7 +134,9 @@ def finetune_cmd(
 def merge_cmd(
     model: ModelArg,
     experts: Annotated[Path, typer.Option("--experts", help="Fine-tuned subset checkpoint directory.")],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the merged full model.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the merged full model.", callback=check_out_folder)
+    ],
     subset: Annotated[
         Path | None,
         typer.Option("--subset", help="Subset file (default: the kept experts recorded in --experts)."),
@@ -159,7 +174,9 @@ def merge_cmd(
                 f"[yellow]warning:[/yellow] {experts} was exported from {metadata['model']}, merging into {model}"
             )
         if subset is not None:
-            keep = load_subset(subset, info).keep
+            chosen = load_subset(subset, info)
+            warn_mismatch(subset, chosen, model, info)
+            keep = chosen.keep
             if recorded is not None and {int(k): v for k, v in recorded.items()} != keep:
                 raise ValueError(f"{subset} keeps other experts than {experts} was exported with")
         elif recorded is not None:

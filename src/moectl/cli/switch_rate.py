@@ -14,14 +14,18 @@ from moectl.cli.common import (
     JsonOpt,
     OptionalModelArg,
     TinyOpt,
+    check_out_file,
+    check_out_folder,
     console,
     fail,
+    interrupted,
     load,
     model_spec,
     write_json,
 )
 
 
+@interrupted("nothing was written (results are written when the command finishes); run the command again")
 def switch_rate_cmd(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,
@@ -38,10 +42,12 @@ def switch_rate_cmd(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per generate call.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of sampling (and a tiny model's weights).")] = 0,
     plot: Annotated[
-        Path | None, typer.Option(help="Directory for the PNG figures (TE-MoE Figure 2).")
+        Path | None,
+        typer.Option(help="Directory for the PNG figures (TE-MoE Figure 2).", callback=check_out_folder),
     ] = None,
     trace: Annotated[
-        Path | None, typer.Option(help="Save the routing trace here (.safetensors + .json).")
+        Path | None,
+        typer.Option(help="Save the routing trace here (.safetensors + .json).", callback=check_out_file),
     ] = None,
     policy: Annotated[
         str | None,

@@ -21,7 +21,6 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import os
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -36,6 +35,7 @@ from moectl.data.fetch import fetch_source
 from moectl.data.markup import normalise_whitespace, strip
 from moectl.data.sources import SOURCES, Source, select_sources
 from moectl.data.split import DEFAULT_FRACTIONS, SPLITS, content_key, split_of, unit_hash
+from moectl.fileio import atomic_dir, atomic_path, write_text_atomic
 
 __all__ = ["CHARS_PER_TOKEN", "PIPELINE_VERSION", "build_corpus", "source_documents"]
 
@@ -137,14 +137,11 @@ def _cached_documents(
                 rec = json.loads(line)
                 yield rec["id"], rec["text"]
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
+    with atomic_path(path) as tmp, gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
         for doc_id, text in source_documents(source, roots, max_docs, counts, on_file):
             fh.write(json.dumps({"id": doc_id, "text": text}, ensure_ascii=False) + "\n")
             yield doc_id, text
-    os.replace(tmp, path)
-    meta_path.write_text(json.dumps(counts))
+    write_text_atomic(meta_path, json.dumps(counts))  # after the documents: read only beside them
 
 
 def _empty_counter() -> dict[str, int]:
@@ -183,13 +180,14 @@ def build_corpus(
     chosen = select_sources(list(domains) if domains is not None else None, sources)
     if max_docs_per_source is not None and max_docs_per_source < 1:
         raise ValueError("max_docs_per_source must be at least 1")
-    out.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
     domain_stats: dict[str, dict[str, Any]] = {}
     source_stats: dict[str, dict[str, Any]] = {}
     console = Console(stderr=True)
     with ExitStack() as stack:
-        tmp_paths = {s: out / f"{s}.jsonl.tmp" for s in SPLITS}
+        # the splits and stats.json appear together, complete (the old corpus until then)
+        tmp_out = stack.enter_context(atomic_dir(out, keep_others=True))
+        tmp_paths = {s: tmp_out / f"{s}.jsonl" for s in SPLITS}
         writers = {s: stack.enter_context(open(p, "w", encoding="utf-8")) for s, p in tmp_paths.items()}
         bar = stack.enter_context(Progress(
             TextColumn("[bold]{task.fields[domain]:>6}[/] {task.description:<26}"), BarColumn(),
@@ -236,20 +234,18 @@ def build_corpus(
             sstat.update({k: counts.get(k, 0) for k in ("files", "dropped_short", "dropped_long")})
             sstat["capped"] = bool(counts.get("capped"))
             source_stats[source.name] = sstat
-    for s, p in tmp_paths.items():
-        os.replace(p, out / f"{s}.jsonl")
-    total = _empty_counter()
-    for d in domain_stats.values():
-        for k in total:
-            total[k] += d[k]
-    stats: dict[str, Any] = {
-        "format": "moectl-corpus/1",
-        "fractions": dict(zip(SPLITS, fractions, strict=True)),
-        "token_estimate": f"approx_tokens = ceil(characters / {CHARS_PER_TOKEN}) per document",
-        "max_docs_per_source": max_docs_per_source,
-        "total": total,
-        "domains": domain_stats,
-        "sources": source_stats,
-    }
-    (out / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+        total = _empty_counter()
+        for d in domain_stats.values():
+            for k in total:
+                total[k] += d[k]
+        stats: dict[str, Any] = {
+            "format": "moectl-corpus/1",
+            "fractions": dict(zip(SPLITS, fractions, strict=True)),
+            "token_estimate": f"approx_tokens = ceil(characters / {CHARS_PER_TOKEN}) per document",
+            "max_docs_per_source": max_docs_per_source,
+            "total": total,
+            "domains": domain_stats,
+            "sources": source_stats,
+        }
+        (tmp_out / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     return stats

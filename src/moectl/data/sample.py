@@ -19,6 +19,7 @@ from typing import Any
 from moectl.data.build import CHARS_PER_TOKEN
 from moectl.data.jsonl import iter_jsonl_rows
 from moectl.data.split import SPLITS, unit_hash
+from moectl.fileio import atomic_dir
 
 __all__ = [
     "corpus_files",
@@ -89,31 +90,31 @@ def subsample_corpus(
     """
     budget = budget or SAMPLE_BUDGET
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stats: dict[str, Any] = {"format": "moectl-corpus/1", "sample_of": str(corpus_dir), "budget": budget,
                              "max_doc_chars": max_doc_chars, "domains": {}, "total": {}}
-    for split in SPLITS:
-        candidates: dict[str, list[tuple[float, dict[str, Any]]]] = {}
-        for doc in iter_documents(corpus_dir, split):
-            if len(doc["text"]) <= max_doc_chars:
-                candidates.setdefault(doc["domain"], []).append((unit_hash(doc["id"], "sample"), doc))
-        chosen: list[dict[str, Any]] = []
-        for domain in sorted(candidates):
-            taken = 0
-            for _, doc in sorted(candidates[domain], key=lambda c: c[0]):
-                if taken >= budget[split]:
-                    break
-                chosen.append(doc)
-                taken += len(doc["text"])
-                d = stats["domains"].setdefault(domain, {}).setdefault(
-                    split, {"documents": 0, "characters": 0, "approx_tokens": 0})
-                d["documents"] += 1
-                d["characters"] += len(doc["text"])
-                d["approx_tokens"] += -(-len(doc["text"]) // CHARS_PER_TOKEN)
-        chosen.sort(key=lambda d: d["id"])
-        with gzip.GzipFile(out / f"{split}.jsonl.gz", "wb", compresslevel=9, mtime=0) as raw:
-            for doc in chosen:
-                raw.write((json.dumps(doc, ensure_ascii=False) + "\n").encode())
-        stats["total"][split] = {"documents": len(chosen), "characters": sum(len(d["text"]) for d in chosen)}
-    (out / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    with atomic_dir(out, keep_others=True) as tmp:  # the old sample or the new, never a mix
+        for split in SPLITS:
+            candidates: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+            for doc in iter_documents(corpus_dir, split):
+                if len(doc["text"]) <= max_doc_chars:
+                    candidates.setdefault(doc["domain"], []).append((unit_hash(doc["id"], "sample"), doc))
+            chosen: list[dict[str, Any]] = []
+            for domain in sorted(candidates):
+                taken = 0
+                for _, doc in sorted(candidates[domain], key=lambda c: c[0]):
+                    if taken >= budget[split]:
+                        break
+                    chosen.append(doc)
+                    taken += len(doc["text"])
+                    d = stats["domains"].setdefault(domain, {}).setdefault(
+                        split, {"documents": 0, "characters": 0, "approx_tokens": 0})
+                    d["documents"] += 1
+                    d["characters"] += len(doc["text"])
+                    d["approx_tokens"] += -(-len(doc["text"]) // CHARS_PER_TOKEN)
+            chosen.sort(key=lambda d: d["id"])
+            with gzip.GzipFile(tmp / f"{split}.jsonl.gz", "wb", compresslevel=9, mtime=0) as raw:
+                for doc in chosen:
+                    raw.write((json.dumps(doc, ensure_ascii=False) + "\n").encode())
+            stats["total"][split] = {"documents": len(chosen), "characters": sum(len(d["text"]) for d in chosen)}
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     return stats

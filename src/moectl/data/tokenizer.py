@@ -16,6 +16,7 @@ from typing import Any
 
 from moectl.data.sample import corpus_files, iter_documents
 from moectl.data.split import SPLITS
+from moectl.fileio import atomic_dir
 
 __all__ = [
     "BOS",
@@ -97,8 +98,6 @@ def train_tokenizer(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=model_max_length,
     )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out))
     summary = {
         "vocab_size": fast.vocab_size,
         "requested_vocab_size": vocab_size,
@@ -107,7 +106,9 @@ def train_tokenizer(
         "characters_per_domain": dict(sorted(used.items())),
         "out_dir": str(out),
     }
-    (out / "moectl_tokenizer.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with atomic_dir(out, keep_others=True) as tmp:  # the old tokenizer or the new, never a mix
+        fast.save_pretrained(str(tmp))
+        (tmp / "moectl_tokenizer.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

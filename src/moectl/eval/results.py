@@ -46,6 +46,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from moectl.fileio import write_text_atomic
+
 SCHEMA = "moectl.eval.results/1"
 CI_METHODS = ("wilson", "bootstrap", "normal", "none")
 KINDS = ("multiple_choice", "generate", "loglikelihood", "perplexity")
@@ -125,12 +127,7 @@ def validate(doc: Any, where: str = "results") -> dict[str, Any]:
 def save_results(doc: dict[str, Any], path: str | os.PathLike) -> Path:
     """Validate and write atomically."""
     validate(doc)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:

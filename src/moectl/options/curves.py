@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moectl.fileio import save_figure
+
 __all__ = [
     "CURVES",
     "RESAMPLES",
@@ -180,9 +182,6 @@ def plot(runs: dict[str, list[dict]], path: Path, window: int, title: str = "") 
         title or f"options training: raw (faint), running mean over {window} steps, bootstrap 95% band"
     )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
-    tmp.replace(path)
     return path

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moectl.fileio import save_figure
 from moectl.options.curves import WINDOW, running_mean
 
 _PANELS = (
@@ -39,7 +40,7 @@ def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 
@@ -107,6 +108,6 @@ def plot_options(
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

@@ -59,7 +59,9 @@ from moectl.options.state import latest_checkpoint, load_weights, save_checkpoin
 from moectl.options.step_stats import step_row, tokenize_prompts
 from moectl.options.teacher import add_lora
 from moectl.stopping import TrainingInterrupted, stop_on_signals
+from moectl.train.checkpoint import check_nothing_to_resume
 from moectl.train.master_weights import MasterWeights
+from moectl.train.runlog import read_log, write_log
 
 __all__ = ["OptionsConfig", "OptionsTrainer", "check_resume", "train_options"]
 IGNORED_ON_RESUME = ("steps", "save_every")  # may change between a run and its resumption
@@ -254,7 +256,7 @@ class OptionsTrainer:
         check_controller_fits(path, self.controller)
         self.controller.load_state_dict(load_file(str(path / "controller.safetensors")))
         load_weights(path, self.model, self.info)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = torch.load(path / "trainer_state.pt", weights_only=True)  # no code in a shared run
         self.opt_ctrl.load_state_dict(state["opt_ctrl"])
         self.masters.load_state_dict(state.get("masters"))  # absent: older checkpoints, from the weights
         if self.opt_intra is not None and state["opt_intra"] is not None:
@@ -263,9 +265,8 @@ class OptionsTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
         log = self.out / "log.jsonl"
-        if self.ranks.is_main and log.exists():  # drop lines written after the checkpoint
-            lines = [ln for ln in log.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
-            log.write_text("".join(ln + "\n" for ln in lines))
+        if self.ranks.is_main and log.exists():  # drop lines written after the checkpoint (atomically)
+            write_log(log, [r for r in read_log(log) if r["step"] <= self.step])
         self.ranks.barrier()
         return True
 
@@ -275,6 +276,7 @@ def check_resume(out: str | Path, config: OptionsConfig) -> Path | None:
     ``ValueError`` naming the settings that differ and the fix otherwise (before any work)."""
     path = latest_checkpoint(Path(out))
     if path is None:
+        check_nothing_to_resume(Path(out), "give a new --out, or --no-resume to start afresh")
         return None
     saved = json.loads((path / "options.json").read_text())
     mine = asdict(config)
@@ -328,6 +330,8 @@ def train_options(
     processes.barrier()
     trainer = OptionsTrainer(model, tokenizer, prompts, config, out, processes)
     resumed = trainer.resume() if resume else False
+    if not resumed and processes.is_main:  # step 1 afresh: a log of an earlier start is not continued
+        (out / "log.jsonl").unlink(missing_ok=True)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     rows: list[dict] = []
@@ -372,4 +376,4 @@ def train_options(
 
 
 def _read_log(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines() if ln]
+    return read_log(out / "log.jsonl")

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from moectl.fileio import write_text_atomic
 from moectl.routing.config import PolicyConfig, check_version, register_policy
 
 if TYPE_CHECKING:
@@ -187,13 +188,8 @@ def resolve_tau(spec: TauSpec, num_moe_layers: int) -> list[float]:
 def save_profile(path: str | Path, tau: Sequence[float], **info: Any) -> Path:
     """Write a tau profile: ``{"type": "roe", "format_version", "tau": [per MoE layer], ...info}``
     (atomic replace; ``info`` holds K, aggregation, seed and how tau was found)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {"type": "roe", "format_version": RoEConfig.format_version, "tau": [float(t) for t in tau], **info}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps(data, indent=2))
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:

@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from moectl.fileio import save_figure
+
 
 def plot_tau_heatmap(
     rows: Sequence[Sequence[float]],
@@ -44,7 +46,7 @@ def plot_tau_heatmap(
     fig.colorbar(image, ax=ax, label="tau")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -71,6 +73,6 @@ def plot_uniform_curve(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path

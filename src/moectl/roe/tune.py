@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, ranks
+from moectl.fileio import crash_point
 from moectl.progress import progress_bar
 from moectl.roe.config import AGGREGATIONS, RoEConfig, check_k, save_profile
 from moectl.roe.data import Item, item_kind, load_items
@@ -225,9 +227,11 @@ def tune(
 
         def tick(study, trial) -> None:
             bar.update(task, advance=1, best=f"{study.best_value:.4g}")
+            crash_point(f"trial {trial.number} stored")  # the crash tests kill between trials too
 
         if remaining:
-            study.optimize(objective_fn, n_trials=remaining, callbacks=[tick])
+            with quiet_interrupted_trial():
+                study.optimize(objective_fn, n_trials=remaining, callbacks=[tick])
     processes.barrier()  # every process's trials are in the study
     seconds = time.perf_counter() - start
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -311,3 +315,39 @@ def _figures(result: TuneResult, plot_dir: Path, max_tau: float, uniform: bool, 
         ylabel = "validation perplexity" if result.objective == "ppl" else "validation accuracy"
         figures.append(plot_uniform_curve(taus, values, plot_dir / "uniform_tau.png", ylabel))
     return figures
+
+
+class _InterruptedTrialFilter(logging.Filter):
+    """Drops Optuna's report of a trial that Ctrl-C cut short: a traceback through the model's forward
+    (35-51 lines) and "failed with value None". The command says in one line what was kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            record.exc_info
+            and record.exc_info[0] is not None
+            and issubclass(record.exc_info[0], KeyboardInterrupt)
+        ):
+            self.seen = True
+            return False
+        return not (self.seen and "failed with value" in record.getMessage())
+
+
+@contextmanager
+def quiet_interrupted_trial() -> Iterator[None]:
+    """Within the block, Optuna's log leaves out the trial a Ctrl-C interrupted (the interrupt itself
+    propagates: the study keeps every finished trial, and a rerun resumes it)."""
+    import optuna  # noqa: F401 - sets up the "optuna" logger and its handler
+
+    handlers = list(logging.getLogger("optuna").handlers)  # records of optuna.* loggers end here
+    quiet = _InterruptedTrialFilter()
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)

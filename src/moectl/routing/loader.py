@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,7 @@ def _from_path(path: Path, model, info) -> Any:
         if path.is_dir():
             return _from_folder(path, model, info)
         data = _read_json(path)
+        check_subset_layers(data, info, path)
         if not isinstance(data, (Mapping, list)):
             raise ValueError(
                 f"{path}: a policy file holds a JSON object (or a list of them), got {json.dumps(data)[:40]}"
@@ -189,6 +191,33 @@ def _from_path(path: Path, model, info) -> Any:
             f"{path}: not a policy moectl can read ({type(err).__name__}: {detail[:200]}); "
             "see moectl.load_policy for the forms a policy file takes"
         ) from err
+
+
+def check_subset_layers(data: Any, info, path: Path) -> None:
+    """A subset file (an expert mask spelled ``keep``, as ``subset select`` writes) must list every MoE
+    layer, the rule ``subset export`` applies: a layer it leaves out would run unmasked, silently.
+    (A policy meant for some layers only spells its lists ``experts``.) Also warns when the file
+    records another expert count than the model's (chosen on another model)."""
+    if info is None or not isinstance(data, Mapping) or data.get("type", "expert_mask") != "expert_mask":
+        return
+    keep = data.get("keep")
+    if not isinstance(keep, Mapping) or not keep:
+        return
+    listed = {int(k) for k in keep if str(k).lstrip("-").isdigit()}
+    missing = [layer.index for layer in info.layers if layer.index not in listed]
+    if missing:
+        raise ValueError(
+            f"subset file {path} lists MoE layers {sorted(listed)} of 0..{info.num_moe_layers - 1}: a subset keeps "
+            f"experts in every MoE layer (as `moectl subset export` requires; missing {missing}); for a policy "
+            "on some layers only, name the lists 'experts' instead of 'keep'"
+        )
+    recorded = data.get("num_experts")
+    if isinstance(recorded, int) and recorded != info.num_experts:
+        warnings.warn(
+            f"subset file {path} was chosen on {data.get('model') or 'a model'} with {recorded} experts per "
+            f"MoE layer; this model has {info.num_experts}",
+            stacklevel=3,
+        )
 
 
 def _from_folder(path: Path, model, info) -> Any:
@@ -221,6 +250,7 @@ def _from_string(spec: str, model, info) -> Any:
         data = _read_json(path)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
+        check_subset_layers(data, info, path)
         data = normalise(data)
         if data["type"] not in ("expert_mask", "static"):
             raise ValueError(

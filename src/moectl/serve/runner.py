@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.fileio import save_figure
 from moectl.generate import Prompt
 from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
@@ -248,6 +249,6 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     ax1.set_ylabel("MoE layer x experts + expert")
     ax1.set_xlabel("forward step (dotted: a prompt's prefill; a decoding step adds one token to each running prompt)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path

@@ -17,7 +17,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
-from moectl.fileio import usual_modes
+from moectl.fileio import atomic_dir
 
 METADATA = "moectl_subset.json"
 
@@ -56,8 +56,12 @@ def export_subset(
 
     The model is deep-copied first unless ``in_place``. ``source`` (the checkpoint directory the
     model came from) adds its real size on disk to the report. Writes ``moectl_subset.json``
-    (kept experts, ``metadata``, the report) beside the weights.
+    (kept experts, ``metadata``, the report) beside the weights. ``out_dir`` must not exist or be
+    empty (as for the streamed export: an existing checkpoint, or the source itself, is never written
+    into); the folder appears complete or not at all (``moectl.fileio.atomic_dir``).
     """
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     info = info or inspect(model)
     keep = check_keep(info, keep)
     before = {"parameters": count_parameters(model), "tensor_bytes": tensor_bytes(model)}
@@ -68,30 +72,39 @@ def export_subset(
     if not in_place:
         info = inspect(target)
     slice_experts(target, keep, info)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target.save_pretrained(out_dir)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out_dir)
-    usual_modes(out_dir)
-    after = {
-        "parameters": count_parameters(target),
-        "tensor_bytes": tensor_bytes(target),
-        "disk_bytes": disk_bytes(out_dir),
-    }
-    report = {
-        "out": str(out_dir),
-        "experts_before": experts_before,
-        "experts_after": len(next(iter(keep.values()))),
-        "before": before,
-        "after": after,
-        "parameter_fraction": after["parameters"] / before["parameters"],
-    }
-    meta = {
-        "keep": {str(k): v for k, v in sorted(keep.items())},
-        **(metadata or {}),
-        "report": report,
-    }
-    (out_dir / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
-    report["disk_bytes_with_metadata"] = disk_bytes(out_dir)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked): atomic_dir renames the complete folder into its place
+    with atomic_dir(out_dir, overwrite=False) as tmp:
+        target.save_pretrained(tmp)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        after = {
+            "parameters": count_parameters(target),
+            "tensor_bytes": tensor_bytes(target),
+            "disk_bytes": disk_bytes(tmp),
+        }
+        report = {
+            "out": str(out_dir),
+            "experts_before": experts_before,
+            "experts_after": len(next(iter(keep.values()))),
+            "before": before,
+            "after": after,
+            "parameter_fraction": after["parameters"] / before["parameters"],
+        }
+        meta = {
+            "keep": {str(k): v for k, v in sorted(keep.items())},
+            **(metadata or {}),
+            "report": report,
+        }
+        (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        report["disk_bytes_with_metadata"] = disk_bytes(tmp)
     return report
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """``ValueError`` unless ``out_dir`` is a new or empty folder: an export never writes into an
+    existing checkpoint (its shards would mix with the new ones) or into the folder it reads."""
+    out_dir = Path(out_dir).expanduser()
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} exists and is not an empty folder: give a new --out folder")
+    return out_dir

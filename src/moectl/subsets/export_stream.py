@@ -26,9 +26,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +39,12 @@ from torch import Tensor
 from moectl.adapters.inspect import inspect
 from moectl.adapters.linear_gate import GateRouter
 from moectl.adapters.slicing import _CONFIG_KEYS, check_keep, per_expert_tensors
-from moectl.fileio import default_mode
+from moectl.fileio import atomic_dir, default_mode
 from moectl.models.meta_model import build_meta, load_config
 from moectl.models.range_read import RangeReader
 from moectl.models.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
 from moectl.models.shards import ShardReader
+from moectl.subsets.export import check_out_dir
 
 METADATA = "moectl_subset.json"
 
@@ -151,20 +152,19 @@ def export_checkpoint_subset(
     the model refuses, a checkpoint that does not fit its config) before anything is written.
     """
     folder, out_dir = Path(folder).expanduser(), Path(out_dir).expanduser()
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir} exists and is not an empty folder")
+    check_out_dir(out_dir)
     actions, keep, experts, experts_before = plan_actions(folder, keep)
     index = CheckpointIndex(folder)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key, entry in index.entries.items():
         by_file[entry.file].append(key)
     files = sorted(by_file)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked): atomic_dir renames the complete folder into its place
     io = RangeReader("direct")
     weight_map: dict[str, str] = {}
     before = after = params_before = params_after = 0
-    try:
+    with closing(io), atomic_dir(out_dir, overwrite=False) as tmp:
         for i, file in enumerate(files):
             name = SINGLE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             tensors: dict[str, Tensor] = {}
@@ -207,12 +207,4 @@ def export_checkpoint_subset(
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         report["disk_bytes_with_metadata"] = _disk_bytes(tmp)
         os.chmod(tmp, default_mode(directory=True))
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        io.close()
     return report

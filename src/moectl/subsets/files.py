@@ -13,6 +13,8 @@ Keys of ``keep`` are MoE layer indices (dense layers skipped), values the kept e
 refuses, naming the file and the layer: non-JSON, missing fields, non-integer layers or ids,
 duplicates; with the model's ``ModelInfo`` also unknown or missing layers, out-of-range ids,
 fewer than top-k experts, unequal counts and unbalanced router groups (``slicing.check_keep``).
+A file records the model it was chosen on and its experts per MoE layer (``num_experts``), so a
+verb using it on another model warns (:func:`subset_mismatch`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
+from moectl.fileio import write_text_atomic
 from moectl.routing.config import FORMAT_VERSION
 
 
@@ -33,12 +36,14 @@ class SubsetFile:
     model: str | None = None
     method: str | None = None
     calibration: dict = field(default_factory=dict)
+    num_experts: int | None = None  # experts per MoE layer of the model it was chosen on
 
     def to_json(self) -> dict:
         return {
             "type": "expert_mask",
             "format_version": FORMAT_VERSION,
             "model": self.model,
+            "num_experts": self.num_experts,
             "method": self.method,
             "keep": {str(layer): list(ids) for layer, ids in sorted(self.keep.items())},
             "calibration": self.calibration,
@@ -51,15 +56,18 @@ def save_subset(
     model: str | None = None,
     method: str | None = None,
     calibration: dict | None = None,
+    num_experts: int | None = None,
 ) -> Path:
-    """Write a subset file (parent folders created); returns its path."""
+    """Write a subset file (parent folders created, atomically); returns its path. ``num_experts``:
+    the experts per MoE layer of the model it was chosen on (recorded for :func:`subset_mismatch`)."""
     subset = SubsetFile(
-        {int(k): sorted(int(i) for i in v) for k, v in keep.items()}, model, method, calibration or {}
+        {int(k): sorted(int(i) for i in v) for k, v in keep.items()},
+        model,
+        method,
+        calibration or {},
+        num_experts,
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(subset.to_json(), indent=2) + "\n")
-    return path
+    return write_text_atomic(path, json.dumps(subset.to_json(), indent=2) + "\n")
 
 
 def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
@@ -107,4 +115,20 @@ def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
     calibration = data.get("calibration") or {}
     if not isinstance(calibration, dict):
         raise ValueError(f'subset file {path}: "calibration" must be an object')
-    return SubsetFile(keep, data.get("model"), data.get("method"), calibration)
+    n = data.get("num_experts")
+    return SubsetFile(
+        keep, data.get("model"), data.get("method"), calibration, n if isinstance(n, int) else None
+    )
+
+
+def subset_mismatch(path: str | Path, subset: SubsetFile, model: str | None, info: ModelInfo) -> str | None:
+    """A one-line warning when ``subset`` (read from ``path``) was chosen on another model than
+    ``model`` (its spec) with ``info``: another recorded model name, or another expert count."""
+    other_name = subset.model is not None and model is not None and subset.model != model
+    other_count = subset.num_experts is not None and subset.num_experts != info.num_experts
+    if not (other_name or other_count):
+        return None
+    chosen = f"{subset.model or 'another model'}" + (
+        f" ({subset.num_experts} experts per MoE layer)" if subset.num_experts is not None else ""
+    )
+    return f"{path} was chosen on {chosen}, used on {model or 'this model'} ({info.num_experts} experts per MoE layer)"

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.fileio import save_figure
 from moectl.metrics.effective_experts import effective_number
 from moectl.progress import progress_bar
 from moectl.routing import route
@@ -199,7 +200,7 @@ def plot_similarity(
         fig.colorbar(image, ax=ax, label=f"cosine (scale {low:.3f}-{high:.3f}, off-diagonal range)", extend="max")
         fig.tight_layout()
         path = out_dir / f"similarity_layer{index}.png"
-        fig.savefig(path, dpi=100)
+        save_figure(fig, path, dpi=100)
         plt.close(fig)
         paths.append(path)
     return paths

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from moectl.fileio import write_text_atomic
+
 Objective = Literal["standard", "emo"]
 LBScope = Literal["micro", "dp", "global"]
 
@@ -127,7 +129,7 @@ class TrainConfig:
         return self.seq_len * self.micro_batch * self.grad_accum * world_size
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2))
+        write_text_atomic(path, json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:

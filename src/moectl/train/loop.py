@@ -26,18 +26,24 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moectl.adapters.inspect import inspect
-from moectl.fileio import usual_modes
 from moectl.models.grouped_experts import register as register_grouped_experts
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
 from moectl.stopping import StopRequest, TrainingInterrupted, stop_on_signals
-from moectl.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from moectl.train.checkpoint import (
+    check_nothing_to_resume,
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    write_dir_atomic,
+)
 from moectl.train.config import TrainConfig
 from moectl.train.lb_window import CountWindow
 from moectl.train.losses import all_reduce_sum, expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.model import build_model
 from moectl.train.objective import NextTokenLoss
 from moectl.train.packing import PackedSplit, batch_indices, load_or_pack
+from moectl.train.runlog import read_log, write_log
 
 
 def lr_lambda(config: TrainConfig):
@@ -92,7 +98,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.tokenizer)
         corpus = config.corpus or str(_sample_dir())
         cache = self.out / "data"
+        if not resume and not overwrite and (self.out / "config.json").exists():
+            raise FileExistsError(
+                f"{self.out} already holds a run; continue it with --resume {self.out}, "
+                "or pass --overwrite to start it again from step 0"
+            )
         with self.accelerator.main_process_first():  # one process tokenises, the others read its cache
+            if overwrite and not resume and self.accelerator.is_main_process:
+                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+                shutil.rmtree(cache, ignore_errors=True)  # a fresh start packs its data afresh too
             self.train_data = load_or_pack(
                 cache / "train.pt", corpus, "train", self.tokenizer, config.seq_len
             )
@@ -104,15 +118,10 @@ class Trainer:
                 config.seq_len,
                 self.train_data.domains,
             )
-        if not resume and not overwrite and (self.out / "config.json").exists():
-            raise FileExistsError(
-                f"{self.out} already holds a run; continue it with --resume {self.out}, "
-                "or pass --overwrite to start it again from step 0"
-            )
-        if overwrite and not resume:
-            shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
         # a run stopped before its first checkpoint resumes from step 0
         checkpoint = latest_checkpoint(self.out) if resume else None
+        if resume and checkpoint is None:
+            check_nothing_to_resume(self.out)
         self.start_step = 0
         model_source = checkpoint or (Path(config.anneal_from) if config.anneal_from else None)
         if model_source is not None:
@@ -313,7 +322,10 @@ class Trainer:
             TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(),
         ]
-        last: dict[str, Any] = {}
+        # resumed after its last step (a crash while writing final/): the final record's training
+        # figures are the last logged step's, as in the run that was not interrupted
+        logged = read_log(self.log_path) if self.start_step and acc.is_main_process else []
+        last: dict[str, Any] = next((r for r in reversed(logged) if "ce" in r and not r.get("final")), {})
         window_start, window_tokens = time.perf_counter(), 0
         with Progress(*columns, disable=not (self.progress and acc.is_main_process)) as bar:
             task = bar.add_task(
@@ -347,11 +359,13 @@ class Trainer:
         self.save(c.max_steps - 1)  # every process: save() waits for all, then the main one writes
         if acc.is_main_process:
             self._log({"final": True, **final})
-            self.raw_model.save_pretrained(self.out / "final", safe_serialization=True)
-            self.tokenizer.save_pretrained(self.out / "final")
-            usual_modes(self.out / "final")
+            write_dir_atomic(self.out / "final", self._write_final)  # old or new final/, never a mix
             plot_loss_curve(self.log_path, self.out / "loss_curve.png")
         return final
+
+    def _write_final(self, folder: Path) -> None:
+        self.raw_model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
 
     def save(self, step: int) -> Path | None:
         self.accelerator.wait_for_everyone()
@@ -377,22 +391,15 @@ class Trainer:
 
 def truncate_log(log_path: Path, start_step: int) -> None:
     """Drop log records of steps >= ``start_step`` (written after the checkpoint a run resumes from),
-    so the log and the loss curve continue without repeats; a fresh run (0) starts a new log."""
+    so the log and the loss curve continue without repeats; a fresh run (0) starts a new log. The
+    rewrite is atomic, and a last line torn by a crash is dropped with a warning (``runlog``)."""
     if not log_path.exists():
         return
     if start_step == 0:
         log_path.unlink()
         return
-    kept = [
-        line
-        for line in log_path.read_text().splitlines()
-        if line.strip()
-        and json.loads(line).get("step", -1) < start_step
-        and not json.loads(line).get("final")
-    ]
-    tmp = log_path.with_name(f".{log_path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(log_path)
+    kept = [r for r in read_log(log_path) if r.get("step", -1) < start_step and not r.get("final")]
+    write_log(log_path, kept)
 
 
 def _sample_dir() -> Path:
@@ -407,7 +414,7 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
         return None
     from moectl.plots import plot_curves
 
-    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    rows = read_log(log_path)
     train = [r for r in rows if "ce" in r and not r.get("final")]
     if not train:
         return None

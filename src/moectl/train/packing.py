@@ -3,17 +3,27 @@
 Every token keeps the id of its document (EMO's pools are per document) and its domain (for
 per-domain validation loss). Rows are drawn in a seeded order that depends only on (seed, epoch),
 so the batch of any step is a pure function of the step: resuming needs no data state but the step.
+
+The packed rows are cached (``OUT/data/*.pt``) under a fingerprint of what made them: the corpus
+files (path, size, modification time: a changed file rebuilds, without rereading gigabytes on every
+resume), the tokenizer (its full serialisation), the split, ``seq_len`` and the domain list. A cache
+of other inputs is rebuilt, never reused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from moectl.data.sample import iter_documents
+from moectl.data.sample import corpus_files, iter_documents
+from moectl.fileio import atomic_path
+
+CACHE_VERSION = 1
 
 
 @dataclass
@@ -76,18 +86,48 @@ def tokenize_split(
     return pack_documents(encoded, [index[d["domain"]] for d in docs], seq_len, tokenizer.eos_token_id, names)
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything that decides a tokenizer's ids: its full serialisation where it has one
+    (fast tokenizers: vocabulary, merges, normalizer, added tokens), else its vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = [type(tokenizer).__name__, tokenizer.eos_token_id]
+    return hashlib.sha256((text + json.dumps(extra)).encode()).hexdigest()
+
+
+def data_fingerprint(corpus: str | Path, split: str, tokenizer, seq_len: int, domains=None) -> str:
+    """The packed cache's key: corpus files (path, size, mtime), tokenizer, split, seq_len, domains."""
+    files = []
+    for file in corpus_files(corpus, split):
+        stat = file.stat()
+        files.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
+    key = {
+        "version": CACHE_VERSION,
+        "files": files,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "split": split,
+        "seq_len": seq_len,
+        "domains": None if domains is None else list(domains),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
 def load_or_pack(
     cache: Path, corpus: str | Path, split: str, tokenizer, seq_len: int, domains=None
 ) -> PackedSplit:
-    """``tokenize_split`` cached in ``cache`` (a .pt file), so resumes and reruns skip tokenising."""
+    """``tokenize_split`` cached in ``cache`` (a .pt file), so resumes and reruns skip tokenising;
+    a cache made from other inputs (``data_fingerprint``) is rebuilt. Read with ``weights_only``."""
+    key = data_fingerprint(corpus, split, tokenizer, seq_len, domains)
     if cache.exists():
-        data = torch.load(cache, weights_only=False)
-        return PackedSplit(**data)
+        try:
+            data = torch.load(cache, weights_only=True)
+        except Exception:  # unreadable (an old format, a foreign file): rebuilt below
+            data = {}
+        if isinstance(data, dict) and data.pop("fingerprint", None) == key:
+            return PackedSplit(**data)
     packed = tokenize_split(corpus, split, tokenizer, seq_len, domains)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    torch.save(vars(packed), tmp)
-    tmp.replace(cache)
+    with atomic_path(cache) as tmp:
+        torch.save({"fingerprint": key, **vars(packed)}, tmp)
     return packed
 
 
