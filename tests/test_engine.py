@@ -260,3 +260,18 @@ def test_left_pad_and_scored_positions():
     assert scored_positions(mask, [1, 0]).tolist() == [[False, True, True], [False, False, True]]
     with pytest.raises(ValueError, match="at least one token"):
         left_pad([[1], []], pad_id=0)
+
+
+def test_offloading_switches_to_eager_experts_and_back():
+    """A model on grouped experts is offloaded with its experts' eager forward (what offloading runs),
+    and gets its implementation back when the engine closes."""
+    from moectl.serve.config import OffloadConfig
+
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    model.set_experts_implementation("grouped_mm")
+    engine = Engine(model, tok, EngineConfig(offload=OffloadConfig(budget=4, store="host")))
+    with engine:
+        assert model.config._experts_implementation == "eager"
+        got = engine.generate(["abc"], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert model.config._experts_implementation == "grouped_mm"
+    assert got[0].finish_reason == "length"

@@ -177,6 +177,7 @@ class Engine:
         self._session = None
         self._offload = None
         self.runtime = None  # the OffloadRuntime while open, if offloading
+        self._experts_before: str | None = None  # the experts implementation to restore on close
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._drain = True
@@ -197,6 +198,10 @@ class Engine:
             if self.config.offload is not None:
                 from moectl.serve.offload import offload
 
+                impl = getattr(self.model.config, "_experts_implementation", None)
+                if impl not in (None, "eager") and hasattr(self.model, "set_experts_implementation"):
+                    self.model.set_experts_implementation("eager")  # offloading runs the experts' own forward
+                    self._experts_before = impl
                 runtime = offload(self.model, self.config.offload, reader=self.reader)
                 self.runtime = runtime.__enter__()  # a failed entry cleans up after itself
                 self._offload = runtime
@@ -215,9 +220,14 @@ class Engine:
         if self._session is not None:
             self._session.close()
             self._session = None
-        if self._offload is not None:
-            offloaded, self._offload, self.runtime = self._offload, None, None
-            offloaded.__exit__(None, None, None)
+        try:
+            if self._offload is not None:
+                offloaded, self._offload, self.runtime = self._offload, None, None
+                offloaded.__exit__(None, None, None)
+        finally:
+            if self._experts_before is not None:
+                self.model.set_experts_implementation(self._experts_before)
+                self._experts_before = None
 
     def __enter__(self) -> Engine:
         return self.open()
