@@ -276,7 +276,7 @@ def test_signals_mid_run_leave_nothing_in_the_temp_folder(tmp_path):
         tmp = tmp_path / name
         tmp.mkdir()
         env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "moectl", "serve-offload", "tiny:olmoe", "--budget", "2", "--max-new-tokens", "2000"]
+        cmd = [sys.executable, "-m", "moectl", "serve-offload", "tiny:olmoe", "--budget", "2", "--max-new-tokens", "900"]  # within the 1,024-token context
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         runs[name] = (proc, tmp)
     deadline = time.monotonic() + 120
