@@ -150,7 +150,6 @@ def serve(model, docs, reference: list[torch.Tensor], budget: int, policy: str, 
         "mib_ci95": mib_half,
         "loads_per_token": sum(1 for s, _, _ in events if doc_of[s] > 0) / sum(tokens[1:]),
         "warmup_loads": sum(1 for s, _, _ in events if doc_of[s] == 0),
-        "switches": totals["switches"],
         "expert_bytes": expert_bytes,
         "kl_docs": kls,
         "mib_docs": mib,
@@ -158,6 +157,8 @@ def serve(model, docs, reference: list[torch.Tensor], budget: int, policy: str, 
     }
     if rerouted is not None:
         row["rerouted"] = rerouted
+    if policy.startswith(("option:", "controller:")):  # the runtime's count of option switches (TE-MoE §2.2)
+        row["switches"] = totals["switches"]
     return row
 
 
@@ -198,6 +199,10 @@ def plot(doc: dict, path: Path) -> None:
         front = sorted((r["mib_per_token"], r["kl_per_token"]) for r in here if r["frontier"])
         if front:
             ax.plot(*zip(*front, strict=True), "k--", linewidth=1, zorder=0)
+        refused = [label(k["policy"]) for k in doc.get("skipped", []) if k["budget"] == budget]
+        if refused:
+            ax.text(0.98, 0.55, "not served (budget below k-hat):\n" + "\n".join(refused), transform=ax.transAxes,
+                    ha="right", va="center", fontsize=8, color="dimgrey")  # fmt: skip
         ax.set_yscale("symlog", linthresh=LINTHRESH)
         ax.set_yticks(ticks)
         ax.set_ylim(-LINTHRESH / 5, top * 1.5)
@@ -208,7 +213,9 @@ def plot(doc: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     from matplotlib.lines import Line2D
 
-    seen = list(dict.fromkeys(r["policy"] for r in rows))
+    kinds = ("lru", "s3fifo", "arc", "reroute:", "option:", "controller:")
+    seen = sorted(dict.fromkeys(r["policy"] for r in rows),
+                  key=lambda p: next((i for i, k in enumerate(kinds) if p.startswith(k)), len(kinds)))  # fmt: skip
     handles = [Line2D([], [], linestyle="none", marker=marker[p], color=colour[p], markersize=7) for p in seen]
     handles.append(Line2D([], [], linestyle="--", color="black", linewidth=1))
     labels = [label(p) for p in seen] + ["Pareto frontier (black-edged points)"]
