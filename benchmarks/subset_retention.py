@@ -63,6 +63,7 @@ from moectl.subsets.finetune import finetune_subset
 from moectl.subsets.select import METHODS, method_name, select_subset
 
 NAMES = ("standard", "emo")
+METHOD_STYLES = ((":", "s"), ("-.", "^"), ((0, (5, 1, 1, 1, 1, 1)), "D"))  # further methods: line, marker
 COLOURS = {"standard": "#1b9e77", "emo": "#7b3294"}  # EMO Figure 3: green = standard MoE, purple = EMO
 
 
@@ -268,15 +269,16 @@ def print_methods(summary: dict, labels: dict[str, str]) -> None:
     entries = [e for e in summary.values() if "methods" in e and e["fraction"] < 1]
     if not entries:
         return
-    print(f"\n{'method':<12}{'kept':<8}{'k':>4}  " + "".join(f"{labels[n] + ' [95% CI]':<30}" for n in NAMES)
-          + "".join(f"{labels[n] + ' − router':<30}" for n in NAMES))  # fmt: skip
+    width = max(30, *(len(labels[n]) + 10 for n in NAMES))
+    print(f"\n{'method':<12}{'kept':<8}{'k':>4}  " + "".join(f"{labels[n] + ' [95% CI]':<{width}}" for n in NAMES)
+          + "".join(f"{labels[n] + ' − router':<{width}}" for n in NAMES))  # fmt: skip
     for method in entries[0]["methods"]:
         for e in entries:
             cells = [e["methods"][method][n] for n in NAMES]
-            text = "".join(f"{c['relative']:+7.2%} [{c['ci95'][0]:+.2%}, {c['ci95'][1]:+.2%}]".ljust(30) for c in cells)
+            text = "".join(f"{c['relative']:+7.2%} [{c['ci95'][0]:+.2%}, {c['ci95'][1]:+.2%}]".ljust(width) for c in cells)
             diffs = "".join(
                 f"{c['minus_router']['relative']:+7.2%} [{c['minus_router']['ci95'][0]:+.2%}, "
-                f"{c['minus_router']['ci95'][1]:+.2%}]".ljust(30) if "minus_router" in c else "".ljust(30)
+                f"{c['minus_router']['ci95'][1]:+.2%}]".ljust(width) if "minus_router" in c else "".ljust(width)
                 for c in cells
             )
             print(f"{method:<12}{e['fraction']:<8.1%}{e['k']:>4}  {text}{diffs}")
@@ -309,6 +311,7 @@ def plot(
     import matplotlib.pyplot as plt
 
     entries = list(summary.values())
+    others = [m for m in entries[0].get("methods", {}) if m != "router"] if entries else []
     tuned = [e for e in entries if "finetuned" in e]
     ft_domains = tuned[0]["finetuned"]["domains"] if tuned else []
     split = bool(tuned) and ft_domains != domains
@@ -316,11 +319,11 @@ def plot(
         1, 2 if split else 1, figsize=(12.5 if split else 7, 5), squeeze=False, sharey=True
     )
 
-    def line(ax, rows: list[dict], pick, name: str, style: str, label: str) -> None:
+    def line(ax, rows: list[dict], pick, name: str, style: str, label: str, marker: str = "o") -> None:
         x = [r["fraction"] for r in rows]
         y = np.array([pick(r)[name]["relative"] for r in rows]) * 100
         lo, hi = (np.array([pick(r)[name]["ci95"][i] for r in rows]) * 100 for i in (0, 1))
-        ax.plot(x, y, style, color=COLOURS[name], marker="o", label=label, lw=2)
+        ax.plot(x, y, style, color=COLOURS[name], marker=marker, label=label, lw=2)
         ax.fill_between(x, lo, hi, color=COLOURS[name], alpha=0.15, lw=0)
 
     def frame(ax, title: str) -> None:
@@ -336,17 +339,21 @@ def plot(
         ax.minorticks_off()
         ax.set_xlim(max(fr) * 1.15, min(fr) / 1.15)  # 100% on the left, as in EMO Figure 3
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel("routed experts kept per layer (router selection; shared expert always kept)")
+        chosen = "selection method as labelled" if others else "router selection"
+        ax.set_xlabel(f"routed experts kept per layer ({chosen}; shared expert always kept)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", handlelength=3.5)  # long enough to show the dashes
 
     ax = axes[0][0]
     for name in NAMES:
-        line(ax, entries, lambda r: r, name, "-", f"{labels[name]}, no fine-tuning")
+        line(ax, entries, lambda r: r, name, "-", f"{labels[name]}, {'router' if others else 'no fine-tuning'}")
         if tuned and not split:
             line(ax, tuned, lambda r: r["finetuned"], name, "--", f"{labels[name]}, fine-tuned")
     note = f"; fine-tuned: {ft_note}" if tuned and not split and ft_note else ""
+    for method, (style, mark) in zip(others, METHOD_STYLES, strict=False):
+        for name in NAMES:
+            line(ax, entries, lambda r, m=method: r["methods"][m], name, style, f"{labels[name]}, {method}", mark)
     frame(ax, f"held-out loss, mean over {len(domains)} domains ({docs} test documents){note}")
     ax.set_ylabel("loss increase vs full model (%)")
     if split:
@@ -366,7 +373,7 @@ def plot(
                  "interval over documents", fontsize=11)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the suptitle is wider than the axes
     plt.close(fig)
 
 

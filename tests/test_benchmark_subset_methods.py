@@ -17,7 +17,8 @@ def test_methods_table_rows_and_intervals(tmp_path, capsys):
     out = tmp_path / "retention.json"
     subset_retention.main(
         ["--models", "tiny:olmoe", "tiny:olmoe", "--calib-docs", "1", "--eval-docs", "1", "--max-length", "16",
-         "--fractions", "1,0.5", "--methods", "reap,frequency", "--iters", "50", "--json", str(out)]
+         "--fractions", "1,0.5", "--methods", "reap,frequency", "--iters", "50", "--json", str(out),
+         "--plot", str(tmp_path / "fig.png")]
     )  # fmt: skip
     doc = json.loads(out.read_text())
     assert doc["settings"]["methods"] == ["router", "reap", "frequency"]
@@ -38,6 +39,7 @@ def test_methods_table_rows_and_intervals(tmp_path, capsys):
     domain = next(iter(doc["results"]["standard"].values()))
     assert set(domain["0.5"]["methods"]) == {"reap", "frequency"}
     assert "reap" in capsys.readouterr().out
+    assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the methods drawn beside router
 
 
 def test_unknown_method_is_one_line_and_exit_2(capsys):
