@@ -219,7 +219,8 @@ def plot(doc: dict, path: Path) -> None:
     handles = [Line2D([], [], linestyle="none", marker=marker[p], color=colour[p], markersize=7) for p in seen]
     handles.append(Line2D([], [], linestyle="--", color="black", linewidth=1))
     labels = [label(p) for p in seen] + ["Pareto frontier (black-edged points)"]
-    fig.suptitle(doc["title"] + "; bars: 95% intervals over documents", fontsize=10)
+    none = "; no trained controllers for this model" if doc.get("controllers") == [] else ""
+    fig.suptitle(doc["title"] + "; bars: 95% intervals over documents" + none, fontsize=10)
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9, frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -350,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "expert_bytes": rows[0]["expert_bytes"] if rows else None,
         "interval": "normal 95% over documents (moectl.options.evaluate.ci95)",
+        "controllers": [c for c in args.controllers.split(",") if c],
         "controller_mode": "sample, seed 0",
         "title": f"{Path(args.model).name}: {args.docs} docs × ≤{args.tokens} tokens, teacher-forced decoding",
         "rows": rows,
