@@ -9,6 +9,11 @@ exported subset — relative to the full model. EMO's claim (§5.2): ≈1% drop 
 MMLU-Pro; these models are too small for those, so the figure is the relative increase of the
 held-out next-token loss (first ``--max-length`` tokens of each test document).
 
+``--methods router,reap,frequency`` adds the retention table of other selection methods of
+``moectl.subsets`` (REAP, frequency, ...; issue #31.5), each chosen on the same calibration
+documents: per method, model and kept fraction the mean relative increase with its interval and the
+paired difference to the router selection. The figure draws the router selection only.
+
 ``--finetune`` adds EMO's "with fine-tuning" rows (Figure 3 bottom, appendix C): each subset is
 sliced out (``slice_experts``, the exported checkpoint), fine-tuned on that domain's training
 documents (loss on every token, AdamW, linear decay, effective batch ``--ft-batch``) for a small
@@ -27,6 +32,7 @@ between resamples; the statistic is still the mean over domains.
     python benchmarks/subset_retention.py --models models/moectl-small-standard models/moectl-small-emo \
         --corpus /work/data/corpus --json benchmarks/results/reference/subset_retention.json \
         --plot benchmarks/results/reference/subset_retention.png
+    python benchmarks/subset_retention.py --models ... --fractions 1,0.25,0.125 --methods router,reap,frequency
     python benchmarks/subset_retention.py --models ... --finetune --ft-fractions 0.25,0.125 --ft-steps 20
     python benchmarks/subset_retention.py --replot RESULTS.json --plot FIG.png   # redraw, no model run
 """
@@ -54,9 +60,10 @@ from moectl.models.load import load_model
 from moectl.routing import ExpertMask, route
 from moectl.subsets.calibrate import tokenize
 from moectl.subsets.finetune import finetune_subset
-from moectl.subsets.select import select_subset
+from moectl.subsets.select import METHODS, method_name, select_subset
 
 NAMES = ("standard", "emo")
+METHOD_STYLES = ((":", "s"), ("-.", "^"), ((0, (5, 1, 1, 1, 1, 1)), "D"))  # further methods: line, marker
 COLOURS = {"standard": "#1b9e77", "emo": "#7b3294"}  # EMO Figure 3: green = standard MoE, purple = EMO
 
 
@@ -129,6 +136,14 @@ def retention(
                 policy = ExpertMask.from_lists(info, keep, renorm="pruned")
                 nll = document_losses(model, tokenizer, heldout[domain], [policy], args.max_length)[0]
             row[f"{fraction:g}"] = {"k": k, **_row(nll, full, tokens, args)}
+            others = [m for m in args.method_list if m != "router"]
+            if others:
+                row[f"{fraction:g}"]["methods"] = {
+                    m: _row(nll, full, tokens, args)
+                    if k == info.num_experts
+                    else method_row(model, tokenizer, batch, heldout[domain], k, m, info, full, tokens, args)
+                    for m in others
+                }
             if train is not None and domain in train and fraction in args.ft_fraction_list:
                 tuned = finetuned_nll(model, tokenizer, keep, train[domain], heldout[domain], args)
                 row[f"{fraction:g}"]["finetuned"] = _row(tuned, full, tokens, args)
@@ -142,6 +157,16 @@ def retention(
         print(f"  {Path(path).name:<24}{domain:<8} full {row['full']:.3f}  {line}"
               + (f"  | fine-tuned {tuned}" if tuned else ""), flush=True)  # fmt: skip
     return results
+
+
+def method_row(model, tokenizer, batch, heldout: list[str], k: int, method: str, info, full, tokens, args) -> dict:
+    """One domain's row for a subset chosen by ``method`` (``moectl.subsets``: REAP, frequency, ...) on the
+    same calibration documents as the router selection."""
+    with torch.no_grad():
+        keep = select_subset(model, batch["input_ids"], k, method, batch["attention_mask"], info=info)
+    policy = ExpertMask.from_lists(info, keep, renorm="pruned")
+    nll = document_losses(model, tokenizer, heldout, [policy], args.max_length)[0]
+    return _row(nll, full, tokens, args)
 
 
 def relative_statistic(
@@ -162,9 +187,11 @@ def relative_statistic(
     return stat
 
 
-def _groups(rows: dict, key: str, field: str | None, domains: Sequence[str]) -> dict:
+def _groups(rows: dict, key: str, field: str | None, domains: Sequence[str], method: str = "router") -> dict:
     def nll(domain: str) -> np.ndarray:
         entry = rows[domain][key]
+        if method != "router":
+            entry = entry["methods"][method]
         return np.asarray((entry[field] if field else entry)["nll"])
 
     return {d: (nll(d), np.asarray(rows[d]["nll_full"])) for d in domains}
@@ -211,8 +238,50 @@ def summarise(results: dict, fractions: list[float], args) -> dict:
                     for name in NAMES
                 }  # fmt: skip
                 entry["finetuned"] = block
+        if len(getattr(args, "method_list", ["router"])) > 1:
+            entry["methods"] = method_summary(results, key, domains, args)
         out[key] = entry
     return out
+
+
+def method_summary(results: dict, key: str, domains: list[str], args) -> dict:
+    """Per selection method and model: the mean relative increase over domains with its 95% interval,
+    and the paired difference to the router selection (same bootstrap resamples)."""
+    n = sum(len(results[NAMES[0]][d]["nll_full"]) for d in domains)
+    whole = np.ones((1, n))
+    out: dict = {}
+    for method in args.method_list:
+        out[method] = {}
+        for name in NAMES:
+            stat = relative_statistic(_groups(results[name], key, None, domains, method))
+            cell = {"relative": float(stat(whole)[0]), "ci95": list(bootstrap_interval(stat, n, args.iters, args.seed))}
+            if method != "router":
+                router = relative_statistic(_groups(results[name], key, None, domains))
+                diff = _difference(stat, router)
+                cell["minus_router"] = {"relative": float(diff(whole)[0]),
+                                        "ci95": list(bootstrap_interval(diff, n, args.iters, args.seed))}  # fmt: skip
+            out[method][name] = cell
+    return out
+
+
+def print_methods(summary: dict, labels: dict[str, str]) -> None:
+    """The retention table: relative held-out loss increase per selection method, model and kept fraction."""
+    entries = [e for e in summary.values() if "methods" in e and e["fraction"] < 1]
+    if not entries:
+        return
+    width = max(30, *(len(labels[n]) + 10 for n in NAMES))
+    print(f"\n{'method':<12}{'kept':<8}{'k':>4}  " + "".join(f"{labels[n] + ' [95% CI]':<{width}}" for n in NAMES)
+          + "".join(f"{labels[n] + ' − router':<{width}}" for n in NAMES))  # fmt: skip
+    for method in entries[0]["methods"]:
+        for e in entries:
+            cells = [e["methods"][method][n] for n in NAMES]
+            text = "".join(f"{c['relative']:+7.2%} [{c['ci95'][0]:+.2%}, {c['ci95'][1]:+.2%}]".ljust(width) for c in cells)
+            diffs = "".join(
+                f"{c['minus_router']['relative']:+7.2%} [{c['minus_router']['ci95'][0]:+.2%}, "
+                f"{c['minus_router']['ci95'][1]:+.2%}]".ljust(width) if "minus_router" in c else "".ljust(width)
+                for c in cells
+            )
+            print(f"{method:<12}{e['fraction']:<8.1%}{e['k']:>4}  {text}{diffs}")
 
 
 def print_summary(summary: dict, field: str | None = None) -> None:
@@ -242,6 +311,7 @@ def plot(
     import matplotlib.pyplot as plt
 
     entries = list(summary.values())
+    others = [m for m in entries[0].get("methods", {}) if m != "router"] if entries else []
     tuned = [e for e in entries if "finetuned" in e]
     ft_domains = tuned[0]["finetuned"]["domains"] if tuned else []
     split = bool(tuned) and ft_domains != domains
@@ -249,11 +319,11 @@ def plot(
         1, 2 if split else 1, figsize=(12.5 if split else 7, 5), squeeze=False, sharey=True
     )
 
-    def line(ax, rows: list[dict], pick, name: str, style: str, label: str) -> None:
+    def line(ax, rows: list[dict], pick, name: str, style: str, label: str, marker: str = "o") -> None:
         x = [r["fraction"] for r in rows]
         y = np.array([pick(r)[name]["relative"] for r in rows]) * 100
         lo, hi = (np.array([pick(r)[name]["ci95"][i] for r in rows]) * 100 for i in (0, 1))
-        ax.plot(x, y, style, color=COLOURS[name], marker="o", label=label, lw=2)
+        ax.plot(x, y, style, color=COLOURS[name], marker=marker, label=label, lw=2)
         ax.fill_between(x, lo, hi, color=COLOURS[name], alpha=0.15, lw=0)
 
     def frame(ax, title: str) -> None:
@@ -269,17 +339,21 @@ def plot(
         ax.minorticks_off()
         ax.set_xlim(max(fr) * 1.15, min(fr) / 1.15)  # 100% on the left, as in EMO Figure 3
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel("routed experts kept per layer (router selection; shared expert always kept)")
+        chosen = "selection method as labelled" if others else "router selection"
+        ax.set_xlabel(f"routed experts kept per layer ({chosen}; shared expert always kept)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", handlelength=3.5)  # long enough to show the dashes
 
     ax = axes[0][0]
     for name in NAMES:
-        line(ax, entries, lambda r: r, name, "-", f"{labels[name]}, no fine-tuning")
+        line(ax, entries, lambda r: r, name, "-", f"{labels[name]}, {'router' if others else 'no fine-tuning'}")
         if tuned and not split:
             line(ax, tuned, lambda r: r["finetuned"], name, "--", f"{labels[name]}, fine-tuned")
     note = f"; fine-tuned: {ft_note}" if tuned and not split and ft_note else ""
+    for method, (style, mark) in zip(others, METHOD_STYLES, strict=False):
+        for name in NAMES:
+            line(ax, entries, lambda r, m=method: r["methods"][m], name, style, f"{labels[name]}, {method}", mark)
     frame(ax, f"held-out loss, mean over {len(domains)} domains ({docs} test documents){note}")
     ax.set_ylabel("loss increase vs full model (%)")
     if split:
@@ -299,7 +373,7 @@ def plot(
                  "interval over documents", fontsize=11)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the suptitle is wider than the axes
     plt.close(fig)
 
 
@@ -341,6 +415,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval-docs", type=int, default=16, help="held-out test documents per domain")
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--fractions", default="1,0.5,0.25,0.125")
+    parser.add_argument(
+        "--methods", default="router",
+        help=f"comma-separated selection methods for the retention table ({', '.join(METHODS)}); the router "
+        "selection is always measured (EMO's default; the figure draws it)",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=1000, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -381,6 +460,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.models is None:
         fail("--models STANDARD EMO is required (two checkpoints)")
     fractions = _fractions(args.fractions, "--fractions")
+    try:
+        args.method_list = list(dict.fromkeys(["router", *(method_name(m) for m in args.methods.split(","))]))
+    except ValueError as err:
+        fail(f"--methods: {err}")
     args.ft_fraction_list = (
         _fractions(args.ft_fractions, "--ft-fractions")
         if args.ft_fractions
@@ -412,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     docs = sum(len(t) for t in heldout.values())
     print(f"\nmean relative loss increase over {len(heldout)} domains ({docs} held-out test documents)")
     print_summary(summary)
+    print_methods(summary, {name: Path(p).name for name, p in zip(NAMES, args.models, strict=True)})
     if args.finetune:
         domains = next(e["finetuned"]["domains"] for e in summary.values() if "finetuned" in e)
         print(f"\nafter fine-tuning ({', '.join(domains)}; relative to the full model without fine-tuning)")
@@ -422,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "models": args.models,
         "corpus": str(args.corpus),
         "settings": {"calib_docs": args.calib_docs, "eval_docs": args.eval_docs, "max_length": args.max_length,
-                     "selection": "router", "threads": args.threads},
+                     "selection": "router", "methods": args.method_list,
+                     "threads": args.threads},
         "finetune": settings if args.finetune else None,
         "intervals": {"confidence": 0.95, "method": "percentile bootstrap over held-out documents (pooled, "
                       "paired across subsets and models)", "iters": args.iters, "seed": args.seed},
