@@ -125,33 +125,3 @@ def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelIn
             "selected with one mode: register routings of one mode"
         )
     return routings
-
-
-def _roe_config(spec: Any) -> Any:
-    """The RoEConfig ``spec`` is (a RoE profile file, dict or config), else None."""
-    if getattr(spec, "policy_type", None) == "roe":
-        return spec
-    if not isinstance(spec, (str, Mapping)) and not hasattr(spec, "__fspath__"):
-        return None
-    from moectl.routing.loader import load_policy
-
-    try:
-        loaded = load_policy(spec)
-    except (ValueError, OSError, TypeError, KeyError):
-        return None  # not loadable without the model: not a RoE profile (the real load says why)
-    return loaded if getattr(loaded, "policy_type", None) == "roe" else None
-
-
-def _carries_weights(spec: Any, info: ModelInfo) -> bool:
-    """Whether loading ``spec`` merges trained weights into the model (a trained controller's
-    LoRA adapters and routers: ``ControllerPolicy.pending``)."""
-    from moectl.routing.loader import load_policy
-
-    if not isinstance(spec, (str, Mapping, list, tuple)) and not hasattr(spec, "__fspath__"):
-        return getattr(spec, "pending", None) is not None
-    try:
-        loaded = load_policy(spec, info)
-    except (ValueError, OSError, TypeError, KeyError):
-        return False  # the real load (with the model) reports what is wrong
-    items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
-    return any(getattr(item, "pending", None) is not None for item in items)
