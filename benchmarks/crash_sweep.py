@@ -44,11 +44,21 @@ from crash_writers import WRITERS, Writer, files_of
 # -- the sweep ---------------------------------------------------------------------------------------
 def in_child(folder: Path, action: Callable[[], None], env: dict[str, str]) -> str:
     """Run ``action`` in a forked child inside ``folder`` with ``env`` set: 'done', 'killed' or 'failed: ...'."""
+    import torch
+
     import moectl.fileio as fileio
 
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    # GNU OpenMP cannot run a parallel region in a forked child once the parent's thread pool has
+    # run (the child waits on threads it does not have): fork with one thread, which runs inline
+    threads, pid = torch.get_num_threads(), -1
+    torch.set_num_threads(1)
+    try:
+        pid = os.fork()
+    finally:
+        if pid != 0:
+            torch.set_num_threads(threads)
     if pid == 0:  # the child: never returns
         code = 0
         try:

@@ -18,6 +18,9 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")  # CI: the same examples every run; locally: new ones each run
 torch.set_num_threads(1)  # tiny models: threads only add contention on a shared 2-core machine
+# verbs run in process (CliRunner) pick their threads with moectl.threads.pick_threads, which honours
+# this: the test process keeps one thread (and a forked crash-test child never meets an OpenMP pool)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @functools.cache

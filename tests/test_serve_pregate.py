@@ -39,3 +39,14 @@ def test_pregate_prefetches_the_next_layer_and_leaves_the_tokens_alone():
 def test_parse():
     assert isinstance(parse_policy("pregate"), PregateResidency)
     assert isinstance(moectl.load_policy({"type": "pregate"}), PregateResidency)
+
+
+def test_recall_at_k_counts_every_predicted_layer_of_every_decoding_token():
+    """recall@k over decoding steps: k chosen experts per token at every MoE layer but the first
+    (30 greedy tokens: 29 decoding steps, 2 predicted layers of the tiny model, top-2)."""
+    model = moectl.tiny("olmoe")
+    _, _, policy = _serve(model, "pregate")
+    report = policy.report()
+    assert report["predicted_tokens_layers"] == 29 * 2 * 2
+    assert 0.0 <= report["prediction_recall_at_k"] <= 1.0
+    assert parse_policy("lru").report() == {}

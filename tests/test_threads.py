@@ -32,6 +32,7 @@ def test_usable_cpus_are_capped_by_the_quota(monkeypatch):
 
 
 def test_pick_threads_takes_idle_cpus_and_a_request_wins(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
     monkeypatch.setattr(threads, "idle_cpus", lambda sample_s=0.25: 1.2)
     assert threads.pick_threads() == 1
@@ -42,6 +43,8 @@ def test_pick_threads_takes_idle_cpus_and_a_request_wins(monkeypatch):
     assert threads.pick_threads(3) == 3
     with pytest.raises(ValueError, match="--threads"):
         threads.pick_threads(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's setting for the process wins over the sample
+    assert threads.pick_threads() == 2 and threads.pick_threads(3) == 3
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux only")

@@ -86,11 +86,15 @@ def idle_cpus(sample_s: float = 0.25) -> float | None:
 
 
 def pick_threads(requested: int | None = None, sample_s: float = 0.25) -> int:
-    """``requested`` if given, else the usable CPUs that are idle now (rounded), at least 1."""
+    """``requested`` if given, else ``OMP_NUM_THREADS`` if set (the user's choice for the process),
+    else the usable CPUs that are idle now (rounded), at least 1."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")
         return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
     usable = usable_cpus()
     idle = idle_cpus(sample_s)
     if idle is None:

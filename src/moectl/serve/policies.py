@@ -72,6 +72,10 @@ class LRUPolicy(PolicyConfig):
     def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
         pass
 
+    def report(self) -> dict[str, Any]:
+        """Figures of the policy's own for ``serve_offload``'s result (none for LRU)."""
+        return {}
+
     def predict(
         self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
     ) -> list[int]:

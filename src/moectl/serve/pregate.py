@@ -45,6 +45,8 @@ class PregateResidency(LRUPolicy):
         self.info: ModelInfo | None = None
         self.sets: dict[int, Any] = {}  # MoE layer -> its ResidentSet, as the runtime passes it
         self.predicted = 0  # prefetches started
+        self._guess: dict[int, set[int]] = {}  # MoE layer -> the experts predicted for it this step
+        self.recall_hits = self.recall_total = 0  # recall@k of the predictions, over decoding steps
 
     def config_fields(self) -> dict[str, Any]:
         return {}
@@ -62,9 +64,21 @@ class PregateResidency(LRUPolicy):
     def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
         super().before(layer, res, chosen, probs)
         self.sets[layer] = res
+        guess = self._guess.pop(layer, None)
+        if guess is not None and chosen.shape[0] == 1:  # recall@k: the chosen experts that were predicted
+            actual = set(chosen[0].tolist())
+            self.recall_hits += len(actual & guess)
+            self.recall_total += len(actual)
         target = self.sets.get(layer + 1)
         hidden = self.tap.hidden.get(layer)
         if chosen.shape[0] != 1 or target is None or hidden is None or self.info is None:
             return
         predicted = pregate_prediction(self.info.layer(layer + 1), hidden[0])
+        self._guess[layer + 1] = set(predicted)
         self.predicted += target.prefetch(predicted)
+
+    def report(self) -> dict[str, Any]:
+        """recall@k of the predictions: of the k experts each decoding token chose at a layer, the
+        share layer l's pre-gate had predicted."""
+        recall = self.recall_hits / self.recall_total if self.recall_total else None
+        return {"prediction_recall_at_k": recall, "predicted_tokens_layers": self.recall_total}

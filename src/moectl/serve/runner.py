@@ -126,6 +126,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         info = rt.info
         budget_experts = rt.budget
         loader, async_on, prefetch_on = rt.loader_name, rt.async_loads, rt.prefetch
+        policy_report = rt.policy.report()
         store = rt.store_kind
         read_method = rt.store.method if store == "checkpoint" else None
     generated = len(prompts) * max_new_tokens
@@ -182,6 +183,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "stall_s_per_token": totals["stall_s"] / max(generated, 1),
         "load_overlap": 1 - totals["stall_s"] / totals["load_s"] if totals["load_s"] > 0 else None,
         "prefetch": prefetch_on,
+        "policy_report": policy_report,
         "prefetch_loads": totals["prefetch_loads"],
         "prefetch_hits": totals["prefetch_hits"],
         "prefetch_wasted": totals["prefetch_wasted"],
