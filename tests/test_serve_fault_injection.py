@@ -268,6 +268,13 @@ def test_stalled_read_under_the_thread_loader_times_out_with_a_clear_error(refer
 SIGNALS = {"SIGTERM": (143, -15), "SIGHUP": (129, -1), "SIGINT": (130, 1)}
 
 
+def _default_signals() -> None:
+    """The child starts with SIGHUP and SIGINT at their defaults, as from a terminal (under nohup, or
+    a CI runner without a terminal, they may start ignored, and moectl leaves an ignored signal alone)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_signals_mid_run_leave_nothing_in_the_temp_folder(tmp_path):
     """SIGTERM / SIGHUP / SIGINT to ``moectl serve-offload tiny:olmoe`` once its temporary expert
     store exists: the process leaves (exit 128 + signal; SIGINT: click's abort) and removes it."""
@@ -277,7 +284,9 @@ def test_signals_mid_run_leave_nothing_in_the_temp_folder(tmp_path):
         tmp.mkdir()
         env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "moectl", "serve-offload", "tiny:olmoe", "--budget", "2", "--max-new-tokens", "900"]  # within the 1,024-token context
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals
+        )
         runs[name] = (proc, tmp)
     deadline = time.monotonic() + 120
     pending = dict(runs)

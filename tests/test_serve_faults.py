@@ -111,7 +111,6 @@ def test_failed_offload_entry_restores_the_model_and_removes_the_store(tmp_path,
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
 def test_sigterm_and_sighup_unwind_and_remove_the_temporary_store(signame, tmp_path, monkeypatch):
-    import os
     import signal
     import tempfile
 
@@ -122,7 +121,17 @@ def test_sigterm_and_sighup_unwind_and_remove_the_temporary_store(signame, tmp_p
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model = moectl.tiny("olmoe")
     before = _expert_params(model)
-    assert signal.getsignal(sig) is signal.SIG_DFL
+    previous = signal.signal(sig, signal.SIG_DFL)  # as a terminal gives it (nohup starts SIGHUP ignored)
+    try:
+        _unwind(sig, model, tmp_path, offload, before)
+    finally:
+        signal.signal(sig, previous)
+
+
+def _unwind(sig, model, tmp_path, offload, before) -> None:
+    import os
+    import signal
+
     with pytest.raises(SystemExit) as stop, offload(model, 2, store="disk"):
         assert [p.name[:14] for p in tmp_path.iterdir()] == ["moectl-experts"]
         os.kill(os.getpid(), sig)  # the default action would end the process, leaving the store
