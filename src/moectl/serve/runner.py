@@ -88,14 +88,9 @@ def serve_offload(
     loads are synchronous; ``loader.py``); ``load_overlap`` = 1 - stall_s / load_s.
     """
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
+    # the engine runs offloaded experts with their eager forward and restores the implementation on close
     impl = getattr(model.config, "_experts_implementation", None)
-    if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")  # offloading runs the experts' own eager forward
-    try:  # the model's experts implementation comes back whatever happens
-        return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch)
-    finally:
-        if impl not in (None, "eager") and hasattr(model, "set_experts_implementation"):
-            model.set_experts_implementation(impl)
+    return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch)
 
 
 def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch) -> dict:
