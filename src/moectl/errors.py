@@ -1,0 +1,26 @@
+"""The errors moectl raises for input it refuses, and the one base they share.
+
+Every error a user can cause — a bad flag value, a file that is not what it claims, a model moectl
+cannot re-route, a budget memory cannot hold — derives from :class:`MoectlError`, so a program
+catches them all with one ``except MoectlError`` and the command line prints them with one handler
+(``cli/__init__.py``: ``error: MESSAGE``, exit code 2) instead of a traceback. An error that is not a
+``MoectlError`` is a bug in moectl and keeps its traceback.
+
+Each error also derives from the built-in exception a caller would have caught before this base
+existed (``ValueError``, ``FileNotFoundError``, ``RuntimeError``, ``OSError``), so code written
+against those keeps working.
+"""
+
+from __future__ import annotations
+
+
+class MoectlError(Exception):
+    """Base of every error moectl raises for input or state it refuses (CLI: one line, exit 2)."""
+
+
+class ConfigError(MoectlError, ValueError):
+    """A setting out of range, of the wrong type, or a file that is not a valid config."""
+
+
+class MoectlFileError(MoectlError, FileNotFoundError):
+    """A file or folder moectl needs is missing or unreadable."""
