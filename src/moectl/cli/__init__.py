@@ -7,6 +7,8 @@ needs (transformers, lm-eval, optuna, peft, matplotlib, accelerate) loads inside
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from moectl.cli import (
@@ -27,8 +29,30 @@ from moectl.cli import (
     subset,
     switch_rate,
 )
+from moectl.cli.helpformat import FlagGroup, flags_untyped
 
-app = typer.Typer(help="Control expert routing in Mixture-of-Experts language models.", no_args_is_help=True)
+app = typer.Typer(
+    help="Control expert routing in Mixture-of-Experts language models.", no_args_is_help=True, cls=FlagGroup
+)
+
+
+def _print_version(value: bool) -> None:
+    """``moectl --version``: the installed distribution's version (what pip installed), then exit."""
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"moectl {version('moectl')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", help="Print moectl's version and exit.", callback=_print_version, is_eager=True),
+    ] = False,
+) -> None:
+    """Control expert routing in Mixture-of-Experts language models."""
 
 app.command("inspect")(inspect.inspect_cmd)
 app.command("switch-rate")(switch_rate.switch_rate_cmd)
@@ -56,6 +80,7 @@ app.add_typer(checkpoint.checkpoint_app, name="checkpoint", help="Write checkpoi
 app.add_typer(
     export.export_app, name="export", help="Write a model in another engine's format (GGUF for llama.cpp)."
 )
+flags_untyped(app)
 
 
 def main() -> None:
