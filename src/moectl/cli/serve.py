@@ -237,7 +237,7 @@ def serve_offload_command(
         ("hit rate", "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"),
         (
             "switch rate of the resident option",
-            "-" if result["switch_rate"] is None else f"{result['switch_rate']:.3f}",
+            f"- ({result['switch_rate_unmeasured']})" if result["switch_rate"] is None else f"{result['switch_rate']:.3f}",
         ),
         ("loader", f"{result['loader']}" + (", prefetch" if result["prefetch"] else "")),
         ("load time (of which compute waited)", f"{result['load_s']:.3f} s ({result['stall_s']:.3f} s)"),
@@ -252,8 +252,7 @@ def serve_offload_command(
         ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
         ("deliberation cost η", f"{result['eta']['value']:.4f}"),
     ]
-    if result.get("plot"):
-        rows.append(("load timeline (PNG)", result["plot"]))
+    rows.append(("load timeline (PNG)", result.get("plot") or "not written (--plot PATH writes it)"))
     for row in rows:
         table.add_row(*row)
     console.print(table)

@@ -170,6 +170,11 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
             if pinned and decode_steps and max_batch == 1  # the runtime counts ω changes of one-row steps
             else None
         ),
+        "switch_rate_unmeasured": (  # why switch_rate is None, in words a table can print
+            f"{rt.policy.name} keeps no option resident" if not pinned
+            else "prompts decoded together share one resident set; measured with --max-batch 1"
+            if max_batch != 1 else "no decoding step" if not decode_steps else None
+        ),
         "loader": loader,
         "async_loads": async_on,
         "load_s": totals["load_s"],
