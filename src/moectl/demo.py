@@ -26,7 +26,9 @@ def run_demo(
     model, tokenizer, name: str, max_new_tokens: int = 48, out_dir: str | None = "out/demo", seed: int = 0
 ) -> dict:
     """Self-test, switch rates, an expert mask, Gumbel noise and a causal document pool on ``model``
-    (called ``name`` in the result); writes TE-MoE Figure 2 to ``out_dir``. Returns a JSON-ready dict."""
+    (called ``name`` in the result); writes TE-MoE Figure 2 to ``out_dir`` twice: the plain router
+    (ω: k-hat = top-k, so ω is the activated experts) and under the causal document pool (ω: the
+    pool it recorded, the experts a document may use). Returns a JSON-ready dict."""
     info = inspect(model)
     test = self_test(model, info)
     prompts = load_prompts(None)
@@ -84,6 +86,13 @@ def run_demo(
         ),
     }
     if out_dir:
-        figure = plot_expert_activation(plain, Path(out_dir) / "expert_activation_layer0.png", k_hat=k)
-        result["plots"] = [str(figure)]
+        label = f"prompt 0 ({prompts[0].category}): {prompts[0].text!r}"
+        figure = plot_expert_activation(
+            plain, Path(out_dir) / "expert_activation_layer0.png", k_hat=k, label=label, model=name
+        )
+        pooled = plot_expert_activation(
+            pooled_trace, Path(out_dir) / "expert_activation_layer0_document_pool.png", label=label,
+            title=f"Activated experts, MoE layer 0 (TE-MoE Fig. 2), {name}, causal document pool d={pool.d}",
+        )  # fmt: skip
+        result["plots"] = [str(figure), str(pooled)]
     return result

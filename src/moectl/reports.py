@@ -14,7 +14,7 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
 from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
-from moectl.plots import plot_expert_activation, plot_switch_rate_per_layer
+from moectl.plots import model_label, plot_expert_activation, plot_switch_rate_per_layer
 from moectl.routing.loader import load_policy
 
 
@@ -109,18 +109,22 @@ def switch_rate_report(
         result["trace"] = str(trace.save(trace_path))
     if plot_dir:
         out = Path(plot_dir)
-        name = Path(model_spec).name or model_spec  # a folder's name: titles never wrap a long path
-        omega = "recorded ω" if report.source == "allowed" else f"k-hat = {report.k_hat}"
+        name = model_label(model_spec)  # its last two path parts: a title never wraps a long path
+        under = f", under {model_label(policy)}" if policy else ""
+        omega = f"k-hat = {report.k_hat}"
+        if report.source == "allowed":
+            sizes = torch.cat([trace.allowed[layer][trace.valid].sum(-1) for layer in trace.allowed]).unique()
+            omega = "recorded ω" + (f", k-hat = {int(sizes[0])}" if len(sizes) == 1 else "")
         first = prompts[0]
         figure = plot_expert_activation(
             trace, out / "expert_activation_layer0.png", layer=0,
             k_hat=report.k_hat if report.source == "router" else None,
-            title=f"Activated experts, MoE layer 0 (TE-MoE Fig. 2), {name}",
+            title=f"Activated experts, MoE layer 0 (TE-MoE Fig. 2), {name}{under}",
             label=f"prompt 0 ({first.category}): {first.text!r}",
         )  # fmt: skip
         lines = {cat: v["per_layer"] for cat, v in result["categories"].items()}
         per_layer = plot_switch_rate_per_layer(
-            lines, out / "switch_rate_per_layer.png", title=f"Switch rate per MoE layer, {name} ({omega})"
+            lines, out / "switch_rate_per_layer.png", title=f"Switch rate per MoE layer ({omega})\n{name}{under}"
         )
         result["plots"] = [str(figure), str(per_layer)]
     return result

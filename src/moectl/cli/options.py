@@ -249,7 +249,7 @@ def generate_cmd(
         from moectl.options.plots import plot_options
 
         for i, p in enumerate(prompts):
-            plot_options(trace, plot / f"options_prompt{i}.png", row=i, label=p.text)
+            plot_options(trace, plot / f"options_prompt{i}.png", row=i, label=f"prompt {i}: {p.text!r}", model=model)
         console.print(f"[dim]wrote option plots to {plot}[/dim]")
     write_json(json_path, {"switch_rate": report.mean, "per_layer": report.per_layer, "samples": rows})
 

@@ -47,19 +47,23 @@ def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
 
 def plot_options(
     trace, path: str | Path, layers: list[int] | None = None, row: int = 0, label: str | None = None,
-    max_layers: int = 8,
+    max_layers: int = 8, model: str | None = None,
 ) -> Path:
     """TE-MoE Fig. 6: the option ω (blue) and the activated experts (black) over the generated
     positions, one panel per MoE layer, each switch of ω a red line and counted in the panel's title.
 
     ``layers`` default: every recorded layer, or where there are more than ``max_layers``, the
-    ``max_layers`` layers with the most switches (the figure's title says so). ``label``: the prompt.
+    ``max_layers`` layers with the most switches (the figure's title says so). ``label``: the prompt;
+    ``model``: the model's spec or path (its last two parts are shown). Constrained layout: the
+    heading, the panels' titles and the legend (below the panels) never overlap nor leave the figure.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    from moectl.plots import model_label, wrap_title
 
     start = max(int(trace.prompt_len[row]) - 1, 0)
     valid = trace.valid[row]
@@ -81,9 +85,10 @@ def plot_options(
         note = f" (the {max_layers} of {len(recorded)} MoE layers with the most switches)"
     n_exp = trace.allowed[picked[0]].shape[-1]
     n_pos = stop - start
+    width = min(16.0, max(7.0, 4.5 + n_pos / 14))
     fig, axes = plt.subplots(
-        len(picked), 1, sharex=True, squeeze=False,
-        figsize=(min(16.0, 4.5 + n_pos / 14), 1.2 + len(picked) * (0.6 + n_exp / 14)),
+        len(picked), 1, sharex=True, squeeze=False, layout="constrained",
+        figsize=(width, 1.6 + len(picked) * (0.6 + n_exp / 14)),
     )  # fmt: skip
     for ax, layer in zip(axes[:, 0], picked, strict=True):
         allowed = trace.allowed[layer][row, start:stop].T
@@ -98,14 +103,18 @@ def plot_options(
         ax.set_ylabel("expert", fontsize=8)
         ax.set_title(f"MoE layer {layer}: {counts[layer]} switches", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("generated token position")
+    chars = max(40, int(width * 12))
     heading = f"Options of the controller over {n_pos} generated tokens (TE-MoE Fig. 6){note}"
+    if model:
+        heading += f", {model_label(model)}"
+    heading = wrap_title(heading, chars)
     if label:
-        heading += "\n" + (label if len(label) <= 100 else label[:97] + "...")
+        heading += "\n" + (label if len(label) <= chars else label[: chars - 3] + "...")
     fig.suptitle(heading, fontsize=10, x=0.01, ha="left")
-    handles = [Patch(facecolor="black", label="activated"), Patch(facecolor=(0.62, 0.78, 0.95), label="option ω"),
-               Patch(facecolor="crimson", label="switch")]  # fmt: skip
-    fig.legend(handles=handles, loc="lower right", fontsize=8, frameon=False, ncols=3)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    handles = [Patch(facecolor="black", label="activated"), Patch(facecolor=(0.62, 0.78, 0.95), label="option ω")]
+    if any(counts[layer] for layer in picked):
+        handles.append(Patch(facecolor="crimson", label="switch of ω"))
+    fig.legend(handles=handles, loc="outside lower center", fontsize=8, frameon=False, ncols=len(handles))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path, dpi=110)
