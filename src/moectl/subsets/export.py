@@ -18,6 +18,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
 from moectl.fileio import atomic_dir
+from moectl.subsets.card import write_subset_card
 
 METADATA = "moectl_subset.json"
 
@@ -56,7 +57,8 @@ def export_subset(
 
     The model is deep-copied first unless ``in_place``. ``source`` (the checkpoint directory the
     model came from) adds its real size on disk to the report. Writes ``moectl_subset.json``
-    (kept experts, ``metadata``, the report) beside the weights. ``out_dir`` must not exist or be
+    (kept experts, ``metadata``, the report) and a model card of the subset (``README.md``,
+    :mod:`moectl.subsets.card`) beside the weights. ``out_dir`` must not exist or be
     empty (as for the streamed export: an existing checkpoint, or the source itself, is never written
     into); the folder appears complete or not at all (``moectl.fileio.atomic_dir``).
     """
@@ -97,6 +99,7 @@ def export_subset(
             "report": report,
         }
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        write_subset_card(tmp, meta, source)
         report["disk_bytes_with_metadata"] = disk_bytes(tmp)
     return report
 

@@ -44,6 +44,7 @@ from moectl.models.meta_model import build_meta, load_config
 from moectl.models.range_read import RangeReader
 from moectl.models.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
 from moectl.models.shards import ShardReader
+from moectl.subsets.card import write_subset_card
 from moectl.subsets.export import check_out_dir
 
 METADATA = "moectl_subset.json"
@@ -205,6 +206,7 @@ def export_checkpoint_subset(
         }
         meta = {"keep": {str(k): v for k, v in sorted(keep.items())}, **(metadata or {}), "report": report}
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        write_subset_card(tmp, meta, folder)  # replaces the parent's card copied above
         report["disk_bytes_with_metadata"] = _disk_bytes(tmp)
         os.chmod(tmp, default_mode(directory=True))
     return report
