@@ -70,3 +70,19 @@ def test_options_figure_heading_titles_and_legend_do_not_overlap(tmp_path, figur
                 assert not heading.overlaps(_extent(text, renderer)), text.get_text()
         assert not legend.overlaps(_extent(ax, renderer))
     assert not legend.overlaps(_extent(fig.axes[-1].xaxis.label, renderer))
+
+
+def test_a_long_path_in_a_title_breaks_after_a_separator(tmp_path, figures):
+    """`offload simulate --routing 'learned: /a/long/checkpoint/path' --plot`: the title's lines break
+    after a '/', every path part whole, whole budgets on the axis."""
+    from moectl.residency.plot import plot_hit_rate
+
+    path = "/home/someone/checkpoints/experiments/2026-11/olmoe-math-finetune-with-a-long-name/final"
+    rows = [{"policy": p, "budget": b, "hit_rate": b / 8} for p in ("lru", "belady") for b in (2, 4, 6)]
+    plot_hit_rate(rows, tmp_path / "h.png", f"hit rate vs budget\nrouting: learned: {path}")
+    ax = figures[-1].axes[0]
+    lines = ax.get_title().splitlines()
+    assert len(lines) == 3 and all(len(line) <= 75 for line in lines)
+    assert "".join(lines[1:]).replace("routing: learned: ", "") == path
+    figures[-1].canvas.draw()
+    assert all(float(t.get_text()).is_integer() for t in ax.get_xticklabels() if t.get_text())

@@ -14,6 +14,8 @@ def plot_hit_rate(rows: list[dict], path: str | Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moectl.plots import wrap_title
+
     path = Path(path)
     if path.suffix.lower() != ".png":
         path = path / "hit_rate.png"
@@ -26,9 +28,12 @@ def plot_hit_rate(rows: list[dict], path: str | Path, title: str) -> Path:
             ax.plot(budgets, rates, "k--", linewidth=2, label="belady (optimum)")
         else:
             ax.plot(budgets, rates, marker="o", markersize=4, linewidth=1.4, label=name)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a budget is a whole number of experts
     ax.set_xlabel("budget: resident experts per MoE layer")
     ax.set_ylabel("hit rate (per token, layer, expert)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title, 75), fontsize=10)  # the routing note a user wrote may be long
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)

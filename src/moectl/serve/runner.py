@@ -218,7 +218,11 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
     }
     if plot is not None:
         result["plot"] = str(
-            plot_timeline(events, kinds, info, plot, title=f"{rt.policy.name}, {store}")
+            plot_timeline(
+                events, kinds, info, plot,
+                title=f"policy {rt.policy.name}, {budget_experts[0]} of {info.layers[0].num_experts} experts "
+                f"resident per MoE layer, {store} store",
+            )  # fmt: skip
         )
     return result
 
@@ -242,7 +246,9 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
     ax0.bar(range(steps + 1), per_step.tolist(), width=1.0, color="tab:red")
     ax0.set_ylabel("expert loads")
-    ax0.set_title(f"expert loads over forward steps ({title})")
+    from moectl.plots import wrap_title
+
+    ax0.set_title(wrap_title(f"expert loads over forward steps ({title})", 90))  # a policy may name a path
     for s, kind in enumerate(kinds, 1):
         if kind == "prefill":
             ax0.axvline(s, color="grey", lw=0.5, ls=":")
