@@ -219,10 +219,13 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
     if plot is not None:
         result["plot"] = str(
             plot_timeline(
-                events, kinds, info, plot,
+                events,
+                kinds,
+                info,
+                plot,
                 title=f"policy {rt.policy.name}, {budget_experts[0]} of {info.layers[0].num_experts} experts "
                 f"resident per MoE layer, {store} store",
-            )  # fmt: skip
+            )
         )
     return result
 
