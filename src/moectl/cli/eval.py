@@ -61,7 +61,7 @@ def eval_command(
     by_domain: Annotated[bool, typer.Option("--by-domain", help="Perplexity per 'domain' as well.")] = False,
     split: Annotated[str, typer.Option(help="Split of a corpus folder for --perplexity.")] = "test",
     limit: Annotated[
-        int | None, typer.Option(help="At most N items per task (N documents for perplexity).")
+        int | None, typer.Option(help="At most N items per task; for --perplexity N documents per domain (the first of each, as options eval --max-docs).")
     ] = None,
     num_fewshot: Annotated[
         int | None, typer.Option("--num-fewshot", help="Override the tasks' shots.")

@@ -44,7 +44,10 @@ class Document:
 
 
 def read_corpus(path: str | os.PathLike, split: str = "test", limit: int | None = None) -> list[Document]:
-    """Documents of a JSONL file or a corpus folder's ``split`` (``text`` and optional ``domain``)."""
+    """Documents of a JSONL file or a corpus folder's ``split`` (``text`` and optional ``domain``),
+    in file order; ``limit``: at most that many per domain (the first of each), as ``options eval
+    --max-docs`` and ``texts_by_domain`` count, so a limited run still covers every domain (a corpus
+    file is sorted by domain: the first N in file order covered 2 of the sample's 9)."""
     path = Path(path)
     if path.is_dir():
         candidates = [path / f"{split}.jsonl", path / f"{split}.jsonl.gz"]
@@ -61,6 +64,7 @@ def read_corpus(path: str | os.PathLike, split: str = "test", limit: int | None 
         )
     opener = gzip.open if path.suffix == ".gz" else open
     docs = []
+    taken: dict[str, int] = defaultdict(int)  # documents kept per domain
     with opener(path, "rt", encoding="utf-8") as handle:
         for n, line in enumerate(handle, 1):
             if not line.strip():
@@ -71,10 +75,10 @@ def read_corpus(path: str | os.PathLike, split: str = "test", limit: int | None 
                 raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise ValueError(f"{path}:{n}: each line needs a string field 'text' (and optional 'domain')")
-            if row["text"]:
-                docs.append(Document(row["text"], str(row.get("domain", "all"))))
-            if limit is not None and len(docs) >= limit:
-                break
+            domain = str(row.get("domain", "all"))
+            if row["text"] and (limit is None or taken[domain] < limit):
+                docs.append(Document(row["text"], domain))
+                taken[domain] += 1
     if not docs:
         raise ValueError(f"{path} holds no documents with text")
     return docs
