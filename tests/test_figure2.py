@@ -72,6 +72,7 @@ def test_figure_2_legend_has_no_entry_for_what_is_not_drawn(tmp_path, figures):
     plots.plot_expert_activation(masked, tmp_path / "c.png", layer=0)
     strip, ax = figures[-1].axes
     assert "0 switches" in strip.get_title(loc="left")
+    assert [t.get_text() for t in strip.texts] == ["ω never switches"]
     assert _legend(ax) == ["activated", "option ω (recorded mask)"] and _has_blue(ax)
 
 

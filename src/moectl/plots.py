@@ -99,6 +99,8 @@ def plot_expert_activation(
     image[option.T] = torch.tensor([0.62, 0.78, 0.95])  # the option ω: light blue
     switches = (option[1:] != option[:-1]).any(-1).nonzero().flatten() + 1
     strip.vlines(switches.tolist(), 0, 1, color="crimson", linewidth=1.0)
+    if not len(switches):  # say so rather than leave a blank strip
+        strip.text(0.5, 0.5, "ω never switches", transform=strip.transAxes, ha="center", va="center", fontsize=8)
     if bool((option & ~activated).any()):  # ω shows beyond the activated experts
         handles.append(Patch(facecolor=(0.62, 0.78, 0.95), label=legend))
     else:  # no blue cell anywhere: one entry, not a second black one
@@ -147,7 +149,7 @@ def plot_switch_rate_per_layer(
     ax.set_xticks(range(0, n_layers, max(1, n_layers // 16)))  # whole layers, never 0.25
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("switch rate")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(-0.03, 1.05)  # a layer that never switches shows its point, not half of it
     ax.set_title(wrap_title(title, 70), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
