@@ -109,16 +109,8 @@ def pretrain_command(
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        if resume is not None:
-            saved = resume / "config.json"
-            if not saved.exists():
-                raise FileNotFoundError(
-                    f"--resume {resume}: no config.json there (not a moectl run directory)"
-                )
-            config = TrainConfig.load(saved)
-            for key, value in overrides.items():
-                setattr(config, key, value)
-            config.out = str(resume)
+        if resume is not None:  # the saved config, the flags given applied and checked again
+            config = TrainConfig.resume_from(resume, **overrides)
         else:
             if out is None:
                 raise ValueError("give --out DIR for a new run (or --resume DIR)")

@@ -141,7 +141,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "policy": rt.policy.name,
         "store": store,
         "read_method": read_method,
-        "config": config.describe(),
+        "config": config.to_dict(),
         "experts_implementation": "eager" if impl in (None, "eager") else f"eager (switched from {impl})",
         "budget_experts_per_layer": budget_experts,
         "num_experts": [layer.num_experts for layer in info.layers],
