@@ -36,3 +36,19 @@ def test_readme_example_serves_in_three_lines():
 
     result = run_serve_offload(ServeOffloadConfig("tiny:olmoe", OffloadConfig(budget=4, store="host"), ["Hi"], 4))
     assert result["generated_tokens"] == 4 and 0 <= result["hit_rate"] <= 1 and len(result["texts"]) == 1
+
+
+def test_evaluate_config_equals_the_verb(tmp_path):
+    from _eval_data import small_cache
+    from moectl.eval import EvalConfig, evaluate
+
+    cache = small_cache(tmp_path / "evals", n=6)
+    out = tmp_path / "cli.json"
+    args = ["eval", "tiny:olmoe", "--tasks", "arc_easy", "--limit", "4", "--engine", "moectl", "--cache", str(cache)]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    config = EvalConfig("tiny:olmoe", tasks="arc_easy", limit=4, engine="moectl", cache=cache)
+    doc = evaluate(EvalConfig.load(config.save(tmp_path / "eval.json")), progress=False)
+    cli = json.loads(out.read_text())
+    assert doc["tasks"]["arc_easy"]["metrics"] == cli["tasks"]["arc_easy"]["metrics"]
+    assert doc["settings"] == cli["settings"] and doc["routing"] == cli["routing"]

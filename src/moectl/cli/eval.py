@@ -100,11 +100,11 @@ def eval_command(
     ] = False,
 ) -> None:
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
-    from moectl.eval.run import evaluate
+    from moectl.eval.run import EvalConfig, evaluate
 
     with interrupted("no results were written (--out is written once every task has finished); run the command again"):
         try:
-            doc = evaluate(
+            config = EvalConfig(
                 model,
                 tasks=_split_list(tasks),
                 perplexity=perplexity,
@@ -127,7 +127,8 @@ def eval_command(
                 label=label,
                 allow_code_exec=allow_code_exec,
             )
-        except (ValueError, OSError) as err:
+            doc = evaluate(config)
+        except (ValueError, OSError) as err:  # not every one a MoectlError yet
             fail(err)
     if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
         return
