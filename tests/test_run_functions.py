@@ -52,3 +52,19 @@ def test_evaluate_config_equals_the_verb(tmp_path):
     cli = json.loads(out.read_text())
     assert doc["tasks"]["arc_easy"]["metrics"] == cli["tasks"]["arc_easy"]["metrics"]
     assert doc["settings"] == cli["settings"] and doc["routing"] == cli["routing"]
+
+
+def test_run_tune_equals_the_verb(tmp_path):
+    from moectl.roe import TuneConfig, run_tune
+
+    data = tmp_path / "val.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Document {i}: the quick brown fox."}) + "\n" for i in range(4)))
+    flags = ["--k", "2", "--trials", "2", "--max-length", "16", "--data", str(data)]
+    out = tmp_path / "cli" / "profile.json"
+    result = CliRunner().invoke(app, ["roe", "tune", "--tiny", "olmoe", *flags, "--out", str(out), "--json", str(out) + ".run"])
+    assert result.exit_code == 0, result.output
+    config = TuneConfig("tiny:olmoe", data, K=2, trials=2, max_length=16, out=tmp_path / "lib" / "profile.json")
+    lib = run_tune(TuneConfig.load(config.save(tmp_path / "tune.json")), progress=False)
+    cli = json.loads((tmp_path / "cli" / "profile.json.run").read_text())
+    assert lib.tau == cli["tau"] and lib.value == cli["value"] and lib.baseline == cli["baseline_tau0"]
+    assert (tmp_path / "lib" / "profile.optuna.db").is_file() and (tmp_path / "lib" / "tau_heatmap.png").is_file()

@@ -314,28 +314,21 @@ def tune_cmd(
     json_path: JsonOpt = None,
 ) -> None:
     """Tune per-layer tau with Optuna TPE (RoE §2.2); writes a profile JSON and a heatmap PNG."""
-    from moectl.adapters.inspect import inspect
     from moectl.distributed import launched_world_size, ranks
-    from moectl.roe.tune import tune
+    from moectl.roe.tune import TuneConfig, run
 
     several = launched_world_size() > 1  # `accelerate launch -m moectl roe tune`: one shared study
     try:
-        spec = model_spec(model, tiny)
-        if data is None:
-            raise ValueError("give --data FILE.jsonl (validation items)")
-        lm, tokenizer = load(spec, device, dtype)
-        info = inspect(lm)
-        k = 16 if k is None else k
+        config = TuneConfig(
+            model=model_spec(model, tiny), data=data, K=16 if k is None else k, objective=objective, trials=trials,
+            max_tau=max_tau, skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
+            uniform_step=uniform_step, storage=storage, study_name=study_name, out=out, plot_dir=plot_dir,
+            batch_size=batch_size, max_length=max_length, limit=limit, max_docs=max_docs, device=device, dtype=dtype,
+        )  # fmt: skip
         study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
         kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
         with interrupted(kept):
-            result = tune(
-                lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau,
-                skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
-                uniform_step=uniform_step, storage=study_file, study_name=study_name, out=out,
-                plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
-                info=info, model_name=spec, max_docs=max_docs,
-            )  # fmt: skip
+            result = run(config)
     except _ERRORS as err:
         fail(err)
     except ImportError as err:
@@ -343,13 +336,14 @@ def tune_cmd(
     if several and not ranks().is_main:
         return  # rank 0 reports the study every process added to
     label = "validation perplexity" if objective == "ppl" else "validation accuracy"
+    spec, k, moe_layers = config.model, config.K, len(result.tau)
     table = Table(title=f"RoE tune {spec}: K={k}, {label}, {result.trials} trials ({result.info['mode']})")
     table.add_column("MoE layer", justify="right")
     table.add_column("decoder layer", justify="right")
     table.add_column("tau", justify="right")
     for i, tau in enumerate(result.tau):
-        held = not uniform and (i < skip_layers or i >= info.num_moe_layers - skip_layers)
-        table.add_row(str(i), str(info.layers[i].layer_idx), f"{tau:.4f}" + (" (held)" if held else ""))
+        held = not uniform and (i < skip_layers or i >= moe_layers - skip_layers)
+        table.add_row(str(i), str(result.info["moe_layers"][i]), f"{tau:.4f}" + (" (held)" if held else ""))
     console.print(table)
     base = "" if result.baseline is None else f" (tau = 0: {result.baseline:.6g})"
     import statistics
