@@ -67,3 +67,40 @@ def test_offload_config_round_trips_with_a_policy_object_saved_by_name(tmp_path)
         cfg.with_(store="ram")
     with pytest.raises(ConfigError, match="'verify' must be true or false"):
         OffloadConfig.from_dict({"verify": "yes"})
+
+
+def test_run_configs_of_the_verbs_round_trip(tmp_path):
+    from moectl.eval import EvalConfig
+    from moectl.options import OptionsRunConfig
+    from moectl.roe import TuneConfig
+    from moectl.serve import ServeOffloadConfig
+
+    configs = [
+        EvalConfig("tiny:olmoe", tasks="arc_easy,gsm8k", limit=5, policy="subset.json", cache=Path("evals")),
+        TuneConfig("tiny:olmoe", Path("val.jsonl"), K=4, trials=3, uniform=True, out=Path("p.json")),
+        ServeOffloadConfig("tiny:olmoe", OffloadConfig(budget=2, policy="option:2"), ["hi", "there"], 3),
+        OptionsRunConfig("tiny:olmoe", Path("runs/c"), OptionsConfig(k_hat=4, steps=2), eta_from_latency=1.0),
+    ]
+    for i, cfg in enumerate(configs):
+        assert type(cfg).load(cfg.save(tmp_path / f"{i}.json")) == cfg
+    assert configs[0].tasks == ("arc_easy", "gsm8k")
+
+
+def test_run_configs_of_the_verbs_refuse_bad_values_by_name():
+    from moectl.eval import EvalConfig
+    from moectl.options import OptionsRunConfig
+    from moectl.roe import TuneConfig
+    from moectl.serve import ServeOffloadConfig
+
+    with pytest.raises(ConfigError, match="engine must be one of"):
+        EvalConfig("tiny:olmoe", tasks="arc_easy", engine="vllm")
+    with pytest.raises(ConfigError, match="nothing to evaluate"):
+        EvalConfig("tiny:olmoe")
+    with pytest.raises(ConfigError, match=r"trials .* must be an integer >= 1"):
+        TuneConfig.from_dict({"model": "tiny:olmoe", "trials": 0})
+    with pytest.raises(ConfigError, match="'offload': offload config setting 'budget' must be an integer or a number"):
+        ServeOffloadConfig.from_dict({"model": "tiny:olmoe", "offload": {"budget": "4"}})
+    with pytest.raises(ConfigError, match=r"max_batch .* must be >= 1"):
+        ServeOffloadConfig("tiny:olmoe", max_batch=0)
+    with pytest.raises(ConfigError, match="'options': options config setting 'steps' must be an integer"):
+        OptionsRunConfig.from_dict({"model": "m", "out": "o", "options": {"k_hat": 4, "steps": 2.5}})
