@@ -23,6 +23,7 @@ from moectl.cli.common import (
     check_out_file,
     console,
     fail,
+    handle_moectl_errors,
     interrupted,
     write_json,
 )
@@ -102,34 +103,33 @@ def eval_command(
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
     from moectl.eval.run import EvalConfig, evaluate
 
-    with interrupted("no results were written (--out is written once every task has finished); run the command again"):
-        try:
-            config = EvalConfig(
-                model,
-                tasks=_split_list(tasks),
-                perplexity=perplexity,
-                by_domain=by_domain,
-                split=split,
-                limit=limit,
-                num_fewshot=num_fewshot,
-                max_gen_toks=max_gen_toks,
-                policy=policy,
-                roe=roe,
-                controller=controller,
-                engine=engine,
-                batch_size=batch_size,
-                max_length=max_length,
-                seed=seed,
-                switch=switch_rate,
-                cache=cache,
-                device=device,
-                dtype=dtype,
-                label=label,
-                allow_code_exec=allow_code_exec,
-            )
-            doc = evaluate(config)
-        except (ValueError, OSError) as err:  # not every one a MoectlError yet
-            fail(err)
+    with handle_moectl_errors():
+        config = EvalConfig(
+            model,
+            tasks=_split_list(tasks),
+            perplexity=perplexity,
+            by_domain=by_domain,
+            split=split,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            max_gen_toks=max_gen_toks,
+            policy=policy,
+            roe=roe,
+            controller=controller,
+            engine=engine,
+            batch_size=batch_size,
+            max_length=max_length,
+            seed=seed,
+            switch=switch_rate,
+            cache=cache,
+            device=device,
+            dtype=dtype,
+            label=label,
+            allow_code_exec=allow_code_exec,
+        )
+    kept = "no results were written (--out is written once every task has finished); run the command again"
+    with interrupted(kept), handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
+        doc = evaluate(config)
     if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
         return
     table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")

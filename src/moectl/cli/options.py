@@ -19,6 +19,7 @@ from moectl.cli.common import (
     check_out_folder,
     console,
     fail,
+    handle_moectl_errors,
     load,
     write_json,
 )
@@ -109,7 +110,7 @@ def train_cmd(
     from moectl.options.train_run import OptionsConfig, OptionsRunConfig, run_train
     from moectl.stopping import TrainingInterrupted
 
-    try:
+    with handle_moectl_errors():
         options = OptionsConfig(
             k_hat=k_hat,
             eta=eta,
@@ -132,13 +133,13 @@ def train_cmd(
         config = OptionsRunConfig(
             model, out, options, data, eta_from_latency, resume=not no_resume, device=device, dtype=dtype
         )
-        result = run_train(config)
+    try:
+        with handle_moectl_errors(ValueError, FileNotFoundError):  # not every one a MoectlError yet
+            result = run_train(config)
     except TrainingInterrupted as stopped:
         if ranks().is_main:
             console.print(f"[yellow]{stopped}[/yellow]")
         raise typer.Exit(code=130) from None
-    except (ValueError, FileNotFoundError) as err:  # not every one a MoectlError yet
-        fail(err)
     if not ranks().is_main:
         return  # rank 0 prints and writes the results
     latency, trained = result["latency"], result["options"]

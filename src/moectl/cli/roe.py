@@ -35,6 +35,7 @@ from moectl.cli.common import (
     check_out_folder,
     console,
     fail,
+    handle_moectl_errors,
     interrupted,
     load,
     model_spec,
@@ -318,19 +319,18 @@ def tune_cmd(
     from moectl.roe.tune import TuneConfig, run
 
     several = launched_world_size() > 1  # `accelerate launch -m moectl roe tune`: one shared study
-    try:
+    with handle_moectl_errors():
         config = TuneConfig(
             model=model_spec(model, tiny), data=data, K=16 if k is None else k, objective=objective, trials=trials,
             max_tau=max_tau, skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
             uniform_step=uniform_step, storage=storage, study_name=study_name, out=out, plot_dir=plot_dir,
             batch_size=batch_size, max_length=max_length, limit=limit, max_docs=max_docs, device=device, dtype=dtype,
         )  # fmt: skip
-        study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
-        kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
-        with interrupted(kept):
+    study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
+    kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
+    try:
+        with interrupted(kept), handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
             result = run(config)
-    except _ERRORS as err:
-        fail(err)
     except ImportError as err:
         fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
     if several and not ranks().is_main:

@@ -19,7 +19,7 @@ from moectl.cli.common import (
     ThreadsOpt,
     TinyOpt,
     console,
-    fail,
+    handle_moectl_errors,
     interrupted,
     model_spec,
     use_threads,
@@ -176,7 +176,7 @@ def serve_offload_command(
     if slot_dtype not in SLOT_DTYPES:
         raise typer.BadParameter(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     n_threads = use_threads(threads)
-    try:
+    with handle_moectl_errors():
         config = ServeOffloadConfig(
             model=spec,
             offload=OffloadConfig(
@@ -200,9 +200,8 @@ def serve_offload_command(
             device=device,
             dtype=dtype,
         )
+    with handle_moectl_errors(ValueError, OSError, RuntimeError, MemoryError):  # not every one a MoectlError yet
         result = run(config)
-    except (ValueError, OSError, RuntimeError, MemoryError) as err:  # not every one a MoectlError yet
-        fail(err)
     table = Table(title=f"serve-offload: policy {result['policy']}, store {result['store']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
