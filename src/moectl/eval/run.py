@@ -114,21 +114,7 @@ def evaluate(
         with code_exec_allowed(c.allow_code_exec):
             doc["tasks"].update(
                 _run_tasks(
-                    model,
-                    tokenizer,
-                    routing,
-                    tasks,
-                    engine,
-                    cache,
-                    c.limit,
-                    c.num_fewshot,
-                    c.max_gen_toks,
-                    c.batch_size,
-                    max_length,
-                    seed,
-                    switch,
-                    progress and processes.is_main,
-                    processes,
+                    model, tokenizer, routing, tasks, c, max_length, switch, progress and processes.is_main, processes
                 )
             )
     if perplexity is not None:
@@ -156,14 +142,8 @@ def _run_tasks(
     tokenizer: Any,
     routing: EvalRouting,
     tasks: Sequence[str],
-    engine: str,
-    cache: Any,
-    limit: int | None,
-    num_fewshot: int | None,
-    max_gen_toks: int | None,
-    batch_size: int,
+    config: EvalConfig,
     max_length: int,
-    seed: int,
     switch: bool,
     progress: bool,
     processes: Any = None,
@@ -177,8 +157,10 @@ def _run_tasks(
     """
     from moectl.eval.multiple_choice import switch_summary
 
+    cache, limit, num_fewshot, seed = config.cache, config.limit, config.num_fewshot, config.seed
+    batch_size, max_gen_toks = config.batch_size, config.max_gen_toks
     out: dict[str, Any] = {}
-    if engine == "moectl":
+    if config.engine == "moectl":
         from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
 
         for task in tasks:
