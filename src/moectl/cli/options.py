@@ -18,7 +18,6 @@ from moectl.cli.common import (
     check_out_file,
     check_out_folder,
     console,
-    fail,
     handle_moectl_errors,
     load,
     write_json,
@@ -205,7 +204,7 @@ def generate_cmd(
     from moectl.options.policy import ControllerPolicy
     from moectl.routing import RoutingTrace
 
-    try:
+    with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
         lm, tokenizer, ctrl, _, _ = _load(model, controller, device, dtype, seed)
         policy = ControllerPolicy(
             ctrl, mode="greedy" if greedy_controller else "sample", seed=seed, record=True
@@ -215,8 +214,6 @@ def generate_cmd(
             lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False,
             policies=policy, record=True,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        fail(err)
     generated = [c.token_ids for c in done]
     trace = RoutingTrace.join([c.trace for c in done])  # each prompt routed by its own fork of the policy
     report = switch_rate(trace, source="allowed")
@@ -276,7 +273,7 @@ def eval_cmd(
     from moectl.options.policy import ControllerPolicy
     from moectl.options.teacher import teacher_mode
 
-    try:
+    with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
         texts = texts_by_domain(data, "test", max_docs)
         lm, tokenizer, ctrl, config, snapshot = _load(model, controller, device, dtype, seed, merge=False)
         info = inspect(lm)
@@ -301,8 +298,6 @@ def eval_cmd(
             seed=seed,
             progress=True,
         )
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        fail(err)
     table = Table(title=f"{'controller ' + str(controller) if controller else 'plain model'}, k̂={k}")
     for col in ("domain", "KL(teacher‖student)", "ppl", "teacher ppl", "docs"):
         table.add_column(col)
@@ -370,12 +365,10 @@ def card_cmd(
 
     from moectl.options.card import write_controller_card
 
-    try:
+    with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
         result = write_controller_card(
             run, base, out, checkpoint=checkpoint, name=name, license=license, overwrite=overwrite
         )
-    except (ValueError, OSError) as err:
-        fail(err)
     summary = result["summary"]
     n = min(summary["window"], summary["steps_logged"])
     where = f"{result['checkpoint']} (step {result['step']})"

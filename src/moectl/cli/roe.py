@@ -115,7 +115,7 @@ def generate_cmd(
     from moectl.roe.config import config_dict
     from moectl.roe.generate import GenerationStats, generate
 
-    try:
+    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         config = _config(k, temperatures, cache, aggregation, seed)
         texts = list(prompt or [])
@@ -142,8 +142,6 @@ def generate_cmd(
         )  # fmt: skip
         if streaming:
             console.print()
-    except _ERRORS as err:
-        fail(err)
     table = Table(title=f"RoE generate {spec}: K={config.K}, tau=[{_taus_text(taus)}], cache={config.cache}")
     table.add_column("#", justify="right")
     table.add_column("prompt")
@@ -204,7 +202,7 @@ def score_cmd(
     from moectl.roe.data import load_items
     from moectl.roe.score import score
 
-    try:
+    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         if data is None:
             raise ValueError("give --data FILE.jsonl (see `moectl.roe.data` for the accepted lines)")
@@ -229,8 +227,6 @@ def score_cmd(
             thresholds = None if adaptive == "auto" else [float(x) for x in adaptive.split(",")]
             trade = trade_off(lm, tokenizer, items, config, thresholds, batch_size=batch_size,
                               max_length=max_length, info=info)  # fmt: skip
-    except _ERRORS as err:
-        fail(err)
     table = Table(title=f"RoE score {spec} on {data}: K={config.K}, tau=[{_taus_text(taus)}]")
     for col in ("run", "items", "tokens", "perplexity", "accuracy", "seconds"):
         table.add_column(col, justify="left" if col == "run" else "right")
@@ -392,7 +388,7 @@ def bench_cmd(
 
     from moectl.roe.bench import measure_overhead
 
-    try:
+    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         ks = [int(x) for x in k.split(",")]
         if threads < 1:
@@ -409,8 +405,6 @@ def bench_cmd(
             lm, ids, torch.ones_like(ids), Ks=ks, variants=[v.strip() for v in variants.split(",")],
             new_tokens=new_tokens, repeats=repeats, tau=tau, memory=memory,
         )  # fmt: skip
-    except _ERRORS as err:
-        fail(err)
     table = Table(
         title=f"RoE overhead {spec}: B={batch}, prompt {prompt_tokens}, {new_tokens} new tokens, tau={tau}"
     )
