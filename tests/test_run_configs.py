@@ -104,3 +104,18 @@ def test_run_configs_of_the_verbs_refuse_bad_values_by_name():
         ServeOffloadConfig("tiny:olmoe", max_batch=0)
     with pytest.raises(ConfigError, match="'options': options config setting 'steps' must be an integer"):
         OptionsRunConfig.from_dict({"model": "m", "out": "o", "options": {"k_hat": 4, "steps": 2.5}})
+
+
+def test_pretrain_resume_of_a_mistyped_config_is_one_line_and_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+
+    cfg = TrainConfig.from_preset("tiny", out=str(tmp_path), max_steps=4)
+    cfg.save(tmp_path / "config.json")
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "bf16": "no"}))
+    result = CliRunner().invoke(app, ["pretrain", "--resume", str(tmp_path)])
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert flat.startswith("error: ") and "run config setting 'bf16' must be true or false, got 'no'" in flat
