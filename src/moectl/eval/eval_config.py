@@ -69,8 +69,9 @@ class EvalConfig(RunConfig):
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready settings; policy objects by their type (a file or spec as given)."""
         data = super().to_dict()
-        if not isinstance(self.policy, (str, Path, type(None))):
-            data["policy"] = [type(p).__name__ for p in self.policy] if isinstance(self.policy, list) else (
-                type(self.policy).__name__
-            )
+        policy = self.policy
+        if isinstance(policy, (list, tuple)):
+            data["policy"] = [str(p) if isinstance(p, (str, Path)) else type(p).__name__ for p in policy]
+        elif not isinstance(policy, (str, Path, type(None))):
+            data["policy"] = type(policy).__name__
         return data

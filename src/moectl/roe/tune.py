@@ -166,8 +166,7 @@ def tune(
 
     if model_name is not None:
         settings["model"] = model_name
-    config = (config or TuneConfig()).with_(**settings) if settings else (config or TuneConfig())
-    c = config
+    c = config = (config or TuneConfig()).with_(**settings)  # keywords over config's settings, checked
     K, objective, max_tau, skip_layers, seed, uniform = c.K, c.objective, c.max_tau, c.skip_layers, c.seed, c.uniform
     storage, out, plot_dir, limit, max_docs, max_length = c.storage, c.out, c.plot_dir, c.limit, c.max_docs, c.max_length
     data = c.data if data is None else data
