@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-RUNS = {  # name → evaluate() keywords beyond the model, the cache and the seed
+RUNS = {  # name → EvalConfig keywords beyond the model, the cache and the seed
     "subset": {"tasks": ["arc_easy"], "limit": 7, "perplexity": "corpus.jsonl", "policy": "subset.json"},
     "roe": {"tasks": ["arc_easy"], "limit": 7, "roe": "K=2,tau=0.5"},
     "controller": {"tasks": ["arc_easy"], "limit": 5, "perplexity": "corpus.jsonl", "controller": "ctrl"},
@@ -18,13 +18,13 @@ RUNS = {  # name → evaluate() keywords beyond the model, the cache and the see
 
 
 def run(root: Path, name: str) -> dict | None:
-    from moectl.eval.run import evaluate
+    from moectl.eval.run import EvalConfig, evaluate
 
     kwargs = dict(RUNS[name])
     for key in ("perplexity", "policy", "controller"):
         if key in kwargs:
             kwargs[key] = str(root / kwargs[key])
-    return evaluate("tiny:olmoe", cache=str(root / "evals"), batch_size=3, progress=False, **kwargs)
+    return evaluate(EvalConfig("tiny:olmoe", cache=str(root / "evals"), batch_size=3, **kwargs), progress=False)
 
 
 if __name__ == "__main__":

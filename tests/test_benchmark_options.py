@@ -110,7 +110,7 @@ def tiny_eval(tmp_path_factory):
 
 def test_score_set_is_moectl_evals_score_under_each_routing(tiny_eval):
     from moectl.eval.policy_file import setup_routing
-    from moectl.eval.run import evaluate
+    from moectl.eval.run import EvalConfig, evaluate
 
     cache, model, tok, sets = tiny_eval
     info = moectl.inspect(model)
@@ -121,8 +121,8 @@ def test_score_set_is_moectl_evals_score_under_each_routing(tiny_eval):
     assert masked["switch_rate"] == 0.0  # a fixed mask never switches
     rand = setup_routing(model, [RandomOptions(4, 0)], seed=3)
     assert options_accuracy.score_set(model, tok, rand, sets["arc_easy"], 5, cache)["switch_rate"] > 0.2
-    doc = evaluate("tiny", ["arc_easy"], limit=5, policy=[fixed], engine="moectl", cache=cache,
-                   model_and_tokenizer=(model, tok), progress=False)  # fmt: skip
+    config = EvalConfig("tiny", ["arc_easy"], limit=5, policy=[fixed], engine="moectl", cache=cache)
+    doc = evaluate(config, model_and_tokenizer=(model, tok), progress=False)
     assert {k: v["value"] for k, v in doc["tasks"]["arc_easy"]["metrics"].items()} == {
         k: v["value"] for k, v in masked["metrics"].items()
     }

@@ -101,11 +101,11 @@ def test_simple_evaluate_gives_the_numbers_of_moectl_eval(tasks, one_thread):
 
     from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
     from moectl.eval.policy_file import setup_routing
-    from moectl.eval.run import evaluate
+    from moectl.eval.run import EvalConfig, evaluate
     from moectl.models.load import load_model
 
     cache, rendered, policy = tasks
-    doc = evaluate("tiny:olmoe", tasks=["arc_easy"], policy=policy, cache=cache, progress=False, switch=False)
+    doc = evaluate(EvalConfig("tiny:olmoe", tasks=["arc_easy"], policy=policy, cache=cache, switch=False), progress=False)
     manager = TaskManager(include_path=str(rendered), include_defaults=False)
     raw = simple_evaluate(
         model="moectl",

@@ -66,6 +66,8 @@ class RunConfig:
                 values[name] = _check(value, hints[name])
             except _Mismatch as err:
                 raise ConfigError(f"{where}{cls.kind} setting {name!r} must be {err}, got {value!r}") from None
+            except ConfigError as err:  # a nested run config (its own from_dict) refused a value
+                raise ConfigError(f"{where}{cls.kind} setting {name!r}: {err}") from None
         missing = [
             n
             for n, f in known.items()
@@ -186,6 +188,8 @@ def _check(value: Any, hint: Any) -> Any:
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         if isinstance(value, hint):
             return value
+        if issubclass(hint, RunConfig) and isinstance(value, Mapping):
+            return hint.from_dict(value)  # a nested run config: its values checked too
         if isinstance(value, Mapping):
             try:
                 return hint(**value)

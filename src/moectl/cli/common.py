@@ -186,6 +186,24 @@ def interrupted(kept: str) -> Iterator[None]:
         raise typer.Exit(code=130) from None
 
 
+@contextmanager
+def handle_moectl_errors(*legacy: type[Exception]) -> Iterator[None]:
+    """Within the block, a :class:`moectl.errors.MoectlError` ends the command with ``error: MESSAGE``
+    and exit code 2 (:func:`fail`), as do the built-in errors ``legacy`` the library still raises
+    for bad input where it does not raise a ``MoectlError`` yet. A ``typer.Exit`` passes through.
+
+    Temporary: ``cli/__init__.py``'s one ``MoectlError`` handler replaces it, and each ``legacy``
+    type goes once the library raises ``MoectlError`` for it."""
+    from moectl.errors import MoectlError
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except (MoectlError, *legacy) as err:
+        fail(err)
+
+
 def write_or_fail(option: str, write, *args, **kwargs):
     """``write(*args, **kwargs)``; an ``OSError`` (a full disk, a folder gone) as ``error: OPTION ...``
     and exit 2, not a traceback after the work is done."""

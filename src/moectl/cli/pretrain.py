@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import check_out_file, console, fail, write_json
+from moectl.cli.common import check_out_file, console, handle_moectl_errors, write_json
 
 
 def pretrain_command(
@@ -89,6 +89,7 @@ def pretrain_command(
     ] = None,
 ) -> None:
     """Pretrain one of moectl's MoEs with the standard or the EMO objective."""
+    from moectl.errors import ConfigError
     from moectl.train.config import TrainConfig
     from moectl.train.loop import TrainingInterrupted, pretrain
 
@@ -108,20 +109,12 @@ def pretrain_command(
         bf16=bf16,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    try:
-        if resume is not None:
-            saved = resume / "config.json"
-            if not saved.exists():
-                raise FileNotFoundError(
-                    f"--resume {resume}: no config.json there (not a moectl run directory)"
-                )
-            config = TrainConfig.load(saved)
-            for key, value in overrides.items():
-                setattr(config, key, value)
-            config.out = str(resume)
+    with handle_moectl_errors():
+        if resume is not None:  # the saved config, the flags given applied and checked again
+            config = TrainConfig.resume_from(resume, **overrides)
         else:
             if out is None:
-                raise ValueError("give --out DIR for a new run (or --resume DIR)")
+                raise ConfigError("give --out DIR for a new run (or --resume DIR)")
             config = TrainConfig.from_preset(
                 preset,
                 out=str(out),
@@ -131,12 +124,12 @@ def pretrain_command(
                 anneal_from=str(anneal_from) if anneal_from else None,
                 **overrides,
             )
-        result = pretrain(config, resume=resume is not None, overwrite=overwrite)
+    try:
+        with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
+            result = pretrain(config, resume=resume is not None, overwrite=overwrite)
     except TrainingInterrupted as stopped:
         console.print(f"[yellow]{stopped}[/yellow]")
         raise typer.Exit(code=130) from None
-    except (ValueError, OSError) as err:
-        fail(err)
     table = Table(title=f"{config.objective} {config.preset}: validation loss (full model)")
     table.add_column("domain")
     table.add_column("loss", justify="right")

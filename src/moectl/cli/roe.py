@@ -35,6 +35,7 @@ from moectl.cli.common import (
     check_out_folder,
     console,
     fail,
+    handle_moectl_errors,
     interrupted,
     load,
     model_spec,
@@ -114,7 +115,7 @@ def generate_cmd(
     from moectl.roe.config import config_dict
     from moectl.roe.generate import GenerationStats, generate
 
-    try:
+    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         config = _config(k, temperatures, cache, aggregation, seed)
         texts = list(prompt or [])
@@ -141,8 +142,6 @@ def generate_cmd(
         )  # fmt: skip
         if streaming:
             console.print()
-    except _ERRORS as err:
-        fail(err)
     table = Table(title=f"RoE generate {spec}: K={config.K}, tau=[{_taus_text(taus)}], cache={config.cache}")
     table.add_column("#", justify="right")
     table.add_column("prompt")
@@ -203,7 +202,7 @@ def score_cmd(
     from moectl.roe.data import load_items
     from moectl.roe.score import score
 
-    try:
+    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         if data is None:
             raise ValueError("give --data FILE.jsonl (see `moectl.roe.data` for the accepted lines)")
@@ -228,8 +227,6 @@ def score_cmd(
             thresholds = None if adaptive == "auto" else [float(x) for x in adaptive.split(",")]
             trade = trade_off(lm, tokenizer, items, config, thresholds, batch_size=batch_size,
                               max_length=max_length, info=info)  # fmt: skip
-    except _ERRORS as err:
-        fail(err)
     table = Table(title=f"RoE score {spec} on {data}: K={config.K}, tau=[{_taus_text(taus)}]")
     for col in ("run", "items", "tokens", "perplexity", "accuracy", "seconds"):
         table.add_column(col, justify="left" if col == "run" else "right")
@@ -314,42 +311,35 @@ def tune_cmd(
     json_path: JsonOpt = None,
 ) -> None:
     """Tune per-layer tau with Optuna TPE (RoE §2.2); writes a profile JSON and a heatmap PNG."""
-    from moectl.adapters.inspect import inspect
     from moectl.distributed import launched_world_size, ranks
-    from moectl.roe.tune import tune
+    from moectl.roe.tune import TuneConfig, run
 
     several = launched_world_size() > 1  # `accelerate launch -m moectl roe tune`: one shared study
+    with handle_moectl_errors():
+        config = TuneConfig(
+            model=model_spec(model, tiny), data=data, K=16 if k is None else k, objective=objective, trials=trials,
+            max_tau=max_tau, skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
+            uniform_step=uniform_step, storage=storage, study_name=study_name, out=out, plot_dir=plot_dir,
+            batch_size=batch_size, max_length=max_length, limit=limit, max_docs=max_docs, device=device, dtype=dtype,
+        )  # fmt: skip
+    study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
+    kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
     try:
-        spec = model_spec(model, tiny)
-        if data is None:
-            raise ValueError("give --data FILE.jsonl (validation items)")
-        lm, tokenizer = load(spec, device, dtype)
-        info = inspect(lm)
-        k = 16 if k is None else k
-        study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
-        kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
-        with interrupted(kept):
-            result = tune(
-                lm, tokenizer, data, K=k, objective=objective, trials=trials, max_tau=max_tau,
-                skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
-                uniform_step=uniform_step, storage=study_file, study_name=study_name, out=out,
-                plot_dir=plot_dir or out.parent, batch_size=batch_size, max_length=max_length, limit=limit,
-                info=info, model_name=spec, max_docs=max_docs,
-            )  # fmt: skip
-    except _ERRORS as err:
-        fail(err)
+        with interrupted(kept), handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
+            result = run(config)
     except ImportError as err:
         fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
     if several and not ranks().is_main:
         return  # rank 0 reports the study every process added to
     label = "validation perplexity" if objective == "ppl" else "validation accuracy"
+    spec, k, moe_layers = config.model, config.K, len(result.tau)
     table = Table(title=f"RoE tune {spec}: K={k}, {label}, {result.trials} trials ({result.info['mode']})")
     table.add_column("MoE layer", justify="right")
     table.add_column("decoder layer", justify="right")
     table.add_column("tau", justify="right")
     for i, tau in enumerate(result.tau):
-        held = not uniform and (i < skip_layers or i >= info.num_moe_layers - skip_layers)
-        table.add_row(str(i), str(info.layers[i].layer_idx), f"{tau:.4f}" + (" (held)" if held else ""))
+        held = not uniform and (i < skip_layers or i >= moe_layers - skip_layers)
+        table.add_row(str(i), str(result.info["moe_layers"][i]), f"{tau:.4f}" + (" (held)" if held else ""))
     console.print(table)
     base = "" if result.baseline is None else f" (tau = 0: {result.baseline:.6g})"
     import statistics
@@ -398,7 +388,7 @@ def bench_cmd(
 
     from moectl.roe.bench import measure_overhead
 
-    try:
+    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         ks = [int(x) for x in k.split(",")]
         if threads < 1:
@@ -415,8 +405,6 @@ def bench_cmd(
             lm, ids, torch.ones_like(ids), Ks=ks, variants=[v.strip() for v in variants.split(",")],
             new_tokens=new_tokens, repeats=repeats, tau=tau, memory=memory,
         )  # fmt: skip
-    except _ERRORS as err:
-        fail(err)
     table = Table(
         title=f"RoE overhead {spec}: B={batch}, prompt {prompt_tokens}, {new_tokens} new tokens, tau={tau}"
     )

@@ -19,7 +19,7 @@ from moectl.cli.common import (
     ThreadsOpt,
     TinyOpt,
     console,
-    fail,
+    handle_moectl_errors,
     interrupted,
     model_spec,
     use_threads,
@@ -155,15 +155,10 @@ def serve_offload_command(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Generate greedily with experts offloaded; report memory, loads, bytes moved, time and hit rate."""
-    import torch
-
-    from moectl.generate import load_prompts
     from moectl.serve.config import EXPERTS_FORWARDS, STORES, OffloadConfig
     from moectl.serve.int8 import SLOT_DTYPES
-    from moectl.serve.loading import load_for_offload
-    from moectl.serve.policies import ControllerResidency, parse_policy
     from moectl.serve.prefetch import PrefetchConfig
-    from moectl.serve.runner import serve_offload
+    from moectl.serve.runner import ServeOffloadConfig, run
 
     spec = model_spec(model, tiny)
     if store not in STORES:
@@ -180,41 +175,33 @@ def serve_offload_command(
         raise typer.BadParameter(f"--threads must be >= 1, got {threads}")
     if slot_dtype not in SLOT_DTYPES:
         raise typer.BadParameter(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
-    torch.manual_seed(seed)
     n_threads = use_threads(threads)
-    reader = None
-    try:
-        config = OffloadConfig(
-            budget=parse_budget(budget),
-            store=store,
-            store_dir=store_dir,
-            async_loads=async_loads,
-            prefetch=prefetch,
-            prefetch_config=PrefetchConfig(prefetch_lookahead, prefetch_beta),
-            read_method=read_method,
-            experts_forward=experts_forward,
-            slot_dtype=slot_dtype,
-            load_timeout_s=load_timeout,
-        )
-        net, tokenizer, reader = load_for_offload(spec, config.with_(policy=policy), dtype, device, seed)
-        residency = parse_policy(policy, net)  # a controller's adapters and routers merge into net
-        if isinstance(residency, ControllerResidency):
-            residency = ControllerResidency(residency.route_policy, seed=seed)
-        result = serve_offload(
-            net,
-            tokenizer,
-            load_prompts(prompts),
-            config.with_(policy=residency),
-            max_new_tokens,
-            plot=plot,
-            reader=reader,
+    with handle_moectl_errors():
+        config = ServeOffloadConfig(
+            model=spec,
+            offload=OffloadConfig(
+                budget=parse_budget(budget),
+                policy=policy,
+                store=store,
+                store_dir=store_dir,
+                async_loads=async_loads,
+                prefetch=prefetch,
+                prefetch_config=PrefetchConfig(prefetch_lookahead, prefetch_beta),
+                read_method=read_method,
+                experts_forward=experts_forward,
+                slot_dtype=slot_dtype,
+                load_timeout_s=load_timeout,
+            ),
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
             max_batch=max_batch,
+            plot=plot,
+            seed=seed,
+            device=device,
+            dtype=dtype,
         )
-    except (ValueError, OSError, RuntimeError, MemoryError) as err:
-        fail(err)
-    finally:
-        if reader is not None:
-            reader.close()
+    with handle_moectl_errors(ValueError, OSError, RuntimeError, MemoryError):  # not every one a MoectlError yet
+        result = run(config)
     table = Table(title=f"serve-offload: policy {result['policy']}, store {result['store']}")
     table.add_column("measure")
     table.add_column("value", justify="right")

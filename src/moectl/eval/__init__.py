@@ -17,7 +17,8 @@
   :mod:`~moectl.eval.run` (the commands: :mod:`moectl.cli.eval`).
 
 Heavy modules (lm-eval, datasets) load only when used: ``MoectlLM`` (also under its former
-name ``RoutedLM``) and ``evaluate`` are imported on first access.
+name ``RoutedLM``) and ``evaluate`` (``moectl eval``: ``evaluate(EvalConfig(...))``) are imported
+on first access.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "MMLU_CATEGORY",
     "SETS",
     "BatchRouting",
+    "EvalConfig",
     "EvalSetMissingError",
     "MoectlLM",
     "RequestBatch",
@@ -65,4 +67,8 @@ def __getattr__(name: str) -> Any:
         from moectl.eval.run import evaluate
 
         return evaluate
+    if name == "EvalConfig":
+        from moectl.eval.eval_config import EvalConfig
+
+        return EvalConfig
     raise AttributeError(f"module 'moectl.eval' has no attribute {name!r}")

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from lm_eval.api.model import LM
 from torch import nn
 
 from moectl.distributed import Ranks, process_device, ranks
+from moectl.errors import ConfigError
 from moectl.eval import model_args as margs
 from moectl.eval.distributed import lm_eval_padding
 from moectl.eval.forward import RoutingPlan, SwitchStats, static_plan
@@ -52,6 +54,25 @@ log = logging.getLogger(__name__)
 GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
 
 
+@dataclass(frozen=True)
+class ScoreSettings:
+    """How a :class:`MoectlLM` scores and decodes its requests, as one value: requests per forward
+    (``batch_size``), tokens per sequence (``max_length``, context cut on the left), the seed of
+    routing noise and sampling, the default cap of generated tokens, and whether to show progress."""
+
+    batch_size: int = 8
+    max_length: int = 2048
+    seed: int = 1234
+    max_gen_toks: int = 256
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_length", "max_gen_toks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"MoectlLM: {name} must be an integer >= 1, got {value!r}")
+
+
 class MoectlLM(LM):
     """An lm-eval model: a causal MoE LM scored and decoded by moectl under a routing plan.
 
@@ -59,7 +80,9 @@ class MoectlLM(LM):
     ``dtype`` on ``device``, or a live model (then give ``tokenizer``). Routing: ``policy``,
     ``roe``, ``controller`` (as ``moectl eval --policy/--roe/--controller``), or in process a
     ready ``routing`` (:class:`EvalRouting`), fixed ``policies`` or a per-request ``plan``.
-    ``switch_rate=True`` keeps a running switch rate in ``self.switch``.
+    ``switch_rate=True`` keeps a running switch rate in ``self.switch``. lm-eval builds it from
+    keywords (``--model_args``); it keeps the loaded model, its routing (``routing``, ``plan``,
+    ``info``) and how it scores (``settings``: :class:`ScoreSettings`).
     """
 
     def __init__(
@@ -113,11 +136,13 @@ class MoectlLM(LM):
         from moectl.adapters.inspect import inspect
 
         self.info = info or (routing.info if routing is not None else None) or inspect(model)
-        self.batch_size = int(batch_size)
-        self.max_length = int(max_length or getattr(model.config, "max_position_embeddings", 2048) or 2048)
-        self.seed = int(seed)
-        self.max_gen_toks = int(max_gen_toks)
-        self.progress = progress
+        self.settings = ScoreSettings(
+            batch_size=int(batch_size),
+            max_length=int(max_length or getattr(model.config, "max_position_embeddings", 2048) or 2048),
+            seed=int(seed),
+            max_gen_toks=int(max_gen_toks),
+            progress=bool(progress),
+        )
         self.switch = SwitchStats() if switch_rate else None
         self._device = next(model.parameters()).device
 
@@ -141,8 +166,8 @@ class MoectlLM(LM):
         requests = requests[: len(requests) - pad]
         pairs = [tuple(req.args) for req in requests]
         scored = score_pairs(
-            self.model, self.tokenizer, pairs, self.plan, self.info, self.batch_size, self.max_length,
-            self.switch, self.progress and not disable_tqdm, "loglikelihood",
+            self.model, self.tokenizer, pairs, self.plan, self.info, self.settings.batch_size,
+            self.settings.max_length, self.switch, self.settings.progress and not disable_tqdm, "loglikelihood",
         )  # fmt: skip
         out = [
             (float(lp), bool(g))
@@ -160,8 +185,8 @@ class MoectlLM(LM):
         requests = requests[: len(requests) - pad]
         docs = [Document(req.args[0]) for req in requests]
         nll, _ = document_nll(
-            self.model, self.tokenizer, docs, self.plan, self.info, self.max_length, self.batch_size,
-            self.switch, self.progress and not disable_tqdm,
+            self.model, self.tokenizer, docs, self.plan, self.info, self.settings.max_length,
+            self.settings.batch_size, self.switch, self.settings.progress and not disable_tqdm,
         )  # fmt: skip
         out = [-float(x) for x in nll]
         for req, result in zip(requests, out, strict=True):
@@ -180,8 +205,8 @@ class MoectlLM(LM):
             settings = self.gen_settings(requests[members[0]].args[1])
             contexts = [requests[i].args[0] for i in members]
             texts = generate_texts(
-                self.model, self.tokenizer, contexts, settings, self.plan, self.info, self.batch_size,
-                self.max_length, self.seed, self.switch,
+                self.model, self.tokenizer, contexts, settings, self.plan, self.info, self.settings.batch_size,
+                self.settings.max_length, self.settings.seed, self.switch,
             )  # fmt: skip
             for i, text in zip(members, texts, strict=True):
                 out[i] = text
@@ -192,7 +217,7 @@ class MoectlLM(LM):
         """lm-eval's generation kwargs as :class:`GenSettings` (EOS's text added to ``until``)."""
         from lm_eval.models.utils import normalize_gen_kwargs
 
-        kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.settings.max_gen_toks)
         ignored = sorted(set(kwargs) - set(GEN_KEYS))
         if ignored:
             log.warning("moectl: generation kwargs %s are not supported and ignored", ignored)

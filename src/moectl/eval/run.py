@@ -1,24 +1,28 @@
 """The work behind ``moectl eval``: load a model, set up its routing, run tasks, fill one results document.
 
+``evaluate(EvalConfig("tiny:olmoe", tasks=["arc_easy"], limit=20))`` is ``moectl eval tiny:olmoe
+--tasks arc_easy --limit 20``: the command only parses its flags into the config.
+
 Under ``accelerate launch`` the requests are split over the processes and the results gathered on
 rank 0 (:mod:`moectl.eval.distributed`), which alone returns the document.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from moectl.distributed import launched_world_size, process_device, ranks
+from moectl.errors import ConfigError
+from moectl.eval.eval_config import ENGINES, EvalConfig
 from moectl.eval.forward import SwitchStats
 from moectl.eval.policy_file import EvalRouting, check_routing_args, experts_allowed, setup_routing
 from moectl.eval.results import new_results
 from moectl.roe.config import config_dict
 
-ENGINES = ("lm-eval", "moectl")
+__all__ = ["ENGINES", "EvalConfig", "evaluate"]
 
 
 def _lm_eval_version() -> str:
@@ -28,46 +32,20 @@ def _lm_eval_version() -> str:
 
 
 def evaluate(
-    model_spec: str,
-    tasks: Sequence[str] = (),
-    perplexity: str | os.PathLike | None = None,
-    by_domain: bool = False,
-    split: str = "test",
-    limit: int | None = None,
-    num_fewshot: int | None = None,
-    max_gen_toks: int | None = None,
-    policy: str | os.PathLike | None = None,
-    roe: str | None = None,
-    controller: str | None = None,
-    engine: str = "lm-eval",
-    batch_size: int = 8,
-    max_length: int | None = None,
-    seed: int = 1234,
-    switch: bool | None = None,
-    cache: str | os.PathLike | None = None,
-    device: str = "cpu",
-    dtype: str = "auto",
-    label: str | None = None,
-    progress: bool = True,
-    model_and_tokenizer: tuple[Any, Any] | None = None,
-    allow_code_exec: bool = False,
+    config: EvalConfig, *, progress: bool = True, model_and_tokenizer: tuple[Any, Any] | None = None
 ) -> dict[str, Any] | None:
-    """Evaluate ``model_spec`` (``tiny:FAMILY``, a checkpoint folder or hub id); returns a results
-    document (on rank 0; None on the other processes of a launched run).
+    """Evaluate ``config.model`` as ``config`` says (``moectl eval`` is this function); returns a
+    results document (on rank 0; None on the other processes of a launched run).
 
-    ``switch`` (default: on when a policy is given) records the switch rate per task.
-    ``model_and_tokenizer`` skips loading (for callers that hold a model already).
-    ``allow_code_exec`` lets code tasks (humaneval, mbpp) execute generated code; without it they
-    run only if ``$MOECTL_ALLOW_CODE_EXEC=1`` (checked before the model is loaded).
+    ``model_and_tokenizer`` skips loading (for callers that hold a model already). Code tasks
+    (humaneval, mbpp) are refused before the model is loaded unless ``config.allow_code_exec`` or
+    ``$MOECTL_ALLOW_CODE_EXEC=1``.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if not tasks and perplexity is None:
-        raise ValueError("nothing to evaluate: give --tasks and/or --perplexity CORPUS")
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
+    c = config
+    model_spec, tasks, perplexity, engine, cache, seed = c.model, c.tasks, c.perplexity, c.engine, c.cache, c.seed
+    policy, roe, controller, switch, max_length = c.policy, c.roe, c.controller, c.switch, c.max_length
     if launched_world_size() > 1 and tasks and engine == "moectl":
-        raise ValueError(
+        raise ConfigError(
             f"--engine moectl scores in one process; with {launched_world_size()} processes use --engine "
             "lm-eval (the default: the same scores, the documents split over the processes)"
         )
@@ -81,13 +59,13 @@ def evaluate(
         check_data(tasks, cache)  # before loading a model: a missing set fails fast
         from moectl.eval.code_exec import check_code_tasks
 
-        check_code_tasks(tasks, True if allow_code_exec else None)  # refuses unless opted into
+        check_code_tasks(tasks, True if c.allow_code_exec else None)  # refuses unless opted into
     torch.manual_seed(seed)
     if model_and_tokenizer is None:
         from moectl.models.load import load_model
 
         model, tokenizer = load_model(
-            model_spec, dtype=dtype, device=process_device(device, processes), seed=0
+            model_spec, dtype=c.dtype, device=process_device(c.device, processes), seed=0
         )
     else:
         model, tokenizer = model_and_tokenizer
@@ -104,7 +82,7 @@ def evaluate(
     doc = new_results(
         model={
             "spec": model_spec,
-            "label": label or model_spec,
+            "label": c.label or model_spec,
             "family": summary["family"],
             "num_experts": summary["num_experts"][0],
             "top_k": summary["top_k"][0],
@@ -120,37 +98,23 @@ def evaluate(
         },
         engine={"name": engine, "version": _lm_eval_version() if engine == "lm-eval" else None},
         settings={
-            "limit": limit,
-            "num_fewshot": num_fewshot,
-            "max_gen_toks": max_gen_toks,
-            "batch_size": batch_size,
+            "limit": c.limit,
+            "num_fewshot": c.num_fewshot,
+            "max_gen_toks": c.max_gen_toks,
+            "batch_size": c.batch_size,
             "max_length": max_length,
             "seed": seed,
-            "device": device,
+            "device": c.device,
         },
     )
     plan = routing.plan
     if tasks:
         from moectl.eval.code_exec import code_exec_allowed
 
-        with code_exec_allowed(allow_code_exec):
+        with code_exec_allowed(c.allow_code_exec):
             doc["tasks"].update(
                 _run_tasks(
-                    model,
-                    tokenizer,
-                    routing,
-                    tasks,
-                    engine,
-                    cache,
-                    limit,
-                    num_fewshot,
-                    max_gen_toks,
-                    batch_size,
-                    max_length,
-                    seed,
-                    switch,
-                    progress and processes.is_main,
-                    processes,
+                    model, tokenizer, routing, tasks, c, max_length, switch, progress and processes.is_main, processes
                 )
             )
     if perplexity is not None:
@@ -158,17 +122,17 @@ def evaluate(
         from moectl.eval.multiple_choice import switch_summary
         from moectl.eval.perplexity import perplexity_results, read_corpus
 
-        docs = read_corpus(perplexity, split=split, limit=limit)
+        docs = read_corpus(perplexity, split=c.split, limit=c.limit)
         stats = SwitchStats() if switch else None
         nll, counts = shared_document_nll(
-            processes, model, tokenizer, docs, plan, info, max_length, batch_size, stats,
+            processes, model, tokenizer, docs, plan, info, max_length, c.batch_size, stats,
             progress and processes.is_main,
         )  # fmt: skip
         stats = merged_switch(stats, processes)
-        entries = perplexity_results(docs, nll, counts, by_domain=by_domain, seed=seed)
+        entries = perplexity_results(docs, nll, counts, by_domain=c.by_domain, seed=seed)
         entries["perplexity/all"]["switch_rate"] = switch_summary(stats, seed)
         for entry in entries.values():
-            entry["split"] = split
+            entry["split"] = c.split
         doc["tasks"].update(entries)
     return doc if processes.is_main else None
 
@@ -178,14 +142,8 @@ def _run_tasks(
     tokenizer: Any,
     routing: EvalRouting,
     tasks: Sequence[str],
-    engine: str,
-    cache: Any,
-    limit: int | None,
-    num_fewshot: int | None,
-    max_gen_toks: int | None,
-    batch_size: int,
+    config: EvalConfig,
     max_length: int,
-    seed: int,
     switch: bool,
     progress: bool,
     processes: Any = None,
@@ -199,8 +157,10 @@ def _run_tasks(
     """
     from moectl.eval.multiple_choice import switch_summary
 
+    cache, limit, num_fewshot, seed = config.cache, config.limit, config.num_fewshot, config.seed
+    batch_size, max_gen_toks = config.batch_size, config.max_gen_toks
     out: dict[str, Any] = {}
-    if engine == "moectl":
+    if config.engine == "moectl":
         from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
 
         for task in tasks:

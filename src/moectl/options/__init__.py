@@ -5,6 +5,7 @@ from moectl.options.controller import ControllerConfig, LayerController, OptionC
 from moectl.options.policy import ControllerPolicy, OptionRecord
 from moectl.options.random_options import RandomOptions
 from moectl.options.state import load_controlled
+from moectl.options.train_run import OptionsRunConfig, run_train
 from moectl.options.trainer import OptionsConfig, train_options
 
 __all__ = [
@@ -15,9 +16,11 @@ __all__ = [
     "OptionController",
     "OptionRecord",
     "OptionsConfig",
+    "OptionsRunConfig",
     "RandomOptions",
     "baseline_policy",
     "build_controller",
     "load_controlled",
+    "run_train",
     "train_options",
 ]

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from moectl.errors import ConfigError
+from moectl.runconfig import RunConfig
 
 
 @dataclass
-class OptionsConfig:
-    """Training configuration; names follow the paper (k̂, η, τ, γ, λ)."""
+class OptionsConfig(RunConfig):
+    """Training configuration; names follow the paper (k̂, η, τ, γ, λ). A run's checkpoints keep it
+    as ``options.json`` (``OptionsConfig.load`` reads it back, values checked)."""
+
+    kind: ClassVar[str] = "options config"
 
     k_hat: int
     eta: float = 0.02  # deliberation cost η (reward units: nats per token)
@@ -34,7 +41,7 @@ class OptionsConfig:
     d_e: int | None = None
     d_h: int | None = None
     critic_warmup: int = 0  # steps that train only V_Ω and Q_Ω before β and the selection head move
-    value_head: str = "mlp"  # V_Ω: "linear" (A2) or "mlp" (see LayerController.v)
+    value_head: Literal["linear", "mlp"] = "mlp"  # V_Ω: "linear" (A2) or "mlp" (see LayerController.v)
 
     def __post_init__(self) -> None:
         checks = {
@@ -49,10 +56,11 @@ class OptionsConfig:
             "top_p": 0.0 < self.top_p <= 1.0,
             "temperature": self.temperature > 0,
             "save_every": self.save_every >= 1,
+            "value_head": self.value_head in ("linear", "mlp"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            allowed = "steps, batch_size, save_every >= 1; max_new_tokens >= 2; tau, gamma, lam in [0, 1]; eta >= 0; top_p in (0, 1]; temperature > 0"
-            raise ValueError(
+            allowed = "steps, batch_size, save_every >= 1; max_new_tokens >= 2; tau, gamma, lam in [0, 1]; eta >= 0; top_p in (0, 1]; temperature > 0; value_head linear or mlp"
+            raise ConfigError(
                 f"bad options setting(s) {', '.join(f'{k}={getattr(self, k)}' for k in bad)}; allowed: {allowed}"
             )

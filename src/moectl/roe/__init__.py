@@ -12,7 +12,8 @@ Layout: ``config`` (RoEConfig, profiles), ``noise`` (Gumbel-top-k keyed by sampl
 ``masks`` + ``cache`` + ``hybrid`` (the clean cache), ``variants`` (the three ways to run K
 samples: ``variant_clean``, ``variant_separate``, ``variant_nocache``; ``padding``,
 ``cache_size``), ``ensemble`` (one step, aggregation), ``spans`` + ``head`` + ``parallel`` (whole sequences scored span by span, the
-LM head on a few tokens at a time: no [K, T, V]), ``generate``, ``score``, ``data``, ``tune``,
+LM head on a few tokens at a time: no [K, T, V]), ``generate``, ``score``, ``data``, ``tune``
+(``tune`` on a loaded model; ``run_tune(TuneConfig(...))`` is ``moectl roe tune``),
 ``adaptive`` (adaptive K), ``bench`` (overhead), ``plots``, ``cli`` (``moectl roe ...``).
 """
 
@@ -22,6 +23,8 @@ from moectl.roe.ensemble import Ensemble, aggregate
 from moectl.roe.generate import Generation, GenerationStats, generate
 from moectl.roe.score import ScoreResult, score, token_logprobs
 from moectl.roe.tune import TuneResult, tune
+from moectl.roe.tune import run as run_tune
+from moectl.roe.tune_config import TuneConfig
 
 __all__ = [
     "AdaptiveEnsemble",
@@ -30,10 +33,12 @@ __all__ = [
     "GenerationStats",
     "RoEConfig",
     "ScoreResult",
+    "TuneConfig",
     "TuneResult",
     "aggregate",
     "generate",
     "load_profile",
+    "run_tune",
     "save_profile",
     "score",
     "token_logprobs",

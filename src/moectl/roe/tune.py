@@ -26,7 +26,6 @@ the tuned τ heatmap (Figure 10 layout; rows are the best trials) and, for ``uni
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,14 +36,16 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.distributed import Ranks, ranks
+from moectl.distributed import Ranks, launched_world_size, process_device, ranks
+from moectl.errors import ConfigError
 from moectl.fileio import crash_point
 from moectl.progress import progress_bar
-from moectl.roe.config import AGGREGATIONS, RoEConfig, check_k, save_profile
+from moectl.roe.config import RoEConfig, save_profile
 from moectl.roe.data import Item, item_kind, load_items
 from moectl.roe.score import score
+from moectl.roe.tune_config import OBJECTIVES, TuneConfig
 
-OBJECTIVES = ("ppl", "acc")
+__all__ = ["OBJECTIVES", "TuneConfig", "TuneResult", "check_tuning", "run", "tune"]
 
 
 @dataclass
@@ -66,27 +67,19 @@ class TuneResult:
 def check_tuning(
     num_moe_layers: int, K: int, objective: str, trials: int, max_tau: float, skip_layers: int, uniform: bool
 ) -> list[int]:
-    """Validate tuning arguments; return the MoE layers whose τ is searched."""
-    check_k(K, "K (routing samples)")
-    if objective not in OBJECTIVES:
-        raise ValueError(
-            f"objective must be one of {', '.join(OBJECTIVES)} (validation perplexity or accuracy), got {objective!r}"
-        )
-    if not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials (the tuning budget) must be an integer >= 1, got {trials!r}")
-    if not (math.isfinite(max_tau) and max_tau > 0):
-        raise ValueError(
-            f"max_tau must be a finite number > 0 (the paper bounds tau to [0, 0.5], RoE §2.2.2), got {max_tau}"
-        )
-    if not isinstance(skip_layers, int) or skip_layers < 0:
-        raise ValueError(
-            f"skip_layers (first and last L MoE layers held at tau = 0) must be an integer >= 0, got {skip_layers!r}"
-        )
+    """Validate tuning arguments (:class:`TuneConfig`'s checks); return the MoE layers whose τ is searched."""
+    TuneConfig(K=K, objective=objective, trials=trials, max_tau=max_tau, skip_layers=skip_layers, uniform=uniform)  # type: ignore[arg-type]
+    return tuned_layers(num_moe_layers, skip_layers, uniform)
+
+
+def tuned_layers(num_moe_layers: int, skip_layers: int, uniform: bool) -> list[int]:
+    """The MoE layers whose τ is searched: all with ``uniform``, else all but the first and last
+    ``skip_layers`` (RoE §2.2.2); ``ConfigError`` when that leaves none."""
     if uniform:
         return list(range(num_moe_layers))
     tuned = list(range(skip_layers, num_moe_layers - skip_layers))
     if not tuned:
-        raise ValueError(
+        raise ConfigError(
             f"skip_layers={skip_layers} holds the first and last {skip_layers} MoE layers at tau = 0, which leaves "
             f"none of the model's {num_moe_layers} MoE layers to tune; use skip_layers <= {(num_moe_layers - 1) // 2}"
         )
@@ -123,55 +116,73 @@ def _evaluator(model, tokenizer, items, objective, K, aggregation, seed, batch_s
     return evaluate
 
 
+def run(config: TuneConfig, *, progress: bool = True) -> TuneResult:
+    """``moectl roe tune`` as a function: load ``config.model``, tune on ``config.data``.
+
+    As the verb, a study with no ``storage`` is kept next to ``out`` (``PROFILE.optuna.db``, or
+    ``.optuna.journal`` under ``accelerate launch``: one study for every process) so a rerun
+    resumes it, and the PNGs go beside ``out`` unless ``plot_dir`` says otherwise.
+    """
+    from moectl.models.load import load_model
+
+    if not config.model:
+        raise ConfigError("give the model to tune (TuneConfig.model: tiny:FAMILY, a checkpoint folder or hub id)")
+    if config.data is None:
+        raise ConfigError("give --data FILE.jsonl (validation items)")
+    if config.out is not None:
+        several = ranks().distributed
+        config = config.with_(
+            storage=config.storage or config.out.with_suffix(".optuna.journal" if several else ".optuna.db"),
+            plot_dir=config.plot_dir or config.out.parent,
+        )
+    device = config.device
+    if launched_world_size() > 1:
+        device = process_device(device, ranks())
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, seed=0)
+    return tune(model, tokenizer, config.data, config, progress=progress)
+
+
 def tune(
     model: nn.Module,
     tokenizer,
-    data: str | Path | Sequence[Item],
+    data: str | Path | Sequence[Item] | None = None,
+    config: TuneConfig | None = None,
     *,
-    K: int = 16,
-    objective: str = "ppl",
-    trials: int = 50,
-    max_tau: float = 0.5,
-    skip_layers: int = 1,
-    seed: int = 0,
-    aggregation: str = "prob_mean",
-    uniform: bool = False,
-    uniform_step: float = 0.05,
-    storage: str | Path | None = None,
-    study_name: str | None = None,
-    out: str | Path | None = None,
-    plot_dir: str | Path | None = None,
-    batch_size: int = 8,
-    max_length: int = 256,
-    limit: int | None = None,
     progress: bool = True,
     info: ModelInfo | None = None,
-    model_name: str = "",
-    max_docs: int | None = None,
     processes: Ranks | None = None,
+    model_name: str | None = None,
+    **settings: Any,
 ) -> TuneResult:
-    """Tune per-layer τ (or one uniform τ) for RoE with ``K`` samples; see the module docstring.
+    """Tune per-layer τ (or one uniform τ) for RoE on a loaded model; see the module docstring.
 
+    ``config`` (a :class:`TuneConfig`), or its settings as keywords (``K=4, trials=20, ...``; over
+    ``config``'s when both are given). ``data``: items, or a JSONL file (default ``config.data``).
     ``max_docs``: score a fixed slice of that many items spread evenly over the data (every domain
     of a domain-ordered split, unlike ``limit``'s first N), the same slice in every trial; with
-    ``max_length`` it bounds a trial's cost (``max_docs`` × ``max_length`` tokens × K)."""
+    ``max_length`` it bounds a trial's cost (``max_docs`` × ``max_length`` tokens × K).
+    ``model_name`` (``config.model``) is recorded in the profile."""
     import optuna
 
+    if model_name is not None:
+        settings["model"] = model_name
+    c = config = (config or TuneConfig()).with_(**settings)  # keywords over config's settings, checked
+    K, objective, max_tau, skip_layers, seed, uniform = c.K, c.objective, c.max_tau, c.skip_layers, c.seed, c.uniform
+    storage, out, plot_dir, limit, max_docs, max_length = c.storage, c.out, c.plot_dir, c.limit, c.max_docs, c.max_length
+    data = c.data if data is None else data
+    if data is None:
+        raise ConfigError("give the validation data (--data FILE.jsonl, or items)")
     info = info or inspect(model)
     n = info.num_moe_layers
-    tuned = check_tuning(n, K, objective, trials, max_tau, skip_layers, uniform)
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
-    if uniform and not uniform_step > 0:
-        raise ValueError(f"uniform_step must be > 0, got {uniform_step}")
+    tuned = tuned_layers(n, skip_layers, uniform)
     items = load_items(data, limit) if isinstance(data, (str, Path)) else list(data)[:limit]
     items = spread(items, max_docs) if max_docs is not None else items
     evaluate = _evaluator(
-        model, tokenizer, items, objective, K, aggregation, seed, batch_size, max_length, info
+        model, tokenizer, items, objective, K, c.aggregation, seed, c.batch_size, max_length, info
     )
     direction = "minimize" if objective == "ppl" else "maximize"
     mode = "uniform" if uniform else "per-layer"
-    name = study_name or f"roe-{info.family}-K{K}-{objective}-{mode}"
+    name = c.study_name or f"roe-{info.family}-K{K}-{objective}-{mode}"
     processes = processes if processes is not None else ranks()
     if processes.distributed and storage is None:
         raise ValueError(
@@ -180,8 +191,8 @@ def tune(
         )
     url = study_storage(storage)
     optuna.logging.set_verbosity(logging.WARNING)
-    grid = [round(i * uniform_step, 6) for i in range(int(max_tau / uniform_step + 1e-9) + 1)]
-    budget = len(grid) if uniform else trials
+    grid = [round(i * c.uniform_step, 6) for i in range(int(max_tau / c.uniform_step + 1e-9) + 1)]
+    budget = len(grid) if uniform else c.trials
     if processes.is_main:  # one process creates the study (and enqueues τ = 0), then the others join
         study = optuna.create_study(storage=url, study_name=name, direction=direction, load_if_exists=True)
         if not uniform and not study.trials:
@@ -251,11 +262,16 @@ def tune(
         trials=len(complete),
         history=history,
         seconds=seconds,
-        info={"study": name, "storage": str(storage) if storage else None, "mode": mode},
+        info={
+            "study": name,
+            "storage": str(storage) if storage else None,
+            "mode": mode,
+            "moe_layers": [layer.layer_idx for layer in info.layers],
+        },
     )
     meta = {
         "K": K,
-        "aggregation": aggregation,
+        "aggregation": c.aggregation,
         "objective": objective,
         "value": result.value,
         "baseline_tau0": result.baseline,
@@ -265,7 +281,7 @@ def tune(
         "skip_layers": 0 if uniform else skip_layers,
         "tuned_layers": tuned,
         "seed": seed,
-        "model": model_name,
+        "model": c.model,
         "family": info.family,
         "moe_layers": [layer.layer_idx for layer in info.layers],
         "study": name,

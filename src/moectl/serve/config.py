@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from moectl.errors import ConfigError
 from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
+from moectl.runconfig import RunConfig
 from moectl.serve.int8 import SLOT_DTYPES
 from moectl.serve.prefetch import PrefetchConfig
 
@@ -32,7 +34,7 @@ EXPERTS_FORWARDS = ("grouped", "eager")  # serve/slot_forward.py, or transformer
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadConfig(RunConfig):
     """Settings of one offloaded run (TE-MoE §3.2: only the active experts need be resident).
 
     ``budget``: resident experts per MoE layer, a fraction in (0, 1] of the layer's experts or a
@@ -47,9 +49,14 @@ class OffloadConfig:
     weights as int8 with per-row scales (``serve/int8.py``: half the memory of bf16 per resident
     expert and the int8 weight-only kernel on CPU; not exact). ``load_timeout_s``: the longest
     compute waits for one expert's load from the worker thread before raising (``loader.py``).
+
+    ``to_dict`` names a policy object by its ``name`` (a spec string stays as given), so a saved
+    config loads back as the same spec.
     """
 
-    budget: float | int = 0.25
+    kind: ClassVar[str] = "offload config"
+
+    budget: int | float = 0.25  # int first: a count read from JSON stays a count
     policy: Any = "lru"
     store: str = "disk"
     store_dir: Path | None = None
@@ -65,40 +72,28 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         t = self.load_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
-            raise ValueError(f"load_timeout_s (--load-timeout) must be a finite number of seconds > 0, got {t!r}")
+            raise ConfigError(f"load_timeout_s (--load-timeout) must be a finite number of seconds > 0, got {t!r}")
         if self.slot_dtype not in SLOT_DTYPES:
-            raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
+            raise ConfigError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
         if self.experts_forward not in EXPERTS_FORWARDS:
-            raise ValueError(
+            raise ConfigError(
                 f"experts forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {self.experts_forward!r}"
             )
         if self.store not in STORES:
-            raise ValueError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
+            raise ConfigError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
         if self.read_method not in READ_METHODS:
-            raise ValueError(
+            raise ConfigError(
                 f"read method must be one of {', '.join(READ_METHODS)}, got {self.read_method!r}"
             )
         if self.store_dir is not None and not isinstance(self.store_dir, Path):
             object.__setattr__(self, "store_dir", Path(self.store_dir))
 
-    def with_(self, **changes: Any) -> OffloadConfig:
-        """A copy with ``changes`` applied."""
-        return replace(self, **changes)
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready settings; a policy object by its name."""
+        named = replace(self, policy=policy_name(self.policy))
+        return super(OffloadConfig, named).to_dict()
 
-    def describe(self) -> dict[str, Any]:
-        """JSON-ready settings (the policy by its name)."""
-        policy = (
-            self.policy
-            if isinstance(self.policy, str)
-            else getattr(self.policy, "name", type(self.policy).__name__)
-        )
-        return {
-            "budget": self.budget,
-            "policy": policy,
-            "store": self.store,
-            "async_loads": self.async_loads,
-            "prefetch": self.prefetch,
-            "read_method": self.read_method,
-            "experts_forward": self.experts_forward,
-            "slot_dtype": self.slot_dtype,
-        }
+
+def policy_name(policy: Any) -> str:
+    """A residency policy's spec string, or a policy object's ``name`` (else its class name)."""
+    return policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)

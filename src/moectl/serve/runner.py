@@ -1,20 +1,101 @@
-"""Generate greedily with experts offloaded and report memory, traffic and time, JSON-ready."""
+"""Generate greedily with experts offloaded and report memory, traffic and time, JSON-ready.
+
+``moectl serve-offload`` is :func:`run` of a :class:`ServeOffloadConfig` (the model, the prompts and
+the offload settings); :func:`serve_offload` does the same for a model already loaded::
+
+    from moectl.serve import OffloadConfig, ServeOffloadConfig, run_serve_offload
+    result = run_serve_offload(ServeOffloadConfig("tiny:olmoe", OffloadConfig(budget=4, store="host")))
+    print(result["hit_rate"], result["bytes_moved_per_token"])
+"""
 
 from __future__ import annotations
 
 import resource
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.errors import ConfigError
 from moectl.fileio import save_figure
-from moectl.generate import Prompt
+from moectl.generate import Prompt, load_prompts
+from moectl.runconfig import RunConfig
 from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
 from moectl.serve.policies import LRUPolicy
+
+
+@dataclass
+class ServeOffloadConfig(RunConfig):
+    """One ``serve-offload`` run: which model, which prompts, how many tokens, and the offload settings.
+
+    ``model``: ``tiny:FAMILY``, a checkpoint folder (its experts then stay in its shards, read on
+    demand) or a hub id. ``prompts``: a JSONL file (``prompt`` per line), the prompts themselves,
+    or None for the built-in set. ``offload.policy`` is a spec string (``lru``, ``option:8``,
+    ``controller:DIR``, a policy file) or a residency policy object. ``seed`` seeds a tiny model's
+    weights and a controller's sampling. ``max_batch``: prompts decoded together by the engine.
+    """
+
+    kind: ClassVar[str] = "serve-offload config"
+
+    model: str
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    prompts: list[str] | Path | None = None
+    max_new_tokens: int = 64
+    max_batch: int = 1
+    plot: Path | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens (--max-new-tokens) must be >= 1, got {self.max_new_tokens}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch (--max-batch) must be >= 1, got {self.max_batch}")
+        if isinstance(self.prompts, str):
+            self.prompts = Path(self.prompts)
+
+
+def run(config: ServeOffloadConfig, *, progress: bool = True) -> dict:
+    """Load ``config.model`` for offloading and generate its prompts (:func:`serve_offload`).
+
+    A checkpoint folder under a disk or checkpoint store is loaded lazily (experts stay in its
+    shards; the budget pre-flighted before any weight is read, ``serve/loading.py``); anything
+    else loads whole and is then offloaded. A ``controller:`` policy merges its adapters into the
+    model and samples with ``config.seed``. Returns :func:`serve_offload`'s results.
+    """
+    from moectl.serve.loading import load_for_offload
+    from moectl.serve.policies import ControllerResidency, parse_policy
+
+    torch.manual_seed(config.seed)
+    offload = config.offload
+    prompts = config.prompts if isinstance(config.prompts, list) else load_prompts(config.prompts)
+    model, tokenizer, reader = load_for_offload(config.model, offload, config.dtype, config.device, config.seed)
+    try:
+        residency = offload.policy
+        if isinstance(residency, str):
+            residency = parse_policy(residency, model)  # a controller's adapters and routers merge into model
+        if isinstance(residency, ControllerResidency):
+            residency = ControllerResidency(residency.route_policy, seed=config.seed)
+        return serve_offload(
+            model,
+            tokenizer,
+            prompts,
+            offload.with_(policy=residency),
+            config.max_new_tokens,
+            plot=config.plot,
+            progress=progress,
+            reader=reader,
+            max_batch=config.max_batch,
+        )
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 def _peak_rss_bytes() -> dict:
@@ -141,7 +222,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "policy": rt.policy.name,
         "store": store,
         "read_method": read_method,
-        "config": config.describe(),
+        "config": config.to_dict(),
         "experts_implementation": "eager" if impl in (None, "eager") else f"eager (switched from {impl})",
         "budget_experts_per_layer": budget_experts,
         "num_experts": [layer.num_experts for layer in info.layers],

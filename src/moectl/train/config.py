@@ -9,12 +9,12 @@ we keep it (it is part of the family) so that every checkpoint loads with plain
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from moectl.fileio import write_text_atomic
+from moectl.errors import ConfigError, MoectlFileError
+from moectl.runconfig import RunConfig
 
 Objective = Literal["standard", "emo"]
 LBScope = Literal["micro", "dp", "global"]
@@ -56,8 +56,11 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class TrainConfig:
-    """Every knob of a pretraining run; saved beside its checkpoints so a run can be redone."""
+class TrainConfig(RunConfig):
+    """Every knob of a pretraining run; saved beside its checkpoints (``config.json``) so a run can
+    be redone or resumed (``TrainConfig.load``: every value checked against its field's type)."""
+
+    kind: ClassVar[str] = "run config"
 
     out: str
     objective: Objective = "standard"
@@ -96,18 +99,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.objective not in ("standard", "emo"):
-            raise ValueError(f"objective must be 'standard' or 'emo', got {self.objective!r}")
+            raise ConfigError(f"objective must be 'standard' or 'emo', got {self.objective!r}")
         if self.preset not in MODEL_PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
+            raise ConfigError(f"preset must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
         if self.lb_scope not in ("micro", "dp", "global"):
-            raise ValueError(f"lb_scope must be 'micro', 'dp' or 'global', got {self.lb_scope!r}")
+            raise ConfigError(f"lb_scope must be 'micro', 'dp' or 'global', got {self.lb_scope!r}")
         if self.lb_window < 0:
-            raise ValueError(f"lb_window must be >= 0 (0: no window), got {self.lb_window}")
+            raise ConfigError(f"lb_window must be >= 0 (0: no window), got {self.lb_window}")
         for name in ("seq_len", "micro_batch", "grad_accum", "max_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"warmup_steps must lie in 0..max_steps={self.max_steps}, got {self.warmup_steps}"
             )
         self.betas = tuple(self.betas)  # type: ignore[assignment]
@@ -115,7 +118,7 @@ class TrainConfig:
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> TrainConfig:
         if preset not in TRAIN_PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(TRAIN_PRESETS)}, got {preset!r}")
+            raise ConfigError(f"preset must be one of {', '.join(TRAIN_PRESETS)}, got {preset!r}")
         given = {k: v for k, v in overrides.items() if v is not None}
         values = {**TRAIN_PRESETS[preset], **given}
         if "warmup_steps" not in given and values["warmup_steps"] > values["max_steps"] // 10:
@@ -128,21 +131,11 @@ class TrainConfig:
     def tokens_per_step(self, world_size: int = 1) -> int:
         return self.seq_len * self.micro_batch * self.grad_accum * world_size
 
-    def save(self, path: str | Path) -> None:
-        write_text_atomic(path, json.dumps(asdict(self), indent=2))
-
     @classmethod
-    def load(cls, path: str | Path) -> TrainConfig:
-        """A run's saved config; ``ValueError`` naming the file when it is not one."""
-        try:
-            data = json.loads(Path(path).read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            raise ValueError(f"{path}: not a JSON run config ({type(err).__name__})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a run config is a JSON object of training settings, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as err:
-            detail = " ".join(str(err).split())[:200]
-            raise ValueError(f"{path}: not a valid run config ({detail})") from None
+    def resume_from(cls, folder: str | Path, **overrides: Any) -> TrainConfig:
+        """The config a run in ``folder`` was started with (its ``config.json``), ``overrides``
+        applied (and checked again), ``out`` the folder: what ``pretrain --resume DIR`` runs."""
+        saved = Path(folder) / "config.json"
+        if not saved.exists():
+            raise MoectlFileError(f"--resume {folder}: no config.json there (not a moectl run directory)")
+        return cls.load(saved).with_(**overrides, out=str(folder))
