@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -179,6 +180,17 @@ class ControllerPolicy(PolicyConfig):
         return ControllerPolicy(
             self.controller, self.mode, seed, self.record, self.renorm, self.path, self.options
         )
+
+    @property
+    def current_option(self) -> Mapping[int, Tensor]:
+        """The active option ω per MoE layer, ``{layer: [B, N] bool}`` for the batch being routed
+        (a read-only view; a layer is absent before its first call of the sequence)."""
+        return MappingProxyType(self._option)
+
+    def draws(self) -> bool:
+        """``'sample'`` draws d_t and new options from the seeded stream; ``'greedy'`` draws nothing
+        (``SeededPolicy``)."""
+        return self.mode == "sample"
 
     # -- Policy protocol ----------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:

@@ -87,6 +87,10 @@ class RandomOptions(PolicyConfig):
             raise ValueError(f"random_options 'seed' must be an integer, got {seed!r}")
         return cls(data.get("k_hat"), seed=seed, renorm=data.get("renorm", "pruned"))
 
+    def draws(self) -> bool:
+        """The k-hat sets are drawn from per-layer generators seeded by ``seed`` (``SeededPolicy``)."""
+        return True
+
     def bind(self, info: ModelInfo) -> None:
         """Check k-hat against every MoE layer and (re)seed one generator per layer."""
         check_k_hat(info, self.k_hat)

@@ -42,6 +42,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.routing.config import PolicyConfig, check_version, policy_class, policy_types
+from moectl.routing.protocols import MergingPolicy, RoutingPolicy, RoutingSource
 
 PolicySpec = Any  # str | os.PathLike | Mapping | Sequence | a policy object
 SHORT_FORMS = "lru, option:K_HAT, static:FILE, controller:DIR"
@@ -66,16 +67,16 @@ def routing_policies(
         item = _load(spec, model, info, None, None) if _is_spec(spec) else spec
         if isinstance(item, (list, tuple)):
             out += routing_policies(item, model, info)
-        elif getattr(item, "policy_type", None) == "roe":
+        elif isinstance(item, PolicyConfig) and item.policy_type == "roe":
             raise ValueError(
                 "a RoE config is an ensemble of K routings (RoE §2.3), not one routing policy: use "
                 "moectl.roe.score / moectl.roe.generate, or `moectl eval --roe`"
             )
-        elif hasattr(item, "bind") and hasattr(item, "apply"):
-            if hasattr(item, "attach") and model is not None:
+        elif isinstance(item, RoutingPolicy):
+            if isinstance(item, MergingPolicy) and model is not None:
                 item.attach(model)  # a controller loaded without its model: trained weights merge in now
             out.append(item)
-        elif hasattr(item, "routing"):
+        elif isinstance(item, RoutingSource):
             if info is None:
                 info = inspect(model)
             out += routing_policies(list(item.routing(info)), model, info)
@@ -110,7 +111,7 @@ def _load(spec: Any, model, info, base: Path | None, where: str | None) -> Any:
         return _from_path(Path(spec), model, info)
     if isinstance(spec, str):
         return _from_string(spec, model, info)
-    if isinstance(spec, PolicyConfig) or hasattr(spec, "apply") or hasattr(spec, "routing"):
+    if isinstance(spec, (PolicyConfig, RoutingPolicy, RoutingSource)):
         return spec
     raise TypeError(
         f"cannot load a policy from {type(spec).__name__}: give a path, a dict, a list or one of {SHORT_FORMS}"
@@ -261,7 +262,7 @@ def _from_string(spec: str, model, info) -> Any:
         folder = Path(arg)
         found = folder.is_file() or any((folder / sub / "controller.json").exists() for sub in ("", "final"))
         policy = _from_path(folder, model, info) if found else None
-        if getattr(policy, "policy_type", None) != "controller":
+        if not isinstance(policy, PolicyConfig) or policy.policy_type != "controller":
             raise ValueError(
                 f"policy {spec!r}: {arg} is not a controller folder (needs controller.json and "
                 "controller.safetensors, as `moectl options train` writes)"

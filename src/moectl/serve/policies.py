@@ -233,7 +233,7 @@ class ControllerResidency(LRUPolicy):
         return [self.route_policy, self.tap]
 
     def _pin(self, layer: int, res) -> None:
-        option = set(self.route_policy._option[layer][0].nonzero().flatten().tolist())
+        option = set(self.route_policy.current_option[layer][0].nonzero().flatten().tolist())
         if res.pinned != option:
             res.pinned = option
             for e in sorted(option):
@@ -252,12 +252,12 @@ class ControllerResidency(LRUPolicy):
     def predict(
         self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
     ) -> list[int]:
-        hidden, option = self.tap.hidden.get(layer), self.route_policy._option.get(layer)
+        hidden, option = self.tap.hidden.get(layer), self.route_policy.current_option.get(layer)
         if hidden is None or option is None:
             return []
         controller = self.route_policy.controller
         if controller.config.cross_layer and layer > 0:  # one switch decision, MoE layer 0's head
-            h0, o0 = self.tap.hidden.get(0), self.route_policy._option.get(0)
+            h0, o0 = self.tap.hidden.get(0), self.route_policy.current_option.get(0)
             if (
                 h0 is None
                 or o0 is None
