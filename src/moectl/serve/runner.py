@@ -14,7 +14,6 @@ from moectl.fileio import save_figure
 from moectl.generate import Prompt
 from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
-from moectl.serve.policies import LRUPolicy
 
 
 def _peak_rss_bytes() -> dict:
@@ -135,8 +134,8 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
     token_s = max(wall - totals["stall_s"], 1e-9) / max(generated, 1)  # per-token time not held by loads
     load_s = totals["load_s"] / max(totals["loads"], 1)
     stall_per_load = totals["stall_s"] / max(totals["loads"], 1)
-    k_hat = getattr(rt.policy, "k_hat", info.top_k)
-    pinned = type(rt.policy).before is not LRUPolicy.before  # keeps an option resident: switches count
+    k_hat = rt.policy.k_hat if rt.policy.k_hat is not None else info.top_k
+    pinned = rt.policy.pins  # keeps an option resident: switches count
     result = {
         "policy": rt.policy.name,
         "store": store,
