@@ -135,9 +135,7 @@ def _keyed_random_options() -> type | None:
             self.request_rows = RequestRows()
 
         def apply(self, state: RoutingState) -> None:
-            groups = self._groups.get(state.layer)
-            if groups is None:
-                raise RuntimeError("RandomOptions used before bind(): install it with moectl.route(...)")
+            groups = self.groups(state.layer)
             b, t, e = state.logits.shape
             u = self.request_rows.uniforms(state, self.seed).view(b, t, groups, e // groups)
             idx = u.topk(self.k_hat // groups, dim=-1).indices

@@ -155,7 +155,9 @@ def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def _read_json(path: Path) -> Any:
+def read_policy_json(path: Path) -> Any:
+    """The JSON value of the policy file ``path``; errors name the file (``FileNotFoundError`` /
+    ``ValueError``)."""
     if not path.exists():
         raise FileNotFoundError(f"policy file {path} does not exist")
     try:
@@ -179,7 +181,7 @@ def _from_path(path: Path, model, info) -> Any:
     try:
         if path.is_dir():
             return _from_folder(path, model, info)
-        data = _read_json(path)
+        data = read_policy_json(path)
         check_subset_layers(data, info, path)
         if not isinstance(data, (Mapping, list)):
             raise ValueError(
@@ -248,7 +250,7 @@ def _from_string(spec: str, model, info) -> Any:
         path = Path(arg)
         if not path.is_file():
             raise FileNotFoundError(f"policy {spec!r}: subset file {path} does not exist")
-        data = _read_json(path)
+        data = read_policy_json(path)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
         check_subset_layers(data, info, path)
