@@ -8,8 +8,6 @@ import moectl
 def test_figure_2_draws_the_recorded_option_under_a_policy(tmp_path, monkeypatch):
     """Under a policy that records ω (a document pool here) and no k-hat, Fig. 2 shades ω, ticks its
     switches and says which sequence it shows; k-hat = top-k says ω is the activated experts."""
-    import matplotlib.pyplot as plt
-
     from moectl import plots
     from moectl.generate import generate_traced
 
@@ -23,7 +21,8 @@ def test_figure_2_draws_the_recorded_option_under_a_policy(tmp_path, monkeypatch
         policies={"type": "document_pool", "d": 4},
     )
     figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
+    save = plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
     plots.plot_expert_activation(trace, tmp_path / "a.png", layer=1)
     strip, ax = figures[-1].axes
     assert "ω recorded by the policy" in strip.get_title(loc="left") and "sequence 0" in strip.get_title(
@@ -34,6 +33,3 @@ def test_figure_2_draws_the_recorded_option_under_a_policy(tmp_path, monkeypatch
     strip, ax = figures[-1].axes
     assert "k-hat = 2" in strip.get_title(loc="left") and "the prompt" in strip.get_title(loc="left")
     assert "ω = the activated experts" in [t.get_text() for t in ax.get_legend().get_texts()]
-    monkeypatch.undo()
-    for fig in figures:
-        plt.close(fig)

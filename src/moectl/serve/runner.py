@@ -219,10 +219,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
 
 def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str = "") -> Path:
     """PNG: expert loads per step (top) and which expert of which layer was loaded (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
     path = Path(path)
     if path.suffix != ".png":
@@ -233,7 +230,8 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     for s, _, _ in events:
         per_step[s] += 1
     e = info.layers[0].num_experts
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+    fig = Figure(figsize=(10, 5))
+    ax0, ax1 = fig.subplots(2, 1, sharex=True)
     ax0.bar(range(steps + 1), per_step.tolist(), width=1.0, color="tab:red")
     ax0.set_ylabel("expert loads")
     ax0.set_title(f"expert loads over forward steps ({title})")
@@ -246,5 +244,4 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     ax1.set_xlabel("forward step (dotted: a prompt's prefill; a decoding step adds one token to each running prompt)")
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
-    plt.close(fig)
     return path
