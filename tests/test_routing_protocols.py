@@ -22,6 +22,7 @@ from moectl.routing.protocols import (
     SeededPolicy,
     SequencePolicy,
     carries_weights,
+    renorm_of,
 )
 from moectl.routing.state import Policy
 from moectl.routing.state import SequencePolicy as OldSequencePolicy
@@ -72,6 +73,7 @@ def test_a_user_policy_needs_only_bind_and_apply(info):
 
     mine = Mine()
     assert load_policy(mine) is mine
+    assert renorm_of(mine) == "pruned" and renorm_of(ExpertMask.everywhere(info, range(4), renorm="stock")) == "stock"
     assert routing_policies([mine], None, info) == [mine]
     assert not needs_isolation(mine)
 

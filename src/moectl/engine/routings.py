@@ -21,7 +21,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.routing.config import PolicyConfig
-from moectl.routing.protocols import Policy, SequencePolicy, carries_weights
+from moectl.routing.protocols import Policy, SequencePolicy, carries_weights, renorm_of
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 
@@ -69,7 +69,7 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
         return Routing(name, spec if isinstance(spec, str) else "roe", [], False, roe)
     changes_model = _carries_weights(spec, info)
     policies = routing_policies([spec], model, info)
-    renorms = {getattr(p, "renorm", "pruned") for p in policies}
+    renorms = {renorm_of(p) for p in policies}
     if len(renorms) > 1:
         raise ValueError(f"routing {name!r} mixes renormalisation modes {sorted(renorms)}")
     for policy in policies:
@@ -120,7 +120,7 @@ def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelIn
             "also run the merged weights), or serve its model separately"
         )
     routings = {name: resolve(name, spec, model, info) for name, spec in specs.items()}
-    renorms = {getattr(p, "renorm", "pruned") for r in routings.values() for p in r.policies}
+    renorms = {renorm_of(p) for r in routings.values() for p in r.policies}
     if len(renorms) > 1:
         raise ValueError(
             f"the registered routings mix renormalisation modes {sorted(renorms)}; rows of one batch are "

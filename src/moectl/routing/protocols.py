@@ -9,6 +9,7 @@
   model (a trained controller loaded without its model); ``route()`` attaches it first.
 - :class:`RoutingSource` (``routing(info)``): not a routing policy itself but names the routing
   policies it needs (a serving residency policy); ``route()`` installs those.
+- :class:`RenormPolicy` (``renorm``): names its renormalisation mode (default ``"pruned"``).
 
 moectl's policies conform structurally (tests/test_routing_protocols.py checks each class); a
 user's policy needs only ``bind`` and ``apply``.
@@ -93,6 +94,18 @@ class RoutingSource(Protocol):
 
     def routing(self, info: ModelInfo) -> list[Any]:
         """The routing policies to install for the model ``info`` describes ([] for the model's own)."""
+
+
+@runtime_checkable
+class RenormPolicy(Protocol):
+    """A policy that says how the router's weights are renormalised over what it allows."""
+
+    renorm: str  # "pruned" (over the allowed experts) or "stock" (the model's rule on the chosen set)
+
+
+def renorm_of(policy: Any) -> str:
+    """``policy``'s renormalisation mode; ``"pruned"`` (the default) for a policy that names none."""
+    return policy.renorm if isinstance(policy, RenormPolicy) else "pruned"
 
 
 def carries_weights(policy: Any) -> bool:
