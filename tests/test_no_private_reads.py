@@ -2,8 +2,8 @@
 another is its public API. Scanned with ``ast`` over src/moectl, three ways:
 
 - ``from moectl.B... import _name`` in a module of package A != B;
-- ``X._name`` where ``X`` is a name imported from another package, a variable or ``self.attr``
-  assigned from a call of one (``x = B.Thing(...)``; ``x._name``);
+- ``X._name`` (or ``getattr(X, "_name")``) where ``X`` is a name imported from another package, a
+  variable or ``self.attr`` assigned from a call of one (``x = B.Thing(...)``; ``x._name``);
 - ``self._name`` in a class of package A that derives from a class of package B, where the class
   never defines ``_name`` itself (an inherited private).
 
@@ -84,6 +84,17 @@ def private_reads(path: Path) -> list[tuple[int, str, str]]:
             key = _key(node.value)
             if key in bound:
                 found.append((node.lineno, node.attr, bound[key]))
+        elif (  # getattr / hasattr (X, "_name")
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and _key(node.args[0]) in bound
+        ):
+            found.append((node.lineno, node.args[1].value, bound[_key(node.args[0])]))
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         bases = [foreign[r] for r in map(_root_name, cls.bases) if r in foreign]
         if not bases:
@@ -129,7 +140,7 @@ def test_the_scan_finds_each_kind(tmp_path, monkeypatch):
         "from moectl.mine.other import _fine\n"
         "def f(p):\n"
         "    policy = ControllerPolicy(p)\n"
-        "    return policy._option, gumbel._noise, ControllerPolicy._x, p._not_known\n"
+        "    return policy._option, gumbel._noise, ControllerPolicy._x, p._not_known, getattr(policy, '_y')\n"
         "class Sub(ControllerPolicy):\n"
         "    def __init__(self):\n"
         "        self._mine = 1\n"
@@ -139,5 +150,5 @@ def test_the_scan_finds_each_kind(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path / "moectl")
     found = sorted(private_reads(package / "bad.py"))
     assert [(line, name) for line, name, _ in found] == [
-        (1, "_secret"), (7, "_noise"), (7, "_option"), (7, "_x"), (12, "_started")
+        (1, "_secret"), (7, "_noise"), (7, "_option"), (7, "_x"), (7, "_y"), (12, "_started")
     ]
