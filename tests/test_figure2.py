@@ -13,15 +13,13 @@ BLUE = (0.62, 0.78, 0.95)
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures the plot functions draw (kept from ``plt.close``), closed after the test."""
-    import matplotlib.pyplot as plt
+    """The figures the plot functions save (moectl draws on ``Figure`` objects, never pyplot)."""
+    from matplotlib.figure import Figure
 
     kept = []
-    monkeypatch.setattr(plt, "close", kept.append)
-    yield kept
-    monkeypatch.undo()
-    for fig in kept:
-        plt.close(fig)
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: kept.append(fig) or savefig(fig, *a, **k))
+    return kept
 
 
 def _legend(ax) -> list[str]:

@@ -42,7 +42,7 @@ def test_controller_residency_equals_in_memory_controller():
     with offload(model, 4, ControllerResidency(ctrl, seed=3), store="host") as rt:
         with moectl.route(model, rt.policy.routing(rt.info)):
             out = _greedy(model, ids)
-        options = [set(rt.policy.route_policy._option[i][0].nonzero().flatten().tolist()) for i in range(3)]
+        options = [set(rt.policy.route_policy.current_option[i][0].nonzero().flatten().tolist()) for i in range(3)]
         assert [set(r.resident) for r in rt.resident_sets] == options
     assert torch.equal(out, reference)
 

@@ -204,7 +204,7 @@ def test_controller_prefetch_keeps_tokens_and_budget():
                 out = greedy(model, ids, 12)
             t = totals[async_loads] = rt.totals()
             for i, r in enumerate(rt.resident_sets):  # the option is always resident
-                option = policy.route_policy._option[i][0].nonzero().flatten().tolist()
+                option = policy.route_policy.current_option[i][0].nonzero().flatten().tolist()
                 assert set(option) <= set(r.resident)
         assert torch.equal(out, reference)
         assert max(seen) <= 6

@@ -68,6 +68,7 @@ def test_expert_adapters_reach_experts_read_from_the_shards(folders, slot_dtype)
         warnings.simplefilter("always")
         lazy = load_controlled(lazy, ctrl)[0]
     assert not [w for w in caught if "meta parameter" in str(w.message)]
+    assert not [a for m in lazy.modules() for a in vars(m) if "moectl" in a]  # deltas kept beside the model
     try:
         served = _served_logits(lazy, slot_dtype, reader)
     finally:

@@ -105,3 +105,19 @@ def test_hub_offline_is_scoped_to_the_task_run():
     with hub_offline():
         assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE is True
     assert (os.environ.get("HF_HUB_OFFLINE"), constants.HF_HUB_OFFLINE) == before
+
+
+def test_datasets_offline_is_scoped_to_the_task_run(monkeypatch):
+    """The task data is local: ``datasets`` is offline during the run, as the user set it after."""
+    from datasets import config
+
+    from moectl.eval.lm_tasks import hub_offline
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)  # a user online
+    monkeypatch.setattr(config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(config, "HF_DATASETS_OFFLINE", False)
+    before = os.environ.get("HF_DATASETS_OFFLINE"), config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE
+    with hub_offline():
+        assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+        assert config.HF_HUB_OFFLINE is True and config.HF_DATASETS_OFFLINE is True
+    assert (os.environ.get("HF_DATASETS_OFFLINE"), config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE) == before

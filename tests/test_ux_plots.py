@@ -10,15 +10,13 @@ import moectl
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures the plot functions draw (kept from ``plt.close``), closed after the test."""
-    import matplotlib.pyplot as plt
+    """The figures the plot functions save (moectl draws on ``Figure`` objects, never pyplot)."""
+    from matplotlib.figure import Figure
 
     kept = []
-    monkeypatch.setattr(plt, "close", kept.append)
-    yield kept
-    monkeypatch.undo()
-    for fig in kept:
-        plt.close(fig)
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: kept.append(fig) or savefig(fig, *a, **k))
+    return kept
 
 
 def test_switch_rate_plots_name_the_model_k_hat_and_policy(tmp_path, figures):
@@ -55,9 +53,12 @@ def test_options_figure_heading_titles_and_legend_do_not_overlap(tmp_path, figur
     prompt = "The history of the city of " * 8  # longer than a line of the heading
     _, trace = generate_traced(model, tok, [prompt], 10, progress=False, policies={"type": "document_pool", "d": 4})
     plot_options(trace, tmp_path / "o.png", label=f"prompt 0: {prompt!r}", model="/x/y/runs/tiny-olmoe")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     fig = figures[-1]
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
+    canvas = FigureCanvasAgg(fig)  # moectl's figures carry no pyplot canvas
+    canvas.draw()
+    renderer = canvas.get_renderer()
     heading = _extent(fig._suptitle, renderer)
     assert "runs/tiny-olmoe" in fig._suptitle.get_text() and "/x/y" not in fig._suptitle.get_text()
     whole = fig.bbox

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
 from moectl.fileio import save_figure
 from moectl.metrics.switch_rate import router_option_masks
@@ -79,9 +76,8 @@ def plot_expert_activation(
     chosen = activated.T.float()  # [E, T]
     n_exp, n_pos = chosen.shape
     width = min(16.0, 4.5 + n_pos / 14)
-    fig, (strip, ax) = plt.subplots(
-        2, 1, sharex=True, figsize=(width, 2.6 + n_exp / 10), height_ratios=[1, max(3.0, n_exp / 4)]
-    )
+    fig = Figure(figsize=(width, 2.6 + n_exp / 10))
+    strip, ax = fig.subplots(2, 1, sharex=True, height_ratios=[1, max(3.0, n_exp / 4)])
     image = torch.ones(n_exp, n_pos, 3)  # white
     handles = [Patch(facecolor="black", label="activated")]
     subtitle = [label if label else f"sequence {row} of the trace"]
@@ -130,7 +126,6 @@ def plot_expert_activation(
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     save_figure(fig, path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 
@@ -141,7 +136,8 @@ def plot_switch_rate_per_layer(
     the axes, never over a line. ``title`` should name the model and k-hat (or the recorded ω)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     n_layers = 0
     for label, values in per_layer.items():
         ax.plot(range(len(values)), values, marker="o", label=label)
@@ -154,7 +150,6 @@ def plot_switch_rate_per_layer(
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     save_figure(fig, path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 
@@ -177,7 +172,8 @@ def plot_curves(
     Large x values (tokens) are labelled 1.5M / 250k rather than 1500000."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
@@ -191,5 +187,4 @@ def plot_curves(
     fig.tight_layout()
     path = Path(path)
     save_figure(fig, path, dpi=110)
-    plt.close(fig)
     return path

@@ -15,6 +15,7 @@ from moectl.adapters.selftest import self_test
 from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
 from moectl.plots import model_label, plot_expert_activation, plot_switch_rate_per_layer
+from moectl.routing.config import PolicyConfig
 from moectl.routing.loader import load_policy
 
 
@@ -73,7 +74,7 @@ def switch_rate_report(
     """
     prompts = load_prompts(prompts_path)
     loaded = load_policy(policy, model) if policy is not None else []
-    if k_hat is None and getattr(loaded, "policy_type", None) == "option":
+    if k_hat is None and isinstance(loaded, PolicyConfig) and loaded.policy_type == "option":
         k_hat = loaded.k_hat  # the router as the option policy the file names
     info = inspect(model)
     _, trace = generate_traced(

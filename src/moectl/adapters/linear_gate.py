@@ -31,6 +31,7 @@ weighted outputs sum to the block's output; anything else is refused.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,9 @@ from moectl.adapters.errors import UnsupportedModelError
 from moectl.adapters.registry import Adapter, gate_families
 from moectl.adapters.rules import RouterRule
 
-_ATTR = "_moectl_gate_router"  # where a block keeps its GateRouter (in __dict__: not a child module)
+# block -> its GateRouter, made once (hooks on it must outlive one inspect); keyed weakly, not kept on
+# the user's block: the entry goes with the block (the router holds the block only weakly)
+_ROUTERS: weakref.WeakKeyDictionary[nn.Module, GateRouter] = weakref.WeakKeyDictionary()
 
 Finish = Callable[[nn.Module, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -84,9 +87,17 @@ class GateRouter(nn.Module):
     def __init__(self, block: nn.Module, block_class: str) -> None:
         super().__init__()
         self.gate = getattr(block, gate_families_of(block_class).gate_attr)
-        object.__setattr__(self, "block", block)  # not a child: the block owns its router, not the reverse
+        self._block = weakref.ref(block)  # not a child, not a strong reference: the block owns its router
         self.block_class = block_class
         self.logits: Tensor | None = None  # the gate's logits over all the block's experts, latest call
+
+    @property
+    def block(self) -> nn.Module:
+        """The block this router routes (alive while anything uses the router)."""
+        block = self._block()
+        if block is None:
+            raise RuntimeError("the block of this GateRouter was garbage-collected")
+        return block
 
     @property
     def family(self) -> GateFamily:
@@ -188,10 +199,9 @@ def gate_router(block: nn.Module, family: GateFamily) -> GateRouter:
             f"`{family.gate_attr}` and an nn.ModuleList `experts` with one expert per gate output; found "
             f"{type(gate).__name__} and {type(experts).__name__} (another revision of this remote code?)"
         )
-    router = block.__dict__.get(_ATTR)
+    router = _ROUTERS.get(block)
     if router is None or router.gate is not gate:
-        router = GateRouter(block, family.block_class)
-        block.__dict__[_ATTR] = router
+        router = _ROUTERS[block] = GateRouter(block, family.block_class)
     return router
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from moectl.adapters.rules import RouterRule
@@ -25,20 +26,48 @@ from moectl.adapters.rules import RouterRule
 if TYPE_CHECKING:
     from moectl.adapters.linear_gate import GateFamily
 
-OutputFormat = Literal["triple", "llama4"]
-
-
 @dataclass(frozen=True)
 class Adapter:
-    """How to read and re-route one router class."""
+    """How to read and re-route one router class.
+
+    The router's output here is transformers' usual ``(logits, weights, indices)``; a family whose
+    router returns another shape subclasses ``Adapter`` and overrides the methods that read and
+    rewrite it (``llama4.Llama4Adapter``: dense scores and logits), so no caller switches on a format.
+    """
 
     family: str
     build_rule: Callable[[nn.Module], RouterRule]
-    output: OutputFormat = "triple"  # (logits, weights, indices) | llama4's (dense scores, logits)
     bias: Callable[[nn.Module], Tensor | None] = lambda module: None
 
+    # whether the family's experts hold their weights [in, out] where the experts module does not
+    # say (``is_transposed``)
+    experts_transposed: ClassVar[bool] = False
+
     def logits_of(self, output: tuple) -> Tensor:
-        return output[1] if self.output == "llama4" else output[0]
+        """The router logits in the router's output."""
+        return output[0]
+
+    def indices_of(self, output: tuple, top_k: int) -> Tensor:
+        """The chosen experts in the router's output (as it returned them: [..., k])."""
+        return output[2]
+
+    def selection_of(self, output: tuple, top_k: int) -> tuple[Tensor, Tensor]:
+        """The router's own selection: (weights [N, E], dense: zero off the chosen; indices [N, k])."""
+        logits, weights, idx = output
+        weights, idx = weights.reshape(-1, top_k), idx.reshape(-1, top_k)
+        dense = torch.zeros(idx.shape[0], logits.shape[-1], dtype=weights.dtype, device=weights.device)
+        return dense.scatter_(1, idx, weights), idx
+
+    def repack(self, output: tuple, weights: Tensor, idx: Tensor) -> tuple:
+        """The router's output with the selection replaced by ``weights`` / ``idx`` [N, k]."""
+        logits, old_w, old_idx = output
+        return logits, weights.to(old_w.dtype), idx.to(old_idx.dtype)
+
+    def routed_output(
+        self, experts: nn.Module, x: Tensor, weights: Tensor, idx: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        """Σ over slots of weights · experts[idx](x) for rows ``x`` [N, H], run in ``dtype``; float32."""
+        return experts(x.to(dtype), idx, weights.to(dtype)).float()
 
 
 _REGISTRY: dict[type, Adapter] = {}

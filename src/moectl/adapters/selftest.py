@@ -123,13 +123,7 @@ def _compare(layer: MoELayer, tally: _Tally):
     def hook(module: nn.Module, args: tuple, output: tuple) -> None:
         logits = layer.adapter.logits_of(output)
         weights, idx = layer.rule.select(logits.reshape(-1, logits.shape[-1]), layer.adapter.bias(module))
-        if layer.adapter.output == "llama4":
-            ref = output[0].reshape(idx.shape[0], -1)
-            ref_idx = ref.topk(layer.top_k, dim=-1).indices
-        else:
-            ref_w, ref_idx = output[1].reshape(idx.shape), output[2].reshape(idx.shape)
-            ref = torch.zeros(idx.shape[0], logits.shape[-1], dtype=ref_w.dtype, device=ref_w.device)
-            ref = ref.scatter_(1, ref_idx, ref_w)
+        ref, ref_idx = layer.adapter.selection_of(output, layer.top_k)
         chosen = torch.zeros_like(ref, dtype=torch.bool).scatter_(1, ref_idx, True)
         tally.add(weights, idx, ref, chosen, ref.dtype)
 

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
 from moectl.adapters.linear_gate import GateRouter
 
-_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# the config fields that hold the routed-expert count, across families
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def check_keep(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
@@ -157,7 +158,7 @@ def slice_experts(
             layer.router.family.after_slice(layer.block, ids.tolist(), config, layer.layer_idx)
         kept = len(ids)
     for sub in (config, getattr(config, "text_config", None)):
-        for key in _CONFIG_KEYS:
+        for key in EXPERT_COUNT_KEYS:
             if sub is not None and isinstance(getattr(sub, key, None), int):
                 setattr(sub, key, kept)
     return model

@@ -11,6 +11,7 @@ a request can only pick among them.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.routing.state import Policy, SequencePolicy
+from moectl.routing.config import PolicyConfig
+from moectl.routing.protocols import Policy, SequencePolicy, carries_weights, renorm_of
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 
@@ -67,7 +69,7 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
         return Routing(name, spec if isinstance(spec, str) else "roe", [], False, roe)
     changes_model = _carries_weights(spec, info)
     policies = routing_policies([spec], model, info)
-    renorms = {getattr(p, "renorm", "pruned") for p in policies}
+    renorms = {renorm_of(p) for p in policies}
     if len(renorms) > 1:
         raise ValueError(f"routing {name!r} mixes renormalisation modes {sorted(renorms)}")
     for policy in policies:
@@ -78,9 +80,9 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
 
 def _roe_config(spec: Any) -> Any:
     """The RoEConfig ``spec`` is (a RoE profile file, dict or config), else None."""
-    if getattr(spec, "policy_type", None) == "roe":
+    if isinstance(spec, PolicyConfig) and spec.policy_type == "roe":
         return spec
-    if not isinstance(spec, (str, Mapping)) and not hasattr(spec, "__fspath__"):
+    if not isinstance(spec, (str, Mapping)) and not isinstance(spec, os.PathLike):
         return None
     from moectl.routing.loader import load_policy
 
@@ -88,7 +90,7 @@ def _roe_config(spec: Any) -> Any:
         loaded = load_policy(spec)
     except (ValueError, OSError, TypeError, KeyError):
         return None  # not loadable without the model: not a RoE profile (the real load says why)
-    return loaded if getattr(loaded, "policy_type", None) == "roe" else None
+    return loaded if isinstance(loaded, PolicyConfig) and loaded.policy_type == "roe" else None
 
 
 def _carries_weights(spec: Any, info: ModelInfo) -> bool:
@@ -96,14 +98,14 @@ def _carries_weights(spec: Any, info: ModelInfo) -> bool:
     LoRA adapters and routers: ``ControllerPolicy.pending``)."""
     from moectl.routing.loader import load_policy
 
-    if not isinstance(spec, (str, Mapping, list, tuple)) and not hasattr(spec, "__fspath__"):
-        return getattr(spec, "pending", None) is not None
+    if not isinstance(spec, (str, Mapping, list, tuple)) and not isinstance(spec, os.PathLike):
+        return carries_weights(spec)
     try:
         loaded = load_policy(spec, info)
     except (ValueError, OSError, TypeError, KeyError):
         return False  # the real load (with the model) reports what is wrong
     items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
-    return any(getattr(item, "pending", None) is not None for item in items)
+    return any(carries_weights(item) for item in items)
 
 
 def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelInfo) -> dict[str, Routing]:
@@ -118,7 +120,7 @@ def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelIn
             "also run the merged weights), or serve its model separately"
         )
     routings = {name: resolve(name, spec, model, info) for name, spec in specs.items()}
-    renorms = {getattr(p, "renorm", "pruned") for r in routings.values() for p in r.policies}
+    renorms = {renorm_of(p) for r in routings.values() for p in r.policies}
     if len(renorms) > 1:
         raise ValueError(
             f"the registered routings mix renormalisation modes {sorted(renorms)}; rows of one batch are "

@@ -114,12 +114,10 @@ class SwitchMeter:
         self._handles.clear()
 
     def _hook(self, layer):
-        from moectl.routing.session import indices_of
-
         def hook(module: nn.Module, args: tuple, output) -> None:
             if self.prev is None or self.switches is None:
                 return
-            chosen = indices_of(layer.adapter.output, output, layer.top_k)
+            chosen = layer.adapter.indices_of(output, layer.top_k)
             b = self.prev.shape[0]
             chosen = chosen.reshape(b, -1, chosen.shape[-1])
             if self.traces is not None:

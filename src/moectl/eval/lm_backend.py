@@ -47,9 +47,9 @@ from moectl.eval.policy_file import EvalRouting, check_routing_args, setup_routi
 from moectl.eval.scoring import score_pairs
 from moectl.routing.state import Policy
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# no process-wide HF_HUB_OFFLINE: ``pretrained`` may be a hub id to download; the task run, which
-# must not ask the hub, sets it for its own duration (``lm_tasks.hub_offline``)
+# no process-wide HF_HUB_OFFLINE / HF_DATASETS_OFFLINE: ``pretrained`` may be a hub id to download and,
+# under ``lm_eval --model moectl``, the tasks lm-eval's own; moectl's task run, whose data is local,
+# turns the hub off for its own duration (``lm_tasks.hub_offline``)
 log = logging.getLogger(__name__)
 GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
 

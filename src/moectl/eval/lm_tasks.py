@@ -8,6 +8,7 @@ tasks are not indexed). Missing data is reported before lm-eval starts, with the
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -23,7 +24,6 @@ from moectl.eval.cache import EvalSetMissingError, evals_dir, refetch_hint, spli
 from moectl.eval.intervals import wilson_interval
 from moectl.eval.results import metric
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # task data is local; never ask the hub
 TASK_DIR = Path(__file__).parent / "tasks"
 _PLACEHOLDER = "@EVALS@"
 _DATA_REF = re.compile(r"@EVALS@/([A-Za-z0-9_]+)/(?:by_category/[A-Za-z0-9_]+/)?([A-Za-z0-9_]+)\.jsonl")
@@ -100,27 +100,44 @@ def render_tasks(cache: str | os.PathLike | None, dest: Path) -> Path:
 
 @contextmanager
 def hub_offline() -> Iterator[None]:
-    """``HF_HUB_OFFLINE=1`` for the block only (the task data is local: lm-eval must not ask the
-    hub), in the environment and in ``huggingface_hub``'s constant read at its import; both are
-    put back after, so loading a hub model later in the process still works."""
-    try:
-        from huggingface_hub import constants
-    except ImportError:  # pragma: no cover - a dependency of transformers
-        constants = None
-    before_env = os.environ.get("HF_HUB_OFFLINE")
-    before_const = getattr(constants, "HF_HUB_OFFLINE", None)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    if constants is not None:
-        constants.HF_HUB_OFFLINE = True
+    """The hub off for the block only: the task data is local, so lm-eval must not ask the hub.
+
+    ``HF_HUB_OFFLINE=1`` and ``HF_DATASETS_OFFLINE=1`` in the environment, and the constants
+    ``huggingface_hub`` and ``datasets`` read from it at their import; all put back after, so
+    loading a hub model or data set later in the process still works."""
+    constants = _optional("huggingface_hub.constants")
+    datasets_config = _optional("datasets.config")  # imported now: its constants are the user's
+    env = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    flags = [
+        (module, name, getattr(module, name))
+        for module, name in (
+            (constants, "HF_HUB_OFFLINE"),
+            (datasets_config, "HF_HUB_OFFLINE"),
+            (datasets_config, "HF_DATASETS_OFFLINE"),
+        )
+        if module is not None and hasattr(module, name)
+    ]
+    os.environ.update(dict.fromkeys(env, "1"))
+    for module, name, _ in flags:
+        setattr(module, name, True)
     try:
         yield
     finally:
-        if before_env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = before_env
-        if constants is not None:
-            constants.HF_HUB_OFFLINE = before_const
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for module, name, value in flags:
+            setattr(module, name, value)
+
+
+def _optional(name: str) -> Any:
+    """The module ``name``, or None where it is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # pragma: no cover - dependencies of transformers and lm-eval
+        return None
 
 
 def run_lm_eval(

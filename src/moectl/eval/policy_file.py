@@ -29,7 +29,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.eval.forward import RoutingPlan, static_plan
 from moectl.roe.config import RoEConfig, parse_roe_spec
 from moectl.routing import ExpertMask, load_policy
-from moectl.routing.config import policy_types
+from moectl.routing.config import PolicyConfig, policy_types
 from moectl.routing.loader import routing_policies
 from moectl.routing.state import Policy
 
@@ -74,7 +74,7 @@ def evaluation_routing(
     policies: list[Policy] = []
     controller = None
     for policy in loaded:
-        kind = getattr(policy, "policy_type", None)
+        kind = policy.policy_type if isinstance(policy, PolicyConfig) else None
         if kind == "roe":
             if roe is not None:
                 raise ValueError(f"{where}: a RoE config is given twice (--roe and --policy); give one")

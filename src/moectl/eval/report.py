@@ -122,11 +122,8 @@ def plot_results(
     docs: Sequence[dict[str, Any]], path: str | os.PathLike, tasks: Sequence[str] | None = None
 ) -> Path:
     """Grouped bars with 95% error bars: accuracies (%) on one axis, perplexities on another."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
     columns, rows = build_rows(docs, tasks)
     primary = _primary_names(docs)
@@ -136,9 +133,8 @@ def plot_results(
     ]
     groups = [(title, cols) for title, cols in groups if cols]
     widths = [max(3.0, 0.5 * len(cols) * (len(rows) + 1)) for _, cols in groups]
-    fig, axes = plt.subplots(
-        1, len(groups), figsize=(min(24.0, sum(widths) + 1.5), 4.5), squeeze=False, width_ratios=widths
-    )
+    fig = Figure(figsize=(min(24.0, sum(widths) + 1.5), 4.5))
+    axes = fig.subplots(1, len(groups), squeeze=False, width_ratios=widths)
     width = 0.8 / max(1, len(rows))
     for ax, (title, cols) in zip(axes[0], groups, strict=True):
         x = np.arange(len(cols))
@@ -166,7 +162,6 @@ def plot_results(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from moectl.routing.gumbel import GumbelTopK
 from moectl.routing.keyed_hash import M32, layer_word, mix, mix_int, seed_key, uniforms
+from moectl.routing.protocols import ResettablePolicy, SeededPolicy
 from moectl.routing.state import RouteContext, RoutingState
 
 
@@ -94,7 +95,13 @@ class RequestRows:
         return hashed_uniform(codes, positions, layer_salt(seed, state.layer), e)
 
 
-class KeyedGumbel(GumbelTopK):
+class RequestKeyed:
+    """A policy whose draws are keyed by request (``request_rows``), not drawn from a stream."""
+
+    request_rows: RequestRows
+
+
+class KeyedGumbel(RequestKeyed, GumbelTopK):
     """``GumbelTopK`` whose noise is keyed by request and position instead of drawn from a stream."""
 
     def __init__(self, source: GumbelTopK) -> None:
@@ -120,7 +127,7 @@ def _keyed_random_options() -> type | None:
     except ImportError:  # pragma: no cover - moectl.options ships with moectl
         return None
 
-    class KeyedRandomOptions(RandomOptions):
+    class KeyedRandomOptions(RequestKeyed, RandomOptions):
         """``RandomOptions`` whose random k-hat sets are keyed by request and position."""
 
         def __init__(self, source: RandomOptions) -> None:
@@ -128,9 +135,7 @@ def _keyed_random_options() -> type | None:
             self.request_rows = RequestRows()
 
         def apply(self, state: RoutingState) -> None:
-            groups = self._groups.get(state.layer)
-            if groups is None:
-                raise RuntimeError("RandomOptions used before bind(): install it with moectl.route(...)")
+            groups = self.groups(state.layer)
             b, t, e = state.logits.shape
             u = self.request_rows.uniforms(state, self.seed).view(b, t, groups, e // groups)
             idx = u.topk(self.k_hat // groups, dim=-1).indices
@@ -157,7 +162,7 @@ def keyed_policies(policies: Sequence[Any]) -> list[Any]:
 
 def set_request_codes(policies: Sequence[Any], keys: Sequence[str], copies: int = 1) -> None:
     """Give the keyed policies the codes of a batch's rows (``copies`` routed copies per request, request-major)."""
-    keyed = [p.request_rows for p in policies if isinstance(getattr(p, "request_rows", None), RequestRows)]
+    keyed = [p.request_rows for p in policies if isinstance(p, RequestKeyed)]
     if not keyed:
         return
     codes = request_codes(keys)
@@ -170,11 +175,9 @@ def set_request_codes(policies: Sequence[Any], keys: Sequence[str], copies: int 
 
 def needs_isolation(policy: Any) -> bool:
     """True for a seeded policy whose draws are a stream (not keyed): run one request per forward."""
-    if isinstance(getattr(policy, "request_rows", None), RequestRows):
+    if isinstance(policy, RequestKeyed) or not isinstance(policy, SeededPolicy):
         return False
-    if getattr(policy, "mode", None) == "greedy":  # a greedy controller draws nothing
-        return False
-    return isinstance(getattr(policy, "seed", None), int)
+    return isinstance(policy.seed, int) and policy.draws()  # a greedy controller draws nothing
 
 
 _BASE_SEEDS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -192,7 +195,7 @@ def reseed(policies: Sequence[Any], key: str) -> None:
             continue
         base = _BASE_SEEDS.setdefault(policy, int(policy.seed))
         seed = (mix_int(base) << 31 ^ int(key, 16)) & ((1 << 63) - 1)
-        if hasattr(policy, "reset"):
+        if isinstance(policy, ResettablePolicy):
             policy.reset(seed=seed)
         else:
             policy.seed = seed

@@ -155,12 +155,12 @@ def plot(runs: dict[str, list[dict]], path: Path, window: int, title: str = "") 
     per run; raw values faint, the running mean over ``window`` steps and its bootstrap 95% band.
     Written beside ``path`` and renamed into place; returns ``path``."""
     import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(figsize=(4.6 * len(CURVES), 4.0))
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.6 * len(CURVES), 4.0), squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    axes = fig.subplots(1, len(CURVES), squeeze=False)
+    colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, rows) in enumerate(runs.items()):
         data, colour = curves(rows), colours[i % len(colours)]
         for ax, (key, label, _) in zip(axes[0], CURVES, strict=True):
@@ -183,5 +183,4 @@ def plot(runs: dict[str, list[dict]], path: Path, window: int, title: str = "") 
     )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     save_figure(fig, path, dpi=110)
-    plt.close(fig)
     return path

@@ -23,12 +23,11 @@ _PANELS = (
 
 
 def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(figsize=(16, 7))
 
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    axes = fig.subplots(2, 4)
     steps = [row["step"] for row in log]
     for ax, (key, label) in zip(axes.flat, _PANELS, strict=False):
         values = [row[key] for row in log]
@@ -41,7 +40,6 @@ def plot_curves(log: list[dict], path: str | Path, title: str = "") -> Path:
     fig.tight_layout()
     path = Path(path)
     save_figure(fig, path, dpi=100)
-    plt.close(fig)
     return path
 
 
@@ -57,10 +55,7 @@ def plot_options(
     ``model``: the model's spec or path (its last two parts are shown). Constrained layout: the
     heading, the panels' titles and the legend (below the panels) never overlap nor leave the figure.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
     from matplotlib.patches import Patch
 
     from moectl.plots import model_label, wrap_title
@@ -86,10 +81,8 @@ def plot_options(
     n_exp = trace.allowed[picked[0]].shape[-1]
     n_pos = stop - start
     width = min(16.0, max(7.0, 4.5 + n_pos / 14))
-    fig, axes = plt.subplots(
-        len(picked), 1, sharex=True, squeeze=False, layout="constrained",
-        figsize=(width, 1.6 + len(picked) * (0.6 + n_exp / 14)),
-    )  # fmt: skip
+    fig = Figure(figsize=(width, 1.6 + len(picked) * (0.6 + n_exp / 14)), layout="constrained")
+    axes = fig.subplots(len(picked), 1, sharex=True, squeeze=False)
     for ax, layer in zip(axes[:, 0], picked, strict=True):
         allowed = trace.allowed[layer][row, start:stop].T
         chosen = trace.chosen_mask(layer)[row, start:stop].T
@@ -118,5 +111,4 @@ def plot_options(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path, dpi=110)
-    plt.close(fig)
     return path

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -180,6 +182,17 @@ class ControllerPolicy(PolicyConfig):
             self.controller, self.mode, seed, self.record, self.renorm, self.path, self.options
         )
 
+    @property
+    def current_option(self) -> Mapping[int, Tensor]:
+        """The active option ω per MoE layer, ``{layer: [B, N] bool}`` for the batch being routed
+        (a read-only view; a layer is absent before its first call of the sequence)."""
+        return MappingProxyType(self._option)
+
+    def draws(self) -> bool:
+        """``'sample'`` draws d_t and new options from the seeded stream; ``'greedy'`` draws nothing
+        (``SeededPolicy``)."""
+        return self.mode == "sample"
+
     # -- Policy protocol ----------------------------------------------------------------------
     def bind(self, info: ModelInfo) -> None:
         self.controller.check(info)
@@ -302,12 +315,22 @@ class ControllerPolicy(PolicyConfig):
         return {layer: cat_records(chunks) for layer, chunks in self.records.items()}
 
 
+# model -> the controller folder whose adapters and routers were merged into it (kept here, keyed
+# weakly, not stamped on the user's model; the entry goes with the model)
+_MERGED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def merged_controller(model: nn.Module) -> str | None:
+    """The (resolved) folder of the controller whose trained weights were merged into ``model``, or None."""
+    return _MERGED.get(model)
+
+
 def _attach(folder: Path, model: nn.Module) -> OptionController:
     """The controller of ``folder``, its adapters and routers merged into ``model`` (once per model)."""
     from moectl.options.state import load_controlled
 
     key = str(folder.resolve())
-    applied = getattr(model, "_moectl_controller", None)
+    applied = merged_controller(model)
     if applied is None:
         merged, controller, _, _ = load_controlled(model, folder, merge=True)
         if merged is not model:
@@ -315,7 +338,7 @@ def _attach(folder: Path, model: nn.Module) -> OptionController:
                 "merging the controller's adapters did not happen in place; use load_controlled"
             )
         model.eval()
-        model._moectl_controller = key
+        _MERGED[model] = key
         return controller
     if applied != key:
         raise ValueError(

@@ -87,6 +87,10 @@ class RandomOptions(PolicyConfig):
             raise ValueError(f"random_options 'seed' must be an integer, got {seed!r}")
         return cls(data.get("k_hat"), seed=seed, renorm=data.get("renorm", "pruned"))
 
+    def draws(self) -> bool:
+        """The k-hat sets are drawn from per-layer generators seeded by ``seed`` (``SeededPolicy``)."""
+        return True
+
     def bind(self, info: ModelInfo) -> None:
         """Check k-hat against every MoE layer and (re)seed one generator per layer."""
         check_k_hat(info, self.k_hat)
@@ -98,12 +102,18 @@ class RandomOptions(PolicyConfig):
             seed = self.seed * 1_000_003 + layer.index
             self._generators[layer.index] = torch.Generator(device=device).manual_seed(seed)
 
+    def groups(self, layer: int) -> int:
+        """The number of expert groups of MoE layer ``layer`` (the k-hat set is drawn within them; bound)."""
+        groups = self._groups.get(layer)
+        if groups is None:
+            raise RuntimeError("RandomOptions used before bind(): install it with moectl.route(...)")
+        return groups
+
     def apply(self, state: RoutingState) -> None:
         """Restrict every token of ``state.layer`` to its own random k-hat experts."""
-        generator = self._generators.get(state.layer)
-        if generator is None:
-            raise RuntimeError("RandomOptions used before bind(): install it with moectl.route(...)")
-        allowed = random_allowed(tuple(state.logits.shape), self._groups[state.layer], self.k_hat, generator)
+        groups = self.groups(state.layer)
+        generator = self._generators[state.layer]
+        allowed = random_allowed(tuple(state.logits.shape), groups, self.k_hat, generator)
         state.restrict(allowed.to(state.logits.device), self.renorm)
 
     def __repr__(self) -> str:

@@ -9,10 +9,7 @@ from moectl.fileio import atomic_path
 
 def plot_hit_rate(rows: list[dict], path: str | Path, title: str) -> Path:
     """Write ``path`` (a .png; a folder gets ``hit_rate.png``) atomically from ``simulate.run``'s rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
     from moectl.plots import wrap_title
 
@@ -20,7 +17,8 @@ def plot_hit_rate(rows: list[dict], path: str | Path, title: str) -> Path:
     if path.suffix.lower() != ".png":
         path = path / "hit_rate.png"
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig = Figure(figsize=(7.5, 4.6))
+    ax = fig.subplots()
     for name in policies:
         points = sorted((r["budget"], r["hit_rate"]) for r in rows if r["policy"] == name)
         budgets, rates = zip(*points, strict=True)
@@ -40,5 +38,4 @@ def plot_hit_rate(rows: list[dict], path: str | Path, title: str) -> Path:
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight")
-    plt.close(fig)
     return path

@@ -100,10 +100,10 @@ def static_subsets(spec: str, acc: Accesses, budget: int) -> list[list[int]]:
 
 def read_subset_file(path: Path) -> dict[int, list[int]]:
     """``{layer: [experts]}`` from a subset file (``subset select --json``, an expert mask, ...)."""
-    from moectl.routing.loader import _read_json, normalise
+    from moectl.routing.loader import normalise, read_policy_json
     from moectl.routing.mask import expert_lists_of
 
-    data = normalise(_read_json(path))
+    data = normalise(read_policy_json(path))
     for form in ("experts", "keep"):
         if isinstance(data.get(form), dict):
             return expert_lists_of(data[form], form)

@@ -5,10 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
 from moectl.fileio import save_figure
 
@@ -24,7 +21,8 @@ def plot_tau_heatmap(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n_layers = len(rows[0]) if rows else 0
-    fig, ax = plt.subplots(figsize=(min(18, max(6.0, 2.5 + 0.45 * n_layers)), 1.4 + 0.38 * len(rows)))
+    fig = Figure(figsize=(min(18, max(6.0, 2.5 + 0.45 * n_layers)), 1.4 + 0.38 * len(rows)))
+    ax = fig.subplots()
     image = ax.imshow(
         rows, aspect="auto", cmap="viridis", vmin=0, vmax=max(max_tau, 1e-9), interpolation="nearest"
     )
@@ -47,7 +45,6 @@ def plot_tau_heatmap(
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -63,7 +60,8 @@ def plot_uniform_curve(
     path.parent.mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(taus)), key=lambda i: taus[i])
     xs, ys = [taus[i] for i in order], [values[i] for i in order]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig = Figure(figsize=(6, 3.8))
+    ax = fig.subplots()
     ax.plot(xs, ys, marker="o")
     if xs and xs[0] == 0:
         ax.axhline(ys[0], color="grey", linestyle="--", linewidth=0.8, label="tau = 0 (plain model)")
@@ -74,5 +72,4 @@ def plot_uniform_curve(
     ax.set_title(title)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-    plt.close(fig)
     return path

@@ -6,8 +6,15 @@ from moectl.routing.gumbel import GumbelTopK
 from moectl.routing.loader import load_policy
 from moectl.routing.mask import ExpertMask
 from moectl.routing.pool import DocumentPool
+from moectl.routing.protocols import (
+    Policy,
+    ResettablePolicy,
+    RoutingPolicy,
+    SeededPolicy,
+    SequencePolicy,
+)
 from moectl.routing.session import RoutingSession, route
-from moectl.routing.state import Policy, RouteContext, RoutingState
+from moectl.routing.state import RouteContext, RoutingState
 from moectl.routing.trace import RoutingTrace
 
 __all__ = [
@@ -16,10 +23,14 @@ __all__ = [
     "GumbelTopK",
     "Policy",
     "PolicyConfig",
+    "ResettablePolicy",
     "RouteContext",
+    "RoutingPolicy",
     "RoutingSession",
     "RoutingState",
     "RoutingTrace",
+    "SeededPolicy",
+    "SequencePolicy",
     "load_policy",
     "policy_types",
     "register_policy",

@@ -115,6 +115,10 @@ class GumbelTopK(PolicyConfig):
         """The same temperatures with a fresh generator seeded by ``seed`` (``SequencePolicy``)."""
         return GumbelTopK(self.tau_spec, seed=seed, row_scale=self.row_scale)
 
+    def draws(self) -> bool:
+        """Gumbel noise is drawn from the seeded generator (``SeededPolicy``)."""
+        return True
+
     def bind(self, info: ModelInfo) -> None:
         n = info.num_moe_layers
         spec = self.tau_spec

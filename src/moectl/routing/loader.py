@@ -42,6 +42,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.routing.config import PolicyConfig, check_version, policy_class, policy_types
+from moectl.routing.protocols import MergingPolicy, RoutingPolicy, RoutingSource
 
 PolicySpec = Any  # str | os.PathLike | Mapping | Sequence | a policy object
 SHORT_FORMS = "lru, option:K_HAT, static:FILE, controller:DIR"
@@ -66,16 +67,16 @@ def routing_policies(
         item = _load(spec, model, info, None, None) if _is_spec(spec) else spec
         if isinstance(item, (list, tuple)):
             out += routing_policies(item, model, info)
-        elif getattr(item, "policy_type", None) == "roe":
+        elif isinstance(item, PolicyConfig) and item.policy_type == "roe":
             raise ValueError(
                 "a RoE config is an ensemble of K routings (RoE §2.3), not one routing policy: use "
                 "moectl.roe.score / moectl.roe.generate, or `moectl eval --roe`"
             )
-        elif hasattr(item, "bind") and hasattr(item, "apply"):
-            if hasattr(item, "attach") and model is not None:
+        elif isinstance(item, RoutingPolicy):
+            if isinstance(item, MergingPolicy) and model is not None:
                 item.attach(model)  # a controller loaded without its model: trained weights merge in now
             out.append(item)
-        elif hasattr(item, "routing"):
+        elif isinstance(item, RoutingSource):
             if info is None:
                 info = inspect(model)
             out += routing_policies(list(item.routing(info)), model, info)
@@ -110,7 +111,7 @@ def _load(spec: Any, model, info, base: Path | None, where: str | None) -> Any:
         return _from_path(Path(spec), model, info)
     if isinstance(spec, str):
         return _from_string(spec, model, info)
-    if isinstance(spec, PolicyConfig) or hasattr(spec, "apply") or hasattr(spec, "routing"):
+    if isinstance(spec, (PolicyConfig, RoutingPolicy, RoutingSource)):
         return spec
     raise TypeError(
         f"cannot load a policy from {type(spec).__name__}: give a path, a dict, a list or one of {SHORT_FORMS}"
@@ -154,7 +155,9 @@ def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def _read_json(path: Path) -> Any:
+def read_policy_json(path: Path) -> Any:
+    """The JSON value of the policy file ``path``; errors name the file (``FileNotFoundError`` /
+    ``ValueError``)."""
     if not path.exists():
         raise FileNotFoundError(f"policy file {path} does not exist")
     try:
@@ -178,7 +181,7 @@ def _from_path(path: Path, model, info) -> Any:
     try:
         if path.is_dir():
             return _from_folder(path, model, info)
-        data = _read_json(path)
+        data = read_policy_json(path)
         check_subset_layers(data, info, path)
         if not isinstance(data, (Mapping, list)):
             raise ValueError(
@@ -247,7 +250,7 @@ def _from_string(spec: str, model, info) -> Any:
         path = Path(arg)
         if not path.is_file():
             raise FileNotFoundError(f"policy {spec!r}: subset file {path} does not exist")
-        data = _read_json(path)
+        data = read_policy_json(path)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
         check_subset_layers(data, info, path)
@@ -261,7 +264,7 @@ def _from_string(spec: str, model, info) -> Any:
         folder = Path(arg)
         found = folder.is_file() or any((folder / sub / "controller.json").exists() for sub in ("", "final"))
         policy = _from_path(folder, model, info) if found else None
-        if getattr(policy, "policy_type", None) != "controller":
+        if not isinstance(policy, PolicyConfig) or policy.policy_type != "controller":
             raise ValueError(
                 f"policy {spec!r}: {arg} is not a controller folder (needs controller.json and "
                 "controller.safetensors, as `moectl options train` writes)"

@@ -165,10 +165,10 @@ class RoutingSession:
                 weights, idx = rule.select(
                     state.logits.reshape(n, e), bias_of(module), allowed, noise, state.renorm
                 )
-                new = _repack(adapter.output, output, weights, idx)
+                new = adapter.repack(output, weights, idx)
                 chosen = idx
             else:
-                chosen = indices_of(adapter.output, output, rule.top_k)
+                chosen = adapter.indices_of(output, rule.top_k)
             shape = (ctx.batch, ctx.length, -1)
             if self.collect:
                 self.collected[layer.index] = (state.logits, chosen.reshape(shape))
@@ -177,21 +177,6 @@ class RoutingSession:
             return new
 
         return hook
-
-
-def _repack(fmt: str, output: tuple, weights: Tensor, idx: Tensor) -> tuple:
-    if fmt == "llama4":
-        scores, logits = output
-        dense = torch.zeros_like(scores).scatter_(1, idx, weights.to(scores.dtype))
-        return dense, logits
-    logits, old_w, old_idx = output
-    return logits, weights.to(old_w.dtype), idx.to(old_idx.dtype)
-
-
-def indices_of(fmt: str, output: tuple, k: int) -> Tensor:
-    if fmt == "llama4":
-        return output[0].topk(k, dim=-1).indices
-    return output[2]
 
 
 def route(

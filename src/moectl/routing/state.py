@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from moectl.adapters.rules import Renorm, RouterRule
-
-if TYPE_CHECKING:
-    from moectl.adapters.inspect import ModelInfo
+from moectl.routing.protocols import Policy, SequencePolicy  # noqa: F401  (their import path before protocols.py)
 
 
 @dataclass
@@ -70,29 +67,3 @@ class RoutingState:
 
     def add_noise(self, noise: Tensor) -> None:
         self.noise = noise if self.noise is None else self.noise + noise
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """A routing policy: validated once against a model, then applied to each layer's state."""
-
-    def bind(self, info: ModelInfo) -> None:
-        """Check the policy against the model (raise ``ValueError`` on mismatch); reset state."""
-
-    def apply(self, state: RoutingState) -> None:
-        """Narrow ``state.allowed`` and/or add ``state.noise`` for ``state.layer``."""
-
-
-@runtime_checkable
-class SequencePolicy(Protocol):
-    """A policy that keeps per-sequence state (a controller's option, a document pool's running mean,
-    a Gumbel generator): one instance follows one batch of sequences from its first token.
-
-    ``fork(seed)`` returns a fresh instance with the same configuration and no sequence state (the
-    shared, read-only parts, e.g. a controller's weights, are shared, not copied). The engine forks
-    one per request, so a request's routing is the same whatever else is in the batch.
-    Policies without sequence state (an expert mask) are shared as they are.
-    """
-
-    def fork(self, seed: int) -> Policy:
-        """A fresh instance for new sequences, its random draws seeded by ``seed``."""

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from moectl.adapters import inspect
 from moectl.serve.config import OffloadConfig
-from moectl.serve.delta_store import PENDING, DeltaStore
+from moectl.serve.delta_store import DeltaStore, pending_delta
 from moectl.serve.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
 from moectl.serve.loader import Loader, make_loader
 from moectl.serve.policies import LRUPolicy, parse_policy
@@ -313,9 +313,9 @@ class OffloadRuntime:
                 self._tmp = tempfile.mkdtemp(prefix="moectl-experts-")
             self.store = DiskStore.write(self.store_dir or self._tmp, layers, verify=self.verify)
         deltas = {
-            layer.index: getattr(experts, PENDING)
+            layer.index: pending_delta(experts)
             for layer, experts in zip(info.layers, experts_modules, strict=True)
-            if getattr(experts, PENDING, None) is not None
+            if pending_delta(experts) is not None
         }
         self.slot_store = DeltaStore(self.store, deltas) if deltas else self.store  # adapters of lazy experts
         if self.config.slot_dtype == "int8":

@@ -33,6 +33,7 @@ controller's ``{"type": "controller", "path": ...}``. ``residency_policy`` turns
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,10 +47,61 @@ from moectl.routing.mask import MASK_FORMS, expert_lists_of
 from moectl.serve.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
 
 
+class ResidencyPolicy(PolicyConfig, ABC):
+    """What the offload runtime asks of a residency policy, per MoE layer and step.
+
+    ``before`` runs when a layer's experts are selected, before they run: it decides what stays
+    resident (``res.pinned``, loads with ``res.ensure``); ``after`` runs once they ran. ``pins``
+    says whether the policy keeps a set pinned between steps, so that the runtime's count of
+    changes of that set (``switches``) is a switch rate (TE-MoE §2.2); ``k_hat`` is that set's size
+    (None: the model's top-k). ``routing(info)`` names the routing policies serving needs (none:
+    the model's own routing); ``needs_probs``: ``before`` reads the router's distribution.
+    """
+
+    name: str = ""
+    needs_probs: bool = False
+    k_hat: int | None = None
+
+    @property
+    @abstractmethod
+    def pins(self) -> bool:
+        """Whether the policy keeps a set of experts pinned between steps (its changes count as switches)."""
+
+    @abstractmethod
+    def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        """Pin / load what stays resident for this step (``chosen`` [tokens, k], ``probs`` [tokens, E])."""
+
+    def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
+        """After the layer's experts ran (nothing by default)."""
+
+    def min_budget(self, layer: int, top_k: int) -> int:
+        """The fewest resident slots per layer the policy can serve with."""
+        return top_k
+
+    def routing(self, info) -> list:
+        """The routing policies serving installs for this residency ([]: the model's own routing)."""
+        return []
+
+    def report(self) -> dict[str, Any]:
+        """Figures of the policy's own for ``serve_offload``'s result (none by default)."""
+        return {}
+
+    def predict(
+        self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
+    ) -> list[int]:
+        """Experts to prefetch for the next token at a decoding step (after ``before``); [] for none."""
+        return []
+
+
 @register_policy("lru")
-class LRUPolicy(PolicyConfig):
+class LRUPolicy(ResidencyPolicy):
+    """Experts loaded on demand into an LRU cache; nothing pinned."""
+
     name = "lru"
-    needs_probs = False
+
+    @property
+    def pins(self) -> bool:
+        return False
 
     def config_fields(self) -> dict[str, Any]:
         return {}
@@ -60,32 +112,15 @@ class LRUPolicy(PolicyConfig):
     ) -> LRUPolicy:
         return cls()
 
-    def min_budget(self, layer: int, top_k: int) -> int:
-        return top_k
-
-    def routing(self, info) -> list:
-        return []
-
     def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
         res.pinned.clear()
 
-    def after(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
-        pass
-
-    def report(self) -> dict[str, Any]:
-        """Figures of the policy's own for ``serve_offload``'s result (none for LRU)."""
-        return {}
-
-    def predict(
-        self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
-    ) -> list[int]:
-        """Experts to prefetch for the next token at a decoding step (after ``before``); [] for none."""
-        return []
-
 
 @register_policy("static")
-class StaticPolicy(LRUPolicy):
+class StaticPolicy(ResidencyPolicy):
     """A fixed expert subset per MoE layer; layers not named keep every expert (served as LRU)."""
+
+    pins = True  # the subset stays pinned
 
     def __init__(self, subsets: dict[int, list[int]]) -> None:
         self.subsets = {int(k): sorted({int(e) for e in v}) for k, v in subsets.items()}
@@ -135,8 +170,10 @@ class StaticPolicy(LRUPolicy):
 
 
 @register_policy("option")
-class OptionPolicy(LRUPolicy):
+class OptionPolicy(ResidencyPolicy):
     """The router treated as an option policy with k-hat experts per option."""
+
+    pins = True  # the current option stays pinned
 
     needs_probs = True
 
@@ -193,13 +230,14 @@ class OptionPolicy(LRUPolicy):
         return option_prediction(probs[-1], current, chosen.shape[-1], self.k_hat, config.lookahead)
 
 
-class ControllerResidency(LRUPolicy):
+class ControllerResidency(ResidencyPolicy):
     """Residency = the controller's current option per layer (TE-MoE §3.2: only ω lives in fast memory).
 
     Its config is its controller's (type ``controller``): ``residency_policy`` makes one of a loaded
     ``ControllerPolicy``."""
 
     policy_type = "controller"
+    pins = True  # the controller's current option stays pinned
 
     def __init__(self, controller, seed: int = 0) -> None:
         from moectl.options.policy import ControllerPolicy
@@ -233,7 +271,7 @@ class ControllerResidency(LRUPolicy):
         return [self.route_policy, self.tap]
 
     def _pin(self, layer: int, res) -> None:
-        option = set(self.route_policy._option[layer][0].nonzero().flatten().tolist())
+        option = set(self.route_policy.current_option[layer][0].nonzero().flatten().tolist())
         if res.pinned != option:
             res.pinned = option
             for e in sorted(option):
@@ -252,12 +290,12 @@ class ControllerResidency(LRUPolicy):
     def predict(
         self, layer: int, res, chosen: Tensor, probs: Tensor | None, config: PrefetchConfig
     ) -> list[int]:
-        hidden, option = self.tap.hidden.get(layer), self.route_policy._option.get(layer)
+        hidden, option = self.tap.hidden.get(layer), self.route_policy.current_option.get(layer)
         if hidden is None or option is None:
             return []
         controller = self.route_policy.controller
         if controller.config.cross_layer and layer > 0:  # one switch decision, MoE layer 0's head
-            h0, o0 = self.tap.hidden.get(0), self.route_policy._option.get(0)
+            h0, o0 = self.tap.hidden.get(0), self.route_policy.current_option.get(0)
             if (
                 h0 is None
                 or o0 is None
@@ -268,7 +306,7 @@ class ControllerResidency(LRUPolicy):
         return controller_prediction(controller.layers[layer], hidden[0], option[0], self.k_hat, config.beta)
 
 
-class CacheResidency(LRUPolicy):
+class CacheResidency(ResidencyPolicy):
     """Residency decided by a replacement policy of ``moectl.residency.policies``: the simulator's
     own cache objects, one per MoE layer, so serving and ``moectl offload simulate`` share one
     implementation (tests/test_residency_runtime.py checks equal hits and misses on a recorded trace).
@@ -282,6 +320,7 @@ class CacheResidency(LRUPolicy):
     """
 
     cache_name: str = ""
+    pins = True  # a decoding token's resident experts, as the cache served them
 
     def __init__(self) -> None:
         self.name = self.cache_name
@@ -348,14 +387,14 @@ CACHE_RESIDENCIES = {"s3fifo": S3FIFOResidency, "arc": ARCResidency}
 RESIDENCY = "lru, s3fifo, arc, reroute:TOL, pregate, option:K_HAT, static:FILE (or any expert mask / subset file) or a controller"
 
 
-def residency_policy(policy: Any) -> LRUPolicy:
+def residency_policy(policy: Any) -> ResidencyPolicy:
     """The residency policy for what ``moectl.load_policy`` read (an expert mask: ``static``)."""
     from moectl.options.policy import ControllerPolicy
     from moectl.routing.mask import ExpertMask
 
     if isinstance(policy, (list, tuple)) and len(policy) == 1:
         policy = policy[0]
-    if isinstance(policy, LRUPolicy):
+    if isinstance(policy, ResidencyPolicy):
         return policy
     if isinstance(policy, ExpertMask):
         return StaticPolicy(policy.expert_lists())
@@ -365,7 +404,7 @@ def residency_policy(policy: Any) -> LRUPolicy:
     raise ValueError(f"serve-offload needs one residency policy ({RESIDENCY}); got {what}")
 
 
-def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
+def parse_policy(spec: Any, model: nn.Module | None = None) -> ResidencyPolicy:
     """``lru`` | ``s3fifo`` | ``arc`` | ``reroute:TOL`` | ``pregate`` | ``static:SUBSET.json`` | ``option:K_HAT`` | ``controller:DIR`` | any
     policy file or folder.
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer
 from moectl.routing.config import register_policy
-from moectl.serve.policies import LRUPolicy
+from moectl.serve.policies import ResidencyPolicy
 from moectl.serve.prefetch import HiddenTap
 from moectl.subsets.experts import router_logits, select
 
@@ -36,8 +36,10 @@ def pregate_prediction(next_layer: MoELayer, hidden: Tensor) -> list[int]:
 
 
 @register_policy("pregate")
-class PregateResidency(LRUPolicy):
+class PregateResidency(ResidencyPolicy):
     """LRU residency with pre-gating prefetch of the next MoE layer's experts (see the module doc)."""
+
+    pins = False  # LRU: nothing pinned (prefetches go into free or evictable slots)
 
     def __init__(self) -> None:
         self.name = "pregate"
@@ -62,7 +64,7 @@ class PregateResidency(LRUPolicy):
         return [self.tap]
 
     def before(self, layer: int, res, chosen: Tensor, probs: Tensor | None) -> None:
-        super().before(layer, res, chosen, probs)
+        res.pinned.clear()  # LRU residency
         self.sets[layer] = res
         guess = self._guess.pop(layer, None)
         if guess is not None and chosen.shape[0] == 1:  # recall@k: the chosen experts that were predicted

@@ -26,7 +26,6 @@ from moectl.generate import Prompt, load_prompts
 from moectl.runconfig import RunConfig
 from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
-from moectl.serve.policies import LRUPolicy
 
 
 @dataclass
@@ -216,8 +215,8 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
     token_s = max(wall - totals["stall_s"], 1e-9) / max(generated, 1)  # per-token time not held by loads
     load_s = totals["load_s"] / max(totals["loads"], 1)
     stall_per_load = totals["stall_s"] / max(totals["loads"], 1)
-    k_hat = getattr(rt.policy, "k_hat", info.top_k)
-    pinned = type(rt.policy).before is not LRUPolicy.before  # keeps an option resident: switches count
+    k_hat = rt.policy.k_hat if rt.policy.k_hat is not None else info.top_k
+    pinned = rt.policy.pins  # keeps an option resident: switches count
     result = {
         "policy": rt.policy.name,
         "store": store,
@@ -313,10 +312,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
 
 def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str = "") -> Path:
     """PNG: expert loads per step (top) and which expert of which layer was loaded (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
     path = Path(path)
     if path.suffix != ".png":
@@ -327,7 +323,8 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     for s, _, _ in events:
         per_step[s] += 1
     e = info.layers[0].num_experts
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+    fig = Figure(figsize=(10, 5))
+    ax0, ax1 = fig.subplots(2, 1, sharex=True)
     ax0.bar(range(steps + 1), per_step.tolist(), width=1.0, color="tab:red")
     ax0.set_ylabel("expert loads")
     from moectl.plots import wrap_title
@@ -342,5 +339,4 @@ def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str =
     ax1.set_xlabel("forward step (dotted: a prompt's prefill; a decoding step adds one token to each running prompt)")
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
-    plt.close(fig)
     return path

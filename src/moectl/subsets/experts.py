@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moectl.adapters.inspect import MoELayer
+from moectl.adapters.linear_gate import GateRouter
 
 
 def router_logits(layer: MoELayer, x: Tensor) -> Tensor:
@@ -38,14 +39,9 @@ def select(layer: MoELayer, logits: Tensor, allowed: Tensor | None = None) -> tu
 def routed_output(layer: MoELayer, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
     """Σ over the chosen experts of their weighted outputs, [N, H] float32 (no shared experts)."""
     experts, dtype = layer.block.experts, _dtype(layer)
-    if layer.adapter.output == "llama4":
-        n, e = x.shape[0], layer.num_experts
-        dense = torch.zeros(n, e, device=x.device).scatter_(1, idx, weights.float())
-        scaled = x.unsqueeze(0) * dense.t().unsqueeze(-1)  # [E, N, H]: Llama 4 scales the input
-        return experts(scaled.reshape(e * n, -1).to(dtype)).reshape(e, n, -1).sum(0).float()
-    if hasattr(layer.router, "routed_output"):  # a bare-Linear gate (remote-code blocks, e.g. EMO)
+    if isinstance(layer.router, GateRouter):  # a bare-Linear gate (remote-code blocks, e.g. EMO)
         return layer.router.routed_output(x.to(dtype), weights.to(dtype), idx).float()
-    return experts(x.to(dtype), idx, weights.to(dtype)).float()
+    return layer.adapter.routed_output(experts, x, weights, idx, dtype)
 
 
 def expert_output(layer: MoELayer, x: Tensor, expert: int) -> Tensor:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from moectl.adapters.inspect import inspect
 from moectl.adapters.linear_gate import GateRouter
-from moectl.adapters.slicing import _CONFIG_KEYS, check_keep, per_expert_tensors
+from moectl.adapters.slicing import EXPERT_COUNT_KEYS, check_keep, per_expert_tensors
 from moectl.fileio import atomic_dir, default_mode
 from moectl.models.meta_model import build_meta, load_config
 from moectl.models.range_read import RangeReader
@@ -121,12 +121,12 @@ def _config(folder: Path, out: Path, experts: int) -> None:
     sections = [config, *(v for v in config.values() if isinstance(v, dict))]  # text_config & co
     found = False
     for section in sections:
-        for key in _CONFIG_KEYS:
+        for key in EXPERT_COUNT_KEYS:
             if key in section:
                 section[key] = experts
                 found = True
     if not found:
-        raise ValueError(f"{folder / 'config.json'} names no expert count ({', '.join(_CONFIG_KEYS)})")
+        raise ValueError(f"{folder / 'config.json'} names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

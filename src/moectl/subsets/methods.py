@@ -125,7 +125,7 @@ def random_scores(layer: MoELayer, x: Tensor, seed: int = 0) -> Tensor:
 
 def _transposed(layer: MoELayer) -> bool:
     experts = layer.block.experts
-    return bool(getattr(experts, "is_transposed", layer.adapter.output == "llama4"))
+    return bool(getattr(experts, "is_transposed", layer.adapter.experts_transposed))
 
 
 def _input_projection(layer: MoELayer, hidden: int) -> Tensor:

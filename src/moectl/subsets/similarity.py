@@ -166,11 +166,8 @@ def plot_similarity(
 
     The colour scale spans the off-diagonal values of all layers (shared, so layers compare): on a
     fixed 0–1 scale, similarities of 0.91–1.00 were one colour. Cells carry their values."""
-    import matplotlib
     import numpy as np
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +178,8 @@ def plot_similarity(
     low, high = (low, high) if high > low else (low - 0.01, high + 0.01)
     for index, matrix in sorted(similarity.items()):
         size = 1.5 + 0.45 * len(domains)
-        fig, ax = plt.subplots(figsize=(size + 1, size))
+        fig = Figure(figsize=(size + 1, size))
+        ax = fig.subplots()
         image = ax.imshow(matrix.numpy(), vmin=low, vmax=high, cmap="viridis")
         ax.set_xticks(range(len(domains)), domains, rotation=60, ha="right")
         ax.set_yticks(range(len(domains)), domains)
@@ -201,6 +199,5 @@ def plot_similarity(
         fig.tight_layout()
         path = out_dir / f"similarity_layer{index}.png"
         save_figure(fig, path, dpi=100)
-        plt.close(fig)
         paths.append(path)
     return paths
