@@ -252,7 +252,7 @@ def corpus_sample_writer() -> Writer:
 
 def small_files_writer() -> Writer:
     """RoE tau profiles, subset files, eval-style JSON results: one file each, replaced."""
-    from moectl.fileio import write_text_atomic
+    from moectl.io.atomic import write_text_atomic
     from moectl.roe.config import save_profile
     from moectl.subsets.files import save_subset
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from bench_args import fail
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.models.load import load_model
 from moectl.options.evaluate import ci95
 from moectl.routing import route
@@ -183,7 +183,7 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moectl.fileio import atomic_path
+    from moectl.io.atomic import atomic_path
 
     rows, budgets = doc["rows"], doc["budgets"]
     fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.8), squeeze=False)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.subsets.files import save_subset
 
 runner = CliRunner()

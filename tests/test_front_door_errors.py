@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
-from moectl.fileio import default_mode, write_text_atomic
+from moectl.io.atomic import default_mode, write_text_atomic
 from moectl.routing import route
 
 runner = CliRunner()

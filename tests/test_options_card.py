@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli import app
-from moectl.fileio import default_mode
+from moectl.io.atomic import default_mode
 from moectl.models.load import load_model
 from moectl.options.curves import read_log, summarise
 from moectl.options.trainer import OptionsConfig, train_options

@@ -152,7 +152,7 @@ def test_preflight_on_meta_reads_nothing(ckpt):
     meta = build_meta(load_config(ckpt))
     plan = preflight(meta, 8, None)
     assert plan.budget_experts == [8, 8] and plan.min_experts == [8, 8]
-    from moectl.models.shards import ShardReader
+    from moectl.io.shards import ShardReader
 
     with ShardReader(ckpt, meta) as reader:
         assert plan.expert_bytes == [layer.expert_bytes for layer in reader.layers]  # bf16 model, bf16 file

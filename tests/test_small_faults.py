@@ -78,7 +78,7 @@ def test_int8_scales_of_small_fp16_weights_do_not_underflow():
 
 
 def test_default_mode_never_changes_the_umask():
-    from moectl.fileio import default_mode
+    from moectl.io.atomic import default_mode
 
     old = os.umask(0o027)
     try:

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from moectl.fileio import save_figure
+from moectl.io.atomic import save_figure
 from moectl.metrics.switch_rate import router_option_masks
 from moectl.routing.trace import RoutingTrace
 

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
@@ -124,7 +124,7 @@ def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
         return
     try:
         write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n")
-    except OSError as err:  # the atomic writers' errors name the path already (fileio.output_error)
+    except OSError as err:  # the atomic writers' errors name the path already (io/atomic.py: output_error)
         fail(f"--json {err}" if err.strerror is None else f"--json {path}: {err.strerror}")
     console.print(f"[dim]wrote {path}[/dim]")
 

@@ -80,7 +80,7 @@ def build_command(
 ) -> None:
     """Fetch the sources, strip markup, de-duplicate, split by document id, write JSONL and stats.json."""
     from moectl.data.build import build_corpus
-    from moectl.data.fetch import FetchError
+    from moectl.errors import FetchError
 
     chosen = _parse_domains(domains)
     try:

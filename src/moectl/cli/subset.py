@@ -39,7 +39,7 @@ from moectl.cli.common import (
     write_json,
     write_or_fail,
 )
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 subset_app = typer.Typer(
     help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",

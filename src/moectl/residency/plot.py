@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moectl.fileio import atomic_path
+from moectl.io.atomic import atomic_path
 
 
 def plot_hit_rate(rows: list[dict], path: str | Path, title: str) -> Path:

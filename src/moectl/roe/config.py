@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.routing.config import PolicyConfig, check_version, register_policy
 
 if TYPE_CHECKING:

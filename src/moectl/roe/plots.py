@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from moectl.fileio import save_figure
+from moectl.io.atomic import save_figure
 
 
 def plot_tau_heatmap(

@@ -38,7 +38,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, ranks
-from moectl.fileio import crash_point
+from moectl.io.atomic import crash_point
 from moectl.progress import progress_bar
 from moectl.roe.config import AGGREGATIONS, RoEConfig, check_k, save_profile
 from moectl.roe.data import Item, item_kind, load_items

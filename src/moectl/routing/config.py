@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from torch import nn

@@ -10,7 +10,7 @@ installs and what ``serve_offload()`` reports, so a run's settings travel as one
 Stores (where the experts that are not resident live):
 
 - ``"disk"``: read from disk. A model loaded from a checkpoint folder is served from that
-  checkpoint's own safetensors shards (``moectl.models.shards.ShardReader``, no second copy; its
+  checkpoint's own safetensors shards (``moectl.io.shards.ShardReader``, no second copy; its
   experts need never be in memory at all, see ``moectl.models.lazy``); a model built in memory
   (``tiny:``, ``shape:``) has its experts written once to a temporary store (``store.DiskStore``).
 - ``"checkpoint"``: the checkpoint's own shards, and an error if the model has no checkpoint folder.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
+from moectl.io.range_read import DEFAULT_READ_METHOD, READ_METHODS
 from moectl.serve.int8 import SLOT_DTYPES
 from moectl.serve.prefetch import PrefetchConfig
 
@@ -39,7 +39,7 @@ class OffloadConfig:
     count (at least the policy's minimum, top-k for lru). ``policy``: any residency policy spec
     or object (``moectl.serve.policies.parse_policy``). ``async_loads`` / ``prefetch``: ``None``
     is on with CUDA, off without (``offload.py``). ``read_method``: how checkpoint shards are read
-    (``moectl.models.range_read``: ``direct`` keeps the page cache out of the memory budget).
+    (``moectl.io.range_read``: ``direct`` keeps the page cache out of the memory budget).
     ``verify``: CRC-check experts read from a written disk store. ``experts_forward``:
     ``"grouped"`` multiplies the resident slots with one grouped GEMM per projection where the
     layout allows (``serve/slot_forward.py``), ``"eager"`` runs transformers' per-expert loop.

@@ -246,7 +246,7 @@ class OffloadRuntime:
 
     def _checkpoint_reader(self, experts_modules: list[nn.Module]):
         """The checkpoint's shard reader, its MoE layers checked against the model's."""
-        from moectl.models.shards import ShardReader
+        from moectl.io.shards import ShardReader
 
         reader = self.reader
         if reader is None:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from moectl.adapters import inspect
-from moectl.models.cgroup import memory_limits
+from moectl.io.cgroup import memory_limits
 from moectl.serve.int8 import expert_slot_bytes
 
 HEADROOM_BYTES = 640 * 2**20

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from moectl.engine import Engine, EngineConfig, SamplingParams
-from moectl.fileio import save_figure
 from moectl.generate import Prompt
+from moectl.io.atomic import save_figure
+from moectl.io.peak_rss import peak_rss_report
 from moectl.serve.config import OffloadConfig
 from moectl.serve.cost import deliberation_cost, measure_load_latency
 from moectl.serve.policies import LRUPolicy
-
-
-def _peak_rss_bytes() -> dict:
-    """Peak resident set size of this process since it started (resource.getrusage), and now (psutil)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
-    out = {"peak_rss_bytes": int(peak), "peak_rss_source": "resource.getrusage(RUSAGE_SELF).ru_maxrss"}
-    try:
-        import psutil
-
-        out["rss_bytes_now"] = int(psutil.Process().memory_info().rss)
-    except ImportError:  # psutil is optional
-        out["rss_bytes_now"] = None
-    return out
 
 
 def _io_bytes() -> int | None:
@@ -154,7 +139,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "non_expert_bytes": non_expert_bytes,
         "model_bytes_in_memory": total_params,
         "expert_bytes_per_expert": expert_bytes,
-        **_peak_rss_bytes(),
+        **peak_rss_report(),
         "loads": totals["loads"],
         "bytes_moved": totals["bytes_moved"],
         "decode_loads": len(decode_loads),

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.fileio import save_figure
+from moectl.io.atomic import save_figure
 from moectl.metrics.effective_experts import effective_number
 from moectl.progress import progress_bar
 from moectl.routing import route

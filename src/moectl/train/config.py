@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 Objective = Literal["standard", "emo"]
 LBScope = Literal["micro", "dp", "global"]

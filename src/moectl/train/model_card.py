@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from moectl.fileio import atomic_path, write_text_atomic
+from moectl.io.atomic import atomic_path, write_text_atomic
 
 CARD = "README.md"
 LOG_NAME = "training_log.jsonl"
@@ -108,7 +108,7 @@ class ModelFacts:
 
 def read_model(model_dir: str | Path) -> ModelFacts:
     """Architecture (config.json) and parameter counts (safetensors headers) of a model folder."""
-    from moectl.models.safetensors_index import CheckpointIndex
+    from moectl.io.safetensors_index import CheckpointIndex
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():

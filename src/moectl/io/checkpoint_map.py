@@ -27,7 +27,6 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,25 +41,20 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from moectl.models.safetensors_index import CheckpointIndex, TensorEntry
+from moectl.io.safetensors_index import CheckpointIndex, TensorEntry
 
 Index = tuple[int | slice, ...]
 
 
 @dataclass(frozen=True)
-class Segment:
-    """A contiguous byte range of one checkpoint tensor and where it lands in a destination tensor.
+class Segment(TensorEntry):
+    """A contiguous byte range of one checkpoint tensor (a :class:`TensorEntry`: file, offset, length,
+    dtype, shape) and where it lands in a destination tensor.
 
     ``index`` places it inside the destination (the expert's slice when reading an expert, the
     whole model tensor otherwise); ``()`` is the whole destination.
     """
 
-    key: str
-    file: Path
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
     index: Index = ()
 
 

@@ -5,7 +5,7 @@ and rewrite every expert into a second store (peak RSS 163% of the checkpoint fo
 docs/architecture.md ("Memory by design") asks instead to read offloaded experts straight from the checkpoint's
 own shards, never from a second copy. A ``ShardReader`` is that reader::
 
-    from moectl.models.shards import ShardReader
+    from moectl.io.shards import ShardReader
     reader = ShardReader(path, model)          # model: the same architecture, any device (meta is fine)
     reader.layers[0].module                    # "model.layers.0.mlp.experts"; MoE layer 0
     slot = reader.empty_expert(0)              # {"gate_up_proj": [2I, H], "down_proj": [H, I]}
@@ -37,10 +37,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from moectl.models.checkpoint_map import CheckpointMap, Segment, TensorSource, map_checkpoint
-from moectl.models.meta_model import build_meta, load_config
-from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS, RangeReader, ReadStats, ShardError
-from moectl.models.safetensors_index import CheckpointIndex
+from moectl.io.checkpoint_map import CheckpointMap, Segment, TensorSource, map_checkpoint
+from moectl.io.range_read import DEFAULT_READ_METHOD, READ_METHODS, RangeReader, ReadStats, ShardError
+from moectl.io.safetensors_index import CheckpointIndex
 
 __all__ = ["DEFAULT_READ_METHOD", "READ_METHODS", "ExpertLayer", "Segment", "ShardReader", "expert_modules"]
 
@@ -112,13 +111,6 @@ class ShardReader:
             self.layers.append(ExpertLayer(i, module, num_experts, sources))
         self.expert_names = frozenset(s.name for layer in self.layers for s in layer.params.values())
         self.io = RangeReader(method, identities=self.index.identities)
-
-    @classmethod
-    def for_checkpoint(
-        cls, path: str | Path, dtype: torch.dtype | str | None = None, method: str = DEFAULT_READ_METHOD
-    ) -> ShardReader:
-        """A reader for the checkpoint folder ``path``, its model built on meta from its config."""
-        return cls(path, build_meta(load_config(path), dtype), method)
 
     # -- figures ----------------------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ import mmap
 import os
 from pathlib import Path
 
-from moectl.models.cgroup import memory_cgroups
+from moectl.io.cgroup import memory_cgroups
 
 
 def memory_cgroup() -> Path | None:

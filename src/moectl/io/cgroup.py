@@ -1,6 +1,6 @@
 """This process's memory cgroup (v1 or v2), read from ``/proc/self/cgroup``: one reader for the
 serving memory plan's limits (``serve/plan.py``) and the page-cache measurement
-(``models/page_cache.py``)."""
+(``io/page_cache.py``)."""
 
 from __future__ import annotations
 
