@@ -115,7 +115,7 @@ def _interrupt(*args, **kwargs):
     [
         ("moectl.eval.run.evaluate", ["eval", "tiny:olmoe", "--tasks", "x"], "no results were written"),
         ("moectl.reports.switch_rate_report", ["switch-rate", "--tiny", "olmoe"], "nothing was written"),
-        ("moectl.serve.runner.serve_offload", ["serve-offload", "--tiny", "olmoe"], "nothing was written"),
+        ("moectl.server.offload_batch.serve_offload", ["serve-offload", "--tiny", "olmoe"], "nothing was written"),
     ],
 )
 def test_ctrl_c_ends_a_verb_with_one_line_and_130(monkeypatch, target, args, said):

@@ -100,7 +100,7 @@ def test_the_switch_column_shows_the_policy_rate_not_the_router_rate():
 def test_a_zero_budget_names_top_k_as_the_minimum():
     import pytest
 
-    from moectl.serve.offload import BudgetError, resolve_budget
+    from moectl.offload.runtime import BudgetError, resolve_budget
 
     with pytest.raises(BudgetError, match="at least top-k experts"):
         resolve_budget(0, 8)

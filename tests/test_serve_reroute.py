@@ -7,9 +7,9 @@ import torch
 from tests._serve_helpers import greedy
 
 import moectl
-from moectl.serve.offload import offload
-from moectl.serve.policies import parse_policy
-from moectl.serve.reroute import RerouteResidency, reroute
+from moectl.offload.reroute import RerouteResidency, reroute
+from moectl.offload.residency import parse_policy
+from moectl.offload.runtime import offload
 
 
 def _ids(mask: torch.Tensor) -> list[int]:

@@ -60,7 +60,7 @@ def test_roe_cli_refuses_a_huge_k_in_one_line():
 
 
 def test_int8_scales_of_small_fp16_weights_do_not_underflow():
-    from moectl.serve.int8 import dequantize_rows, int8_linear, quantize_rows
+    from moectl.offload.int8 import dequantize_rows, int8_linear, quantize_rows
 
     w = (torch.randn(16, 32, generator=torch.Generator().manual_seed(0)) * 1e-6).half()
     q, scale = quantize_rows(w)

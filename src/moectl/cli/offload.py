@@ -34,7 +34,7 @@ def _expert_bytes(expert_bytes: int | None, checkpoint: Path | None, layers: int
 
 def _meta_expert_bytes(meta) -> list[int]:
     from moectl.adapters import inspect
-    from moectl.serve.int8 import expert_slot_bytes
+    from moectl.offload.int8 import expert_slot_bytes
 
     out = []
     for layer in inspect(meta).layers:

@@ -158,12 +158,12 @@ def serve_offload_command(
     import torch
 
     from moectl.generate import load_prompts
-    from moectl.serve.config import EXPERTS_FORWARDS, STORES, OffloadConfig
-    from moectl.serve.int8 import SLOT_DTYPES
-    from moectl.serve.loading import load_for_offload
-    from moectl.serve.policies import ControllerResidency, parse_policy
-    from moectl.serve.prefetch import PrefetchConfig
-    from moectl.serve.runner import serve_offload
+    from moectl.offload.int8 import SLOT_DTYPES
+    from moectl.offload.loading import load_for_offload
+    from moectl.offload.offload_config import EXPERTS_FORWARDS, STORES, OffloadConfig
+    from moectl.offload.prefetch import PrefetchConfig
+    from moectl.offload.residency import ControllerResidency, parse_policy
+    from moectl.server.offload_batch import serve_offload
 
     spec = model_spec(model, tiny)
     if store not in STORES:

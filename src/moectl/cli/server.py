@@ -140,8 +140,8 @@ def serve_command(
     n_threads = use_threads(threads)
     reader = None
     try:
-        if offload is not None:  # a checkpoint's experts stay in its shards (moectl.serve.loading)
-            from moectl.serve.loading import load_for_offload
+        if offload is not None:  # a checkpoint's experts stay in its shards (moectl.offload.loading)
+            from moectl.offload.loading import load_for_offload
 
             net, tokenizer, reader = load_for_offload(spec, offload, dtype, device, seed)
         else:
@@ -184,8 +184,8 @@ def _offload_config(budget: str | None, residency: str | None, slot_dtype: str |
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --budget (offloaded experts)")
         return None
-    from moectl.serve.config import STORES, OffloadConfig
-    from moectl.serve.int8 import SLOT_DTYPES
+    from moectl.offload.int8 import SLOT_DTYPES
+    from moectl.offload.offload_config import STORES, OffloadConfig
 
     if store is not None and store not in STORES:
         raise ValueError(f"--store must be one of {', '.join(STORES)}, got {store!r}")

@@ -1,5 +1,5 @@
 """This process's memory cgroup (v1 or v2), read from ``/proc/self/cgroup``: one reader for the
-serving memory plan's limits (``serve/plan.py``) and the page-cache measurement
+serving memory plan's limits (``offload/plan.py``) and the page-cache measurement
 (``io/page_cache.py``)."""
 
 from __future__ import annotations

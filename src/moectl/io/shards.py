@@ -202,7 +202,7 @@ class ShardReader:
         return out
 
     def load(self, layer: int, expert: int) -> dict[str, Tensor]:
-        """The expert-store interface of ``moectl.serve``: a fresh copy of one expert."""
+        """The expert-store interface of ``moectl.offload``: a fresh copy of one expert."""
         return self.read_expert(layer, expert)
 
     def read_into(self, layer: int, expert: int, dst: dict[str, Tensor]) -> None:

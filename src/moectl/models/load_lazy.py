@@ -2,7 +2,7 @@
 
 ``load_lazy(folder)`` builds the model on the meta device and reads only the non-expert weights
 (``moectl.models.lazy.load_skeleton``); the returned ``ShardReader`` then reads experts on demand
-from the checkpoint's own shards (``moectl.serve`` does so into its resident slots). A model
+from the checkpoint's own shards (``moectl.offload`` does so into its resident slots). A model
 larger than RAM can be served this way: peak memory is the non-expert weights plus the resident
 budget, never the checkpoint (issues 13.3 and 18).
 """

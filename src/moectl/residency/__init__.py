@@ -8,7 +8,7 @@ token needs); hits and misses are counted per token, layer and expert.
 - ``policies.py``: the online policies, one cache object per layer with ``step(need) -> hits``
   (``base.Cache``: LRU, LFU, LFUDA, SpecMD's Least-Stale, static there; ARC in ``arc.py``,
   S3-FIFO in ``s3fifo.py``); the same objects drive the
-  runtime's residency in ``serve/policies.py``, so the simulator and serving share one
+  runtime's residency in ``offload/residency.py``, so the simulator and serving share one
   implementation.
 - ``belady.py``: the offline optimum (Belady's MIN with multi-expert requests).
 - ``trace_input.py``: reading traces and arrays, with one-line errors.

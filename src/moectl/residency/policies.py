@@ -6,7 +6,7 @@ experts at a time with ``step(need) -> hits``: the experts of ``need`` already r
 experts that ``need`` does not name (never one the current token needs: a token's experts are
 resident together), then the misses are inserted in ``need``'s order. ``resident`` is the
 resident set after the step. The same objects decide residency when serving
-(``serve/policies.py``), so the simulator and the runtime share this code.
+(``offload/residency.py``), so the simulator and the runtime share this code.
 
 - ``lru``: least recently used.
 - ``lfu``: least frequently used, counts kept while resident (reset on eviction), ties LRU.

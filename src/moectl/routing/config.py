@@ -10,7 +10,7 @@ wrote — through this registry.
 
 Registration goes type → class: a policy class says ``@register_policy("expert_mask")``. The
 classes of higher packages (RoE profiles in ``roe/``, controllers in ``options/``, residency
-policies in ``serve/``) are found by importing the module that registers them, named in
+policies in ``offload/``) are found by importing the module that registers them, named in
 ``_PROVIDERS``, only when a file of that type is read: nothing here imports a package above
 ``routing/``, and heavy dependencies (a controller needs peft) load only when used.
 """
@@ -43,13 +43,13 @@ _PROVIDERS: dict[str, str] = {
     "roe": "moectl.roe.config",
     "controller": "moectl.options.policy",
     "random_options": "moectl.options.random_options",
-    "lru": "moectl.serve.policies",
-    "static": "moectl.serve.policies",
-    "option": "moectl.serve.policies",
-    "s3fifo": "moectl.serve.policies",
-    "arc": "moectl.serve.policies",
-    "reroute": "moectl.serve.reroute",
-    "pregate": "moectl.serve.pregate",
+    "lru": "moectl.offload.residency",
+    "static": "moectl.offload.residency",
+    "option": "moectl.offload.residency",
+    "s3fifo": "moectl.offload.residency",
+    "arc": "moectl.offload.residency",
+    "reroute": "moectl.offload.reroute",
+    "pregate": "moectl.offload.pregate",
 }
 
 

@@ -41,9 +41,9 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.metrics.switch_rate import option_of
+from moectl.offload.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
 from moectl.routing.config import PolicyConfig, register_policy
 from moectl.routing.mask import MASK_FORMS, expert_lists_of
-from moectl.serve.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
 
 
 @register_policy("lru")
@@ -377,11 +377,11 @@ def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
     if isinstance(spec, str) and spec in CACHE_RESIDENCIES:
         return CACHE_RESIDENCIES[spec]()
     if spec == "pregate":
-        from moectl.serve.pregate import PregateResidency
+        from moectl.offload.pregate import PregateResidency
 
         return PregateResidency()
     if isinstance(spec, str) and spec.startswith("reroute:"):
-        from moectl.serve.reroute import parse_reroute
+        from moectl.offload.reroute import parse_reroute
 
         return parse_reroute(spec)
     return residency_policy(load_policy(spec, model))

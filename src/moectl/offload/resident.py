@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from moectl.serve.loader import ExpertRead, Loader, LoadTotals, SyncLoader, Ticket
+from moectl.offload.expert_loader import ExpertRead, Loader, LoadTotals, SyncLoader, Ticket
 
 
 class ResidentSet:

@@ -30,8 +30,8 @@ def preflight(folder: str, dtype: str, budget: float | int, policy: str, slot_dt
     """Refuse a budget below the policy's minimum, or one the memory limit cannot hold, before any
     weight is read (the model built on meta; a policy that needs the loaded model is checked later)."""
     from moectl.models.meta_model import build_meta, load_config
-    from moectl.serve.plan import preflight as plan_preflight
-    from moectl.serve.policies import parse_policy
+    from moectl.offload.plan import preflight as plan_preflight
+    from moectl.offload.residency import parse_policy
 
     meta = build_meta(load_config(folder), None if dtype == "auto" else dtype)
     k_hat = controller_k_hat(policy)

@@ -22,7 +22,7 @@ from torch import nn
 
 from moectl.adapters import inspect
 from moectl.io.cgroup import memory_limits
-from moectl.serve.int8 import expert_slot_bytes
+from moectl.offload.int8 import expert_slot_bytes
 
 HEADROOM_BYTES = 640 * 2**20
 
@@ -76,7 +76,7 @@ def plan_memory(
     model: nn.Module, budget_experts: list[int], min_experts: list[int], slot_dtype: str = "same"
 ) -> MemoryPlan:
     """The plan for ``model`` (any device, meta included) with ``budget_experts`` resident in slots
-    of ``slot_dtype`` (``serve/int8.py``)."""
+    of ``slot_dtype`` (``offload/int8.py``)."""
     info = inspect(model)
     expert_ids, per_expert = set(), []
     for layer in info.layers:
@@ -127,7 +127,7 @@ def check_plan(plan: MemoryPlan) -> None:
 def preflight(model: nn.Module, budget: float | int, policy, slot_dtype: str = "same") -> MemoryPlan:
     """Check ``budget`` against the policy's minimum and the plan against the memory limit, for a
     model not loaded yet (built on meta): ``BudgetError`` / ``MemoryError`` naming the minimum."""
-    from moectl.serve.offload import BudgetError, resolve_budget
+    from moectl.offload.runtime import BudgetError, resolve_budget
 
     info = inspect(model)
     budgets = [resolve_budget(budget, layer.num_experts) for layer in info.layers]

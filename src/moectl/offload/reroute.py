@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.offload.residency import S3FIFOResidency
 from moectl.routing.config import register_policy
 from moectl.routing.state import RoutingState
-from moectl.serve.policies import S3FIFOResidency
 
 
 def reroute(probs: Tensor, chosen: Tensor, resident: Tensor, tol: float) -> tuple[Tensor, int]:

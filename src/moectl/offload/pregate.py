@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer
+from moectl.offload.prefetch import HiddenTap
+from moectl.offload.residency import LRUPolicy
 from moectl.routing.config import register_policy
-from moectl.serve.policies import LRUPolicy
-from moectl.serve.prefetch import HiddenTap
 from moectl.subsets.experts import router_logits, select
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moectl.serve.loader import ExpertRead, FifoQueue, Ticket, Wait
+from moectl.offload.expert_loader import ExpertRead, FifoQueue, Ticket, Wait
 
 
 def _timed(stream: torch.cuda.Stream) -> torch.cuda.Event:

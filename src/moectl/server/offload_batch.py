@@ -11,9 +11,9 @@ from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.generate import Prompt
 from moectl.io.atomic import save_figure
 from moectl.io.peak_rss import peak_rss_report
-from moectl.serve.config import OffloadConfig
-from moectl.serve.cost import deliberation_cost, measure_load_latency
-from moectl.serve.policies import LRUPolicy
+from moectl.offload.cost import deliberation_cost, measure_load_latency
+from moectl.offload.offload_config import OffloadConfig
+from moectl.offload.residency import LRUPolicy
 
 
 def _io_bytes() -> int | None:
@@ -179,7 +179,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "load_latency": latency,
         "eta": {
             "value": deliberation_cost(load_s, token_s, k_hat),
-            "formula": "nats_per_token_delay(=1) x k_hat x load_s / token_s (moectl.serve.cost); "
+            "formula": "nats_per_token_delay(=1) x k_hat x load_s / token_s (moectl.offload.cost); "
             "stall_value: the same with stall_s per load (the part of a load compute waits for)",
             "load_s": load_s,
             "token_s": token_s,

@@ -15,7 +15,7 @@ computes each expert while it is resident. Supported layouts: transformers' conc
 norm (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek, Phi-MoE); the gate is the module's own
 ``_apply_gate``. Other layouts (gpt-oss: biases, transposed) keep the eager loop.
 
-int8 slots (``serve/int8.py``) hold each weight as int8 with per-row scales; the groups are then
+int8 slots (``offload/int8.py``) hold each weight as int8 with per-row scales; the groups are then
 multiplied one resident slot at a time by the int8 weight-only kernel (a decode step touches
 top-k slots per layer: k products per projection, no per-token loop; one host sync per layer for
 the group sizes).
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from moectl.models.grouped_experts import fits
 from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert, grouped_mm
-from moectl.serve.int8 import SCALE, int8_linear
+from moectl.offload.int8 import SCALE, int8_linear
 
 NAMES = frozenset({"gate_up_proj", "down_proj"})
 

@@ -25,17 +25,17 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters import inspect
-from moectl.serve.config import OffloadConfig
-from moectl.serve.delta_store import PENDING, DeltaStore
-from moectl.serve.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
-from moectl.serve.loader import Loader, make_loader
-from moectl.serve.policies import LRUPolicy, parse_policy
-from moectl.serve.prefetch import PrefetchConfig
-from moectl.serve.resident import ResidentSet
-from moectl.serve.signals import ExitOnSignal
-from moectl.serve.slot_forward import slot_experts_forward
-from moectl.serve.slot_forward import supports as supports_slots
-from moectl.serve.store import DiskStore, HostStore
+from moectl.offload.delta_store import PENDING, DeltaStore
+from moectl.offload.expert_loader import Loader, make_loader
+from moectl.offload.expert_store import DiskStore, HostStore
+from moectl.offload.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
+from moectl.offload.offload_config import OffloadConfig
+from moectl.offload.prefetch import PrefetchConfig
+from moectl.offload.residency import LRUPolicy, parse_policy
+from moectl.offload.resident import ResidentSet
+from moectl.offload.signals import ExitOnSignal
+from moectl.offload.slot_forward import slot_experts_forward
+from moectl.offload.slot_forward import supports as supports_slots
 
 
 class BudgetError(ValueError):
@@ -79,7 +79,7 @@ class OffloadedExperts(nn.Module):
         grouped: bool = False,
     ) -> None:
         """``grouped``: run the experts as one grouped GEMM per projection over the resident slots
-        (serve/slot_forward.py; only where the experts' layout allows it), else their own forward."""
+        (offload/slot_forward.py; only where the experts' layout allows it), else their own forward."""
         super().__init__()
         self.inner, self.layer, self.policy = inner, layer, policy
         self.res = res
@@ -147,7 +147,7 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _grouped(self, hidden_states: Tensor, idx: Tensor, args: tuple, kwargs: dict) -> Tensor | None:
-        """The slot-grouped forward (``serve/slot_forward.py``), or None where the eager loop must run:
+        """The slot-grouped forward (``offload/slot_forward.py``), or None where the eager loop must run:
         more distinct experts chosen than the budget holds, or weights not found in the call."""
         weights = args[1] if len(args) > 1 else kwargs.get("top_k_weights")
         if weights is None:
@@ -188,7 +188,7 @@ def resolve_budget(budget: float | int, num_experts: int) -> int:
 class OffloadRuntime:
     """Installed by ``offload``; holds the store, the resident sets and the counters.
 
-    ``reader``: the ``ShardReader`` of the checkpoint the model was loaded from (``moectl.serve.
+    ``reader``: the ``ShardReader`` of the checkpoint the model was loaded from (``moectl.offload.
     lazy.load_lazy`` returns one). With it, or with ``store="checkpoint"``, non-resident experts
     are read from the checkpoint's own shards, straight into the resident slots. A model whose
     experts were never loaded (left on the meta device) needs it: such a model is served without

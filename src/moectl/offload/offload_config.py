@@ -3,7 +3,7 @@
 ``OffloadConfig`` is what ``moectl serve-offload`` parses its options into, what ``offload()``
 installs and what ``serve_offload()`` reports, so a run's settings travel as one value::
 
-    from moectl.serve import OffloadConfig, offload
+    from moectl.offload import OffloadConfig, offload
     with offload(model, OffloadConfig(budget=0.25, policy="option:8")) as rt:
         ...
 
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from moectl.io.range_read import DEFAULT_READ_METHOD, READ_METHODS
-from moectl.serve.int8 import SLOT_DTYPES
-from moectl.serve.prefetch import PrefetchConfig
+from moectl.offload.int8 import SLOT_DTYPES
+from moectl.offload.prefetch import PrefetchConfig
 
 STORES = ("disk", "checkpoint", "host")
-EXPERTS_FORWARDS = ("grouped", "eager")  # serve/slot_forward.py, or transformers' eager loop
+EXPERTS_FORWARDS = ("grouped", "eager")  # offload/slot_forward.py, or transformers' eager loop
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,14 @@ class OffloadConfig:
 
     ``budget``: resident experts per MoE layer, a fraction in (0, 1] of the layer's experts or a
     count (at least the policy's minimum, top-k for lru). ``policy``: any residency policy spec
-    or object (``moectl.serve.policies.parse_policy``). ``async_loads`` / ``prefetch``: ``None``
+    or object (``moectl.offload.residency.parse_policy``). ``async_loads`` / ``prefetch``: ``None``
     is on with CUDA, off without (``offload.py``). ``read_method``: how checkpoint shards are read
     (``moectl.io.range_read``: ``direct`` keeps the page cache out of the memory budget).
     ``verify``: CRC-check experts read from a written disk store. ``experts_forward``:
     ``"grouped"`` multiplies the resident slots with one grouped GEMM per projection where the
-    layout allows (``serve/slot_forward.py``), ``"eager"`` runs transformers' per-expert loop.
+    layout allows (``offload/slot_forward.py``), ``"eager"`` runs transformers' per-expert loop.
     ``slot_dtype``: ``"same"`` keeps resident experts in the model's dtype; ``"int8"`` keeps their
-    weights as int8 with per-row scales (``serve/int8.py``: half the memory of bf16 per resident
+    weights as int8 with per-row scales (``offload/int8.py``: half the memory of bf16 per resident
     expert and the int8 weight-only kernel on CPU; not exact). ``load_timeout_s``: the longest
     compute waits for one expert's load from the worker thread before raising (``loader.py``).
     """

@@ -9,7 +9,7 @@ freed). Back-ends:
 - :class:`ThreadLoader` (``async_loads`` on CPU): one background worker runs the loads (store
   read and copy) in submission order (torch's copy kernels and zlib's checksum release the GIL);
   ``wait`` blocks on the load's future.
-- :class:`~moectl.serve.cuda_loader.CudaStreamLoader` (``async_loads`` on CUDA, the default
+- :class:`~moectl.offload.cuda_loader.CudaStreamLoader` (``async_loads`` on CUDA, the default
   there): copies from pinned host memory on a side stream, an event per load, the compute
   stream waits on the event.
 
@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from moectl.serve.store import ExpertStoreError
+from moectl.offload.expert_store import ExpertStoreError
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,7 @@ def make_loader(device: torch.device, async_loads: bool, timeout_s: float | None
     if not async_loads:
         return SyncLoader()
     if device.type == "cuda":
-        from moectl.serve.cuda_loader import CudaStreamLoader
+        from moectl.offload.cuda_loader import CudaStreamLoader
 
         return CudaStreamLoader(device)
     return ThreadLoader(timeout_s)
