@@ -81,7 +81,7 @@ def _run_name(folder: Path) -> str:
 
 def _controlled(model, folder: Path) -> tuple[object, object, int]:
     """(model with the controller's adapters merged, its controller, k-hat): a copy, the base stays."""
-    from moectl.options.state import load_controlled
+    from moectl.options.option_state import load_controlled
 
     net, controller, _, _ = load_controlled(copy.deepcopy(model), folder, merge=True)
     net.eval()

@@ -18,7 +18,7 @@ RUNS = {  # name → evaluate() keywords beyond the model, the cache and the see
 
 
 def run(root: Path, name: str) -> dict | None:
-    from moectl.eval.run import evaluate
+    from moectl.eval.eval_run import evaluate
 
     kwargs = dict(RUNS[name])
     for key in ("perplexity", "policy", "controller"):

@@ -109,8 +109,8 @@ def tiny_eval(tmp_path_factory):
 
 
 def test_score_set_is_moectl_evals_score_under_each_routing(tiny_eval):
+    from moectl.eval.eval_run import evaluate
     from moectl.eval.policy_file import setup_routing
-    from moectl.eval.run import evaluate
 
     cache, model, tok, sets = tiny_eval
     info = moectl.inspect(model)

@@ -113,7 +113,7 @@ def _interrupt(*args, **kwargs):
 @pytest.mark.parametrize(
     ("target", "args", "said"),
     [
-        ("moectl.eval.run.evaluate", ["eval", "tiny:olmoe", "--tasks", "x"], "no results were written"),
+        ("moectl.eval.eval_run.evaluate", ["eval", "tiny:olmoe", "--tasks", "x"], "no results were written"),
         ("moectl.reports.switch_rate_report", ["switch-rate", "--tiny", "olmoe"], "nothing was written"),
         ("moectl.server.offload_batch.serve_offload", ["serve-offload", "--tiny", "olmoe"], "nothing was written"),
     ],

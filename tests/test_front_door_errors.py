@@ -69,7 +69,7 @@ def test_saved_models_get_the_usual_mode(tmp_path):
     model = moectl.tiny("olmoe")
     export_subset(model, {i: [0, 1, 2, 3] for i in range(3)}, tmp_path / "sub")
     from moectl.options.controller import build_controller
-    from moectl.options.state import save_folder
+    from moectl.options.option_state import save_folder
 
     save_checkpoint(tmp_path / "run", 0, moectl.tiny("olmoe"), None, {}, 2)
     info = moectl.inspect(model)

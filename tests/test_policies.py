@@ -18,7 +18,7 @@ from moectl.offload.residency import ControllerResidency, LRUPolicy, OptionPolic
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.random_options import RandomOptions
-from moectl.roe.config import RoEConfig, save_profile
+from moectl.roe.roe_config import RoEConfig, save_profile
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, load_policy, policy_types, save_policy
 from moectl.subsets.files import save_subset
 
@@ -360,7 +360,7 @@ def test_load_and_roe_on_plain_strings_with_a_profile(tmp_path):
     profile = save_profile(tmp_path / "p.json", [0.0, 0.3, 0.0], K=2, aggregation="prob_mean")
     texts = ["The cat sat on the mat.", "def f(x): return x"]
     result = moectl.roe.score(model, tokenizer, texts, profile)
-    items = [moectl.roe.data.LMItem("", t) for t in texts]
+    items = [moectl.roe.score_data.LMItem("", t) for t in texts]
     assert result.ppl == moectl.roe.score(model, tokenizer, items, RoEConfig.from_profile(profile)).ppl
     outs = moectl.roe.generate(model, tokenizer, ["Hello"], str(profile), max_new_tokens=3)
     assert len(outs) == 1

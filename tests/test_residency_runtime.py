@@ -1,5 +1,5 @@
 """Serving with ``s3fifo`` / ``arc`` residency counts the hits and misses the simulator counts on the
-trace recorded while serving (one implementation: moectl.residency.policies)."""
+trace recorded while serving (one implementation: moectl.residency.caches)."""
 
 from __future__ import annotations
 

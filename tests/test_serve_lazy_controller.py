@@ -20,7 +20,7 @@ from moectl.models.load_lazy import load_lazy
 from moectl.models.shapes import make_checkpoint
 from moectl.offload import OffloadConfig, offload
 from moectl.options.controller import build_controller
-from moectl.options.state import load_controlled, save_folder
+from moectl.options.option_state import load_controlled, save_folder
 from moectl.options.teacher import add_lora
 
 torch.set_num_threads(1)

@@ -77,7 +77,7 @@ def test_grouped_routers_are_refused():
 def test_an_expert_another_policy_disallowed_is_never_swapped_in():
     from types import SimpleNamespace
 
-    from moectl.routing.state import RouteContext, RoutingState
+    from moectl.routing.routing_state import RouteContext, RoutingState
 
     layer = moectl.inspect(moectl.tiny("olmoe")).layers[0]  # 8 experts, top-2
     policy = RerouteResidency(1.0)

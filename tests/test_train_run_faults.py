@@ -15,9 +15,9 @@ import torch
 
 import moectl.io.atomic as atomic
 from moectl.train.checkpoint import latest_in, load_trainer_state
-from moectl.train.config import TrainConfig
 from moectl.train.loop import Trainer, load_tokenizer, pretrain, truncate_log
 from moectl.train.packing import load_or_pack
+from moectl.train.train_config import TrainConfig
 from test_train import MICRO_MODEL
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moectl"

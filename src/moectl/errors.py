@@ -28,3 +28,7 @@ class MoectlFileError(MoectlError, FileNotFoundError):
 
 class FetchError(MoectlError, RuntimeError):
     """A package, wheel or evaluation set could not be downloaded or unpacked."""
+
+
+class UnsupportedModelError(MoectlError, ValueError):
+    """The model has no router moectl can re-route, or something bypasses the routers."""

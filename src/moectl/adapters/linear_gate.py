@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moectl.adapters.errors import UnsupportedModelError
 from moectl.adapters.registry import Adapter, gate_families
 from moectl.adapters.rules import RouterRule
+from moectl.errors import UnsupportedModelError
 
 _ATTR = "_moectl_gate_router"  # where a block keeps its GateRouter (in __dict__: not a child module)
 

@@ -124,7 +124,7 @@ def train_command(
     json_path: Annotated[Path | None, typer.Option("--json", help="write the result here as JSON")] = None,
 ) -> None:
     """Train a byte-level BPE tokenizer on CORPUS_DIR's train split and save it for AutoTokenizer."""
-    from moectl.data.tokenizer import MIN_VOCAB, count_tokens, train_tokenizer
+    from moectl.data.tokenizer_train import MIN_VOCAB, count_tokens, train_tokenizer
 
     if not corpus_dir.is_dir():
         raise typer.BadParameter(f"corpus folder {corpus_dir} does not exist; build one with `moectl corpus build`",

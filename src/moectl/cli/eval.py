@@ -100,7 +100,7 @@ def eval_command(
     ] = False,
 ) -> None:
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
-    from moectl.eval.run import evaluate
+    from moectl.eval.eval_run import evaluate
 
     with interrupted("no results were written (--out is written once every task has finished); run the command again"):
         try:
@@ -186,8 +186,8 @@ def fetch_evals_command(
     """
     import warnings
 
-    from moectl.eval.cache import evals_dir
-    from moectl.eval.fetch import fetch_evals
+    from moectl.eval.set_cache import evals_dir
+    from moectl.eval.set_fetch import fetch_evals
     from moectl.eval.user_sets import EvalSetWarning
 
     wheels = {}
@@ -227,8 +227,8 @@ def list_evals_command(
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.", callback=check_out_file)] = None,
 ) -> None:
     """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""
-    from moectl.eval.cache import EvalSetMissingError
     from moectl.eval.lm_tasks import available_tasks, check_data
+    from moectl.eval.set_cache import EvalSetMissingError
 
     rows = []
     for name in available_tasks():

@@ -108,7 +108,7 @@ def train_cmd(
     (each process rolls out batch_size / N prompts; gradients summed over the processes)."""
     from moectl.adapters.inspect import inspect
     from moectl.distributed import check_divides, launched_world_size, ranks
-    from moectl.options.data import read_prompts
+    from moectl.options.prompt_data import read_prompts
     from moectl.options.trainer import OptionsConfig, check_resume, train_options
     from moectl.stopping import TrainingInterrupted
 
@@ -185,7 +185,7 @@ def train_cmd(
 
 def _load(model: str, controller: Path | None, device: str, dtype: str, seed: int, merge: bool = True):
     """(model, tokenizer, controller, options config, router snapshot) through the shared loader."""
-    from moectl.options.state import attach_controller
+    from moectl.options.option_state import attach_controller
 
     lm, tokenizer = load(model, device, dtype, seed=seed)
     lm, ctrl, config, snapshot = attach_controller(lm, controller, merge)
@@ -287,9 +287,9 @@ def eval_cmd(
 
     from moectl.adapters.inspect import inspect
     from moectl.generate import load_prompts
-    from moectl.options.data import texts_by_domain
     from moectl.options.evaluate import generation_switch_rate, heldout_quality
     from moectl.options.policy import ControllerPolicy
+    from moectl.options.prompt_data import texts_by_domain
     from moectl.options.teacher import teacher_mode
 
     try:

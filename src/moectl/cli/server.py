@@ -135,7 +135,7 @@ def serve_command(
 
     from moectl.engine import Engine, EngineConfig
     from moectl.server.app import create_app
-    from moectl.server.run import serve
+    from moectl.server.uvicorn_run import serve
 
     n_threads = use_threads(threads)
     reader = None

@@ -16,7 +16,7 @@ Follows PyTorch's stream semantics (https://pytorch.org/docs/stable/notes/cuda.h
 
 Times come from timing events, relative to an origin event recorded when the loader is made: a
 load's busy interval is its start/end events on the side stream; a wait's held interval is a
-pair of events around ``wait_event`` on the compute stream (see ``loader.py`` for stall_s).
+pair of events around ``wait_event`` on the compute stream (see ``expert_loader.py`` for stall_s).
 """
 
 from __future__ import annotations

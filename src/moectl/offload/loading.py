@@ -17,7 +17,7 @@ from typing import Any
 
 def controller_k_hat(policy: str) -> int | None:
     """k-hat of a ``controller:DIR`` policy (or a controller / run folder), None for other policies."""
-    from moectl.options.state import controller_dir
+    from moectl.options.option_state import controller_dir
 
     path = Path(policy.removeprefix("controller:"))
     try:

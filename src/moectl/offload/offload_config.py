@@ -38,7 +38,7 @@ class OffloadConfig:
     ``budget``: resident experts per MoE layer, a fraction in (0, 1] of the layer's experts or a
     count (at least the policy's minimum, top-k for lru). ``policy``: any residency policy spec
     or object (``moectl.offload.residency.parse_policy``). ``async_loads`` / ``prefetch``: ``None``
-    is on with CUDA, off without (``offload.py``). ``read_method``: how checkpoint shards are read
+    is on with CUDA, off without (``runtime.py``). ``read_method``: how checkpoint shards are read
     (``moectl.io.range_read``: ``direct`` keeps the page cache out of the memory budget).
     ``verify``: CRC-check experts read from a written disk store. ``experts_forward``:
     ``"grouped"`` multiplies the resident slots with one grouped GEMM per projection where the
@@ -46,7 +46,7 @@ class OffloadConfig:
     ``slot_dtype``: ``"same"`` keeps resident experts in the model's dtype; ``"int8"`` keeps their
     weights as int8 with per-row scales (``offload/int8.py``: half the memory of bf16 per resident
     expert and the int8 weight-only kernel on CPU; not exact). ``load_timeout_s``: the longest
-    compute waits for one expert's load from the worker thread before raising (``loader.py``).
+    compute waits for one expert's load from the worker thread before raising (``expert_loader.py``).
     """
 
     budget: float | int = 0.25

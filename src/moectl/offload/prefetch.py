@@ -2,7 +2,7 @@
 
 An option (TE-MoE §2.2, §3.2: only ω lives in fast memory) is pinned while it lasts; when a switch
 is coming, the next option's missing experts can be loaded ahead of the next token, overlapping
-the remaining compute (``loader.py``). A predictor looks at the current token only and returns the
+the remaining compute (``expert_loader.py``). A predictor looks at the current token only and returns the
 experts to prefetch in priority order, or nothing when no switch is predicted. Prefetching only
 changes what is resident, never the routing, so the generated tokens are the same with it or
 without (tested); the resident set decides where prefetched experts may go

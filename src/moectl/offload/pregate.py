@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, MoELayer
 from moectl.offload.prefetch import HiddenTap
 from moectl.offload.residency import LRUPolicy
-from moectl.routing.config import register_policy
+from moectl.routing.policy_config import register_policy
 from moectl.subsets.experts import router_logits, select
 
 

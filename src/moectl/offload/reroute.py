@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.offload.residency import S3FIFOResidency
-from moectl.routing.config import register_policy
-from moectl.routing.state import RoutingState
+from moectl.routing.policy_config import register_policy
+from moectl.routing.routing_state import RoutingState
 
 
 def reroute(probs: Tensor, chosen: Tensor, resident: Tensor, tol: float) -> tuple[Tensor, int]:

@@ -25,7 +25,7 @@ the option policy then takes its first option at the last prompt token, as the m
 switch is predicted (``prefetch.py``): the option and controller policies predict; lru and static
 never switch options and return nothing.
 
-Each is a policy config (``routing/config.py``): ``{"type": "lru"}``, ``{"type": "static",
+Each is a policy config (``routing/policy_config.py``): ``{"type": "lru"}``, ``{"type": "static",
 "experts": {"0": [...]}}``, ``{"type": "option", "k_hat": 8}``; the controller residency is its
 controller's ``{"type": "controller", "path": ...}``. ``residency_policy`` turns whatever
 ``moectl.load_policy`` read into one of them: an expert mask (a subset file) becomes ``static``.
@@ -42,8 +42,8 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo
 from moectl.metrics.switch_rate import option_of
 from moectl.offload.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
-from moectl.routing.config import PolicyConfig, register_policy
 from moectl.routing.mask import MASK_FORMS, expert_lists_of
+from moectl.routing.policy_config import PolicyConfig, register_policy
 
 
 @register_policy("lru")
@@ -269,7 +269,7 @@ class ControllerResidency(LRUPolicy):
 
 
 class CacheResidency(LRUPolicy):
-    """Residency decided by a replacement policy of ``moectl.residency.policies``: the simulator's
+    """Residency decided by a replacement policy of ``moectl.residency.caches``: the simulator's
     own cache objects, one per MoE layer, so serving and ``moectl offload simulate`` share one
     implementation (tests/test_residency_runtime.py checks equal hits and misses on a recorded trace).
 
@@ -297,7 +297,7 @@ class CacheResidency(LRUPolicy):
         return cls()
 
     def _new(self, res) -> Any:
-        from moectl.residency.policies import ONLINE
+        from moectl.residency.caches import ONLINE
 
         return ONLINE[self.cache_name](res.budget, 0)  # ARC and S3-FIFO never read num_experts
 
@@ -372,7 +372,7 @@ def parse_policy(spec: Any, model: nn.Module | None = None) -> LRUPolicy:
     ``model`` is needed for a trained controller (its adapters merge into it) and for masks that
     name experts with ``everywhere``.
     """
-    from moectl.routing.loader import load_policy
+    from moectl.routing.policy_files import load_policy
 
     if isinstance(spec, str) and spec in CACHE_RESIDENCIES:
         return CACHE_RESIDENCIES[spec]()

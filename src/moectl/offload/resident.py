@@ -8,7 +8,7 @@ flight) right before returning. ``ensure(e)`` makes ``e`` resident without waiti
 starting an option's loads); ``prefetch`` loads predicted experts only into free slots or over
 evictable ones (see :meth:`ResidentSet.prefetch`).
 
-Loads go through a loader (``loader.py``: synchronous, a worker thread or a CUDA side stream);
+Loads go through a loader (``expert_loader.py``: synchronous, a worker thread or a CUDA side stream);
 loads, bytes moved, load time, stall time and prefetch outcomes are counted here. A hit is an
 access to an expert that was resident before the current step and was not (re)loaded during it.
 

@@ -7,7 +7,7 @@ unchanged, so offloaded outputs are exactly the original's for the same routing 
 same experts visited in the same order). ``with offload(model, ...) as rt:`` restores the
 original parameters (reloaded from the store) on exit.
 
-``async_loads`` (default: on with CUDA, off without) lets loads overlap compute (``loader.py``):
+``async_loads`` (default: on with CUDA, off without) lets loads overlap compute (``expert_loader.py``):
 a policy's loads start before the experts forward and each expert's load is waited on only when
 the forward first indexes it. ``prefetch`` (default: as ``async_loads``) asks the policy, at each
 decoding step, for the experts of a predicted switch and starts loading them (``prefetch.py``).

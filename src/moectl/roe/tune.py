@@ -40,9 +40,9 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, ranks
 from moectl.io.atomic import crash_point
 from moectl.progress import progress_bar
-from moectl.roe.config import AGGREGATIONS, RoEConfig, check_k, save_profile
-from moectl.roe.data import Item, item_kind, load_items
+from moectl.roe.roe_config import AGGREGATIONS, RoEConfig, check_k, save_profile
 from moectl.roe.score import score
+from moectl.roe.score_data import Item, item_kind, load_items
 
 OBJECTIVES = ("ppl", "acc")
 

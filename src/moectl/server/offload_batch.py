@@ -70,7 +70,7 @@ def serve_offload(
     (``moectl.models.load_lazy``): its experts are then read from the checkpoint's own shards.
     Returns the generated texts and the measured figures; ``plot`` writes the load timeline PNG.
     ``load_s`` is the loads' own time, ``stall_s`` the part of it compute waited for (equal when
-    loads are synchronous; ``loader.py``); ``load_overlap`` = 1 - stall_s / load_s.
+    loads are synchronous; ``expert_loader.py``); ``load_overlap`` = 1 - stall_s / load_s.
     """
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
     # the engine runs offloaded experts with their eager forward and restores the implementation on close

@@ -5,7 +5,7 @@ Every policy serialises to a JSON object with a ``"type"`` and a ``"format_versi
     {"type": "expert_mask", "format_version": 1, "experts": {"0": [0, 1, 2, 3]}, "renorm": "pruned"}
 
 and reads back with ``Class.from_dict(data, info)``; ``policy.save(path)`` writes it.
-``moectl.load_policy`` (``routing/loader.py``) reads any of them — and the files earlier versions
+``moectl.load_policy`` (``routing/policy_files.py``) reads any of them — and the files earlier versions
 wrote — through this registry.
 
 Registration goes type → class: a policy class says ``@register_policy("expert_mask")``. The
@@ -40,7 +40,7 @@ _PROVIDERS: dict[str, str] = {
     "expert_mask": "moectl.routing.mask",
     "document_pool": "moectl.routing.pool",
     "gumbel": "moectl.routing.gumbel",
-    "roe": "moectl.roe.config",
+    "roe": "moectl.roe.roe_config",
     "controller": "moectl.options.policy",
     "random_options": "moectl.options.random_options",
     "lru": "moectl.offload.residency",

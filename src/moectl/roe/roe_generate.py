@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.progress import progress_bar
-from moectl.roe.config import RoEConfig, as_config
 from moectl.roe.ensemble import Ensemble
-from moectl.routing.state import Policy
+from moectl.roe.roe_config import RoEConfig, as_config
+from moectl.routing.routing_state import Policy
 
 
 @dataclass

@@ -16,7 +16,7 @@
   function of the seed, so every cache variant and batch layout sees the same draws.
 
 A *profile* is the JSON that ``moectl roe tune`` writes: the tuned per-layer tau and how it was
-found. It is a policy config (``routing/config.py``) of type ``"roe"``::
+found. It is a policy config (``routing/policy_config.py``) of type ``"roe"``::
 
     {"type": "roe", "format_version": 1, "K": 16, "tau": [0.0, 0.31, ...], "aggregation": "prob_mean",
      "cache": "clean", "seed": 0, ...provenance (objective, value, history, ...)}
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from moectl.io.atomic import write_text_atomic
-from moectl.routing.config import PolicyConfig, check_version, register_policy
+from moectl.routing.policy_config import PolicyConfig, check_version, register_policy
 
 if TYPE_CHECKING:
     from moectl.adapters.inspect import ModelInfo
@@ -234,7 +234,7 @@ def as_config(config: Any) -> RoEConfig:
         return RoEConfig()
     if isinstance(config, RoEConfig):
         return config
-    from moectl.routing.loader import load_policy
+    from moectl.routing.policy_files import load_policy
 
     loaded = load_policy(config)
     if not isinstance(loaded, RoEConfig):

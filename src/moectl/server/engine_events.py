@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from moectl.server.errors import APIError
+from moectl.server.api_errors import APIError
 from moectl.server.metrics import ServerMetrics
 
 RETRY_AFTER_S = 1

@@ -9,7 +9,7 @@
 What each argument may be:
 
 - a policy object: returned as it is;
-- a dict with a ``"type"`` (see ``routing/config.py``), or an older file's object without one:
+- a dict with a ``"type"`` (see ``routing/policy_config.py``), or an older file's object without one:
   ``{"keep": {...}}`` (subset files, ``subset select --json``, ``baselines --out``/``--json``,
   an exported model's ``moectl_subset.json``), ``{"keep": null, "method": "random", "k_hat": K}``
   (``baselines --json`` of the random baseline), ``{"tau": [...]}`` (RoE tau profiles, with or
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,8 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.routing.config import PolicyConfig, check_version, policy_class, policy_types
+from moectl.routing.legacy import check_subset_layers, normalise
+from moectl.routing.policy_config import PolicyConfig, check_version, policy_class
 
 PolicySpec = Any  # str | os.PathLike | Mapping | Sequence | a policy object
 SHORT_FORMS = "lru, option:K_HAT, static:FILE, controller:DIR"
@@ -131,29 +131,6 @@ def _from_dict(data: Mapping[str, Any], model, info, base: Path | None, where: s
         raise ValueError(f"{where}: {err}") from None
 
 
-def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
-    """``data`` with a ``"type"``: older files (no type) are recognised by their fields."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"each policy must be a JSON object, got {type(data).__name__}")
-    if "type" in data:
-        return dict(data)
-    if "keep" in data:
-        if data["keep"] is None and data.get("method") == "random" and "k_hat" in data:
-            return {"type": "random_options", "k_hat": data["k_hat"], "seed": data.get("seed", 0)}
-        return {"type": "expert_mask", **data}
-    if "tau" in data:
-        return {"type": "roe", **data}
-    if isinstance(data.get("subsets"), Mapping):
-        return {"type": "expert_mask", "experts": data["subsets"]}
-    if data and all(str(k).strip().isdigit() and isinstance(v, list) for k, v in data.items()):
-        return {"type": "expert_mask", "experts": dict(data)}
-    raise ValueError(
-        f'a policy needs a "type" (one of {", ".join(policy_types())}); without one moectl reads older '
-        'files: a subset file ({"keep": {layer: [ids]}}), a tau profile ({"tau": [...]}) or a '
-        f'{{"moe_layer": [experts]}} mapping; got fields {sorted(data)}'
-    )
-
-
 def _read_json(path: Path) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"policy file {path} does not exist")
@@ -191,33 +168,6 @@ def _from_path(path: Path, model, info) -> Any:
             f"{path}: not a policy moectl can read ({type(err).__name__}: {detail[:200]}); "
             "see moectl.load_policy for the forms a policy file takes"
         ) from err
-
-
-def check_subset_layers(data: Any, info, path: Path) -> None:
-    """A subset file (an expert mask spelled ``keep``, as ``subset select`` writes) must list every MoE
-    layer, the rule ``subset export`` applies: a layer it leaves out would run unmasked, silently.
-    (A policy meant for some layers only spells its lists ``experts``.) Also warns when the file
-    records another expert count than the model's (chosen on another model)."""
-    if info is None or not isinstance(data, Mapping) or data.get("type", "expert_mask") != "expert_mask":
-        return
-    keep = data.get("keep")
-    if not isinstance(keep, Mapping) or not keep:
-        return
-    listed = {int(k) for k in keep if str(k).lstrip("-").isdigit()}
-    missing = [layer.index for layer in info.layers if layer.index not in listed]
-    if missing:
-        raise ValueError(
-            f"subset file {path} lists MoE layers {sorted(listed)} of 0..{info.num_moe_layers - 1}: a subset keeps "
-            f"experts in every MoE layer (as `moectl subset export` requires; missing {missing}); for a policy "
-            "on some layers only, name the lists 'experts' instead of 'keep'"
-        )
-    recorded = data.get("num_experts")
-    if isinstance(recorded, int) and recorded != info.num_experts:
-        warnings.warn(
-            f"subset file {path} was chosen on {data.get('model') or 'a model'} with {recorded} experts per "
-            f"MoE layer; this model has {info.num_experts}",
-            stacklevel=3,
-        )
 
 
 def _from_folder(path: Path, model, info) -> Any:

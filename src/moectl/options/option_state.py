@@ -203,7 +203,7 @@ def attach_controller(
         return model, None, {}, None
     if merge:
         from moectl.options.policy import ControllerPolicy
-        from moectl.routing.loader import load_policy
+        from moectl.routing.policy_files import load_policy
 
         policy = load_policy(controller, model)
         if not isinstance(policy, ControllerPolicy):

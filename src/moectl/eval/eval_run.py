@@ -1,7 +1,7 @@
 """The work behind ``moectl eval``: load a model, set up its routing, run tasks, fill one results document.
 
 Under ``accelerate launch`` the requests are split over the processes and the results gathered on
-rank 0 (:mod:`moectl.eval.distributed`), which alone returns the document.
+rank 0 (:mod:`moectl.eval.rank_split`), which alone returns the document.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from moectl.distributed import launched_world_size, process_device, ranks
 from moectl.eval.forward import SwitchStats
 from moectl.eval.policy_file import EvalRouting, check_routing_args, experts_allowed, setup_routing
 from moectl.eval.results import new_results
-from moectl.roe.config import config_dict
+from moectl.roe.roe_config import config_dict
 
 ENGINES = ("lm-eval", "moectl")
 
@@ -154,9 +154,9 @@ def evaluate(
                 )
             )
     if perplexity is not None:
-        from moectl.eval.distributed import merged_switch, shared_document_nll
         from moectl.eval.multiple_choice import switch_summary
         from moectl.eval.perplexity import perplexity_results, read_corpus
+        from moectl.eval.rank_split import merged_switch, shared_document_nll
 
         docs = read_corpus(perplexity, split=split, limit=limit)
         stats = SwitchStats() if switch else None
@@ -220,9 +220,9 @@ def _run_tasks(
             entry.pop("per_item")
             out[task] = entry
         return out
-    from moectl.eval.distributed import merged_switch
     from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
+    from moectl.eval.rank_split import merged_switch
 
     processes = processes if processes is not None else ranks()
 
