@@ -271,8 +271,8 @@ def small_files_writer() -> Writer:
 
 
 def model_card_writer() -> Writer:
+    from moectl.reporting.model_card import write_card
     from moectl.train.loop import pretrain
-    from moectl.train.model_card import write_card
 
     def setup() -> None:
         _small_corpus(Path("corpus"))

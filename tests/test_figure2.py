@@ -10,8 +10,8 @@ def test_figure_2_draws_the_recorded_option_under_a_policy(tmp_path, monkeypatch
     switches and says which sequence it shows; k-hat = top-k says ω is the activated experts."""
     import matplotlib.pyplot as plt
 
-    from moectl import plots
     from moectl.generate import generate_traced
+    from moectl.reporting import plots
 
     model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
     _, trace = generate_traced(

@@ -233,7 +233,7 @@ def test_plots_are_written_atomically(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moectl.plots import plot_curves
+    from moectl.reporting.plots import plot_curves
 
     png = tmp_path / "loss_curve.png"
     plot_curves({"a": ([0, 1], [2.0, 1.0])}, png, xlabel="tokens", ylabel="loss")

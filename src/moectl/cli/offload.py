@@ -116,7 +116,7 @@ def simulate_command(
         rows = run(config)
         doc = report(config, rows, routing)
         if plot is not None:
-            from moectl.residency.plot import plot_hit_rate
+            from moectl.reporting.residency_plots import plot_hit_rate
 
             title = (
                 f"hit rate vs budget: {acc.tokens} tokens × {acc.layers} layers × top-{acc.top_k} of "

@@ -246,7 +246,7 @@ def generate_cmd(
         rows.append({"prompt": p.text, "text": text, "switch_events": events})
     console.print(f"switch rate {report.mean:.4f} (per layer {[round(x, 4) for x in report.per_layer]})")
     if plot is not None:
-        from moectl.options.plots import plot_options
+        from moectl.reporting.option_plots import plot_options
 
         for i, p in enumerate(prompts):
             plot_options(trace, plot / f"options_prompt{i}.png", row=i, label=p.text)
@@ -384,7 +384,7 @@ def card_cmd(
     that step, the training curves (TE-MoE Fig. 5) and README.md, every figure read from files."""
     from rich.markup import escape
 
-    from moectl.options.card import write_controller_card
+    from moectl.reporting.controller_card import write_controller_card
 
     try:
         result = write_controller_card(

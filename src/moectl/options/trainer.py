@@ -369,7 +369,7 @@ def train_options(
     final = trainer._save_final(asdict(config))
     log = processes.broadcast_object(_read_log(out) if processes.is_main else None)
     if processes.is_main:
-        from moectl.options.plots import plot_curves
+        from moectl.reporting.option_plots import plot_curves
 
         plot_curves(log, out / "curves.png", title=f"k-hat={config.k_hat}, eta={config.eta}")
     return {"final": str(final), "rows": rows, "resumed": resumed, "log": log}

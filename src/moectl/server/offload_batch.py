@@ -5,11 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.generate import Prompt
-from moectl.io.atomic import save_figure
 from moectl.io.peak_rss import peak_rss_report
 from moectl.offload.cost import deliberation_cost, measure_load_latency
 from moectl.offload.offload_config import OffloadConfig
@@ -197,40 +194,9 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
         "timeline": {"steps": len(step_tokens), "loads": [list(e) for e in events]},
     }
     if plot is not None:
+        from moectl.reporting.offload_plots import plot_timeline  # matplotlib only when plotting
+
         result["plot"] = str(
             plot_timeline(events, kinds, info, plot, title=f"{rt.policy.name}, {store}")
         )
     return result
-
-
-def plot_timeline(events, kinds: list[str], info, path: str | Path, title: str = "") -> Path:
-    """PNG: expert loads per step (top) and which expert of which layer was loaded (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    if path.suffix != ".png":
-        path = path / "offload_timeline.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    steps = len(kinds)
-    per_step = torch.zeros(steps + 1)
-    for s, _, _ in events:
-        per_step[s] += 1
-    e = info.layers[0].num_experts
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
-    ax0.bar(range(steps + 1), per_step.tolist(), width=1.0, color="tab:red")
-    ax0.set_ylabel("expert loads")
-    ax0.set_title(f"expert loads over forward steps ({title})")
-    for s, kind in enumerate(kinds, 1):
-        if kind == "prefill":
-            ax0.axvline(s, color="grey", lw=0.5, ls=":")
-    if events:
-        ax1.scatter([s for s, _, _ in events], [layer * e + x for _, layer, x in events], s=4, marker="s")
-    ax1.set_ylabel("MoE layer x experts + expert")
-    ax1.set_xlabel("forward step (dotted: a prompt's prefill; a decoding step adds one token to each running prompt)")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=100)
-    plt.close(fig)
-    return path

@@ -412,7 +412,7 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
     """Training loss (and validation loss where logged) against tokens."""
     if not log_path.exists():
         return None
-    from moectl.plots import plot_curves
+    from moectl.reporting.plots import plot_curves
 
     rows = read_log(log_path)
     train = [r for r in rows if "ce" in r and not r.get("final")]

@@ -7,7 +7,7 @@ copies one of those folders — without the checkpoints' ``trainer_state.pt`` (o
 generator states, only needed to resume) — into DEST, together with
 
 - ``training_log.jsonl``: RUN's ``log.jsonl`` rows up to that folder's step;
-- ``training_curves.png``: TE-MoE Fig. 5 (§5) of those rows (:func:`moectl.options.curves.plot`);
+- ``training_curves.png``: TE-MoE Fig. 5 (§5) of those rows (:func:`moectl.reporting.option_curves.plot`);
 - ``README.md``: a model card whose YAML front matter follows the Hub's metadata
   (``huggingface_hub.ModelCardData``: ``library_name``, ``base_model``, ``license``, ``tags`` and a
   ``model-index`` with the last window's reward, switch rate and KL per token and their bootstrap
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moectl.options.curves import CARD_LOG, CURVES, RESAMPLES, WINDOW, plot, read_log, summarise
+from moectl.reporting.option_curves import CARD_LOG, CURVES, RESAMPLES, WINDOW, plot, read_log, summarise
 from moectl.train.checkpoint import complete_checkpoints
 
 CARD = "README.md"
@@ -203,7 +203,7 @@ def _window_key(summary: dict[str, Any], which: str) -> str:
 
 def metrics_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The model-index's metrics: the last window's mean reward, switch rate and KL per token,
-    each with its bootstrap 95% interval (read from :func:`moectl.options.curves.summarise`)."""
+    each with its bootstrap 95% interval (read from :func:`moectl.reporting.option_curves.summarise`)."""
     last = _window_key(summary, "last")
     titles = {key: title for key, title, _ in CURVES}
     return [
@@ -401,8 +401,8 @@ def write_controller_card(
     Every input is read and checked before anything is written (``ValueError``,
     ``FileNotFoundError`` or ``FileExistsError`` naming what is wrong); DEST appears complete or not at all.
     """
+    from moectl.reporting.model_card import package_license
     from moectl.train.checkpoint import write_dir_atomic
-    from moectl.train.model_card import package_license
 
     run, base, dest = Path(run), Path(base), Path(dest)
     checkpoint = parse_checkpoint(str(checkpoint)) if not isinstance(checkpoint, int) else checkpoint

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from moectl.io.atomic import save_figure
-from moectl.options.curves import WINDOW, running_mean
+from moectl.reporting.option_curves import WINDOW, running_mean
 
 _PANELS = (
     ("reward", "reward (−reverse KL)"),

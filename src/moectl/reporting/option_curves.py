@@ -53,7 +53,7 @@ CURVES = (
 )
 
 
-CARD_LOG = "training_log.jsonl"  # the log's name in a controller folder (``options/card.py``)
+CARD_LOG = "training_log.jsonl"  # the log's name in a controller folder (``reporting/controller_card.py``)
 
 
 def read_log(run: Path) -> list[dict]:

@@ -1,9 +1,11 @@
-"""RoE figures: the per-layer tau heatmap (Appendix C, Figure 10) and the uniform-tau curve (Appendix B, Figure 6)."""
+"""RoE figures: the per-layer tau heatmap (Appendix C, Figure 10) and the uniform-tau curve
+(Appendix B, Figure 6), and the two together for ``roe tune``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -11,6 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from moectl.io.atomic import save_figure
+
+if TYPE_CHECKING:
+    from moectl.roe.tune import TuneResult
 
 
 def plot_tau_heatmap(
@@ -76,3 +81,23 @@ def plot_uniform_curve(
     save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
+
+
+def tune_figures(result: TuneResult, plot_dir: Path, max_tau: float, uniform: bool, direction: str) -> list[Path]:
+    """``roe tune --plot-dir``'s figures: the best trials' tau per layer, and the uniform-tau curve."""
+    ranked = sorted(result.history, key=lambda h: h["value"], reverse=direction == "maximize")[:10]
+    label = "ppl" if result.objective == "ppl" else "acc"
+    rows = [h["tau"] for h in ranked]
+    labels = [f"#{h['trial']} {label}={h['value']:.6g}" for h in ranked]
+    figures = [
+        plot_tau_heatmap(
+            rows, labels, plot_dir / "tau_heatmap.png", max_tau,
+            title=f"Tuned tau per MoE layer (best {len(rows)} trials, best first)",
+        )
+    ]  # fmt: skip
+    if uniform:
+        taus = [h["tau"][0] for h in result.history]
+        values = [h["value"] for h in result.history]
+        ylabel = "validation perplexity" if result.objective == "ppl" else "validation accuracy"
+        figures.append(plot_uniform_curve(taus, values, plot_dir / "uniform_tau.png", ylabel))
+    return figures
