@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 import moectl
 from _eval_data import WORDS
-from moectl.cli.eval import data_app, eval_app
+from moectl.cli.data import data_app
+from moectl.cli.eval import eval_app
 from moectl.eval.catalog import MMLU_PRO_CATEGORIES, SETS, user_supplied
 from moectl.eval.convert import ConversionError
 from moectl.eval.lm_tasks import available_tasks, check_data

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 import moectl
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.load import load_model
 from moectl.offload import offload
 from moectl.offload.residency import ControllerResidency

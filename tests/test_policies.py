@@ -255,7 +255,7 @@ def test_route_takes_files_dicts_strings_and_residency_policies(olmoe, tmp_path)
 
 
 def test_serve_offload_takes_a_subset_file(tmp_path):
-    from moectl.cli.serve import serve_app
+    from moectl.cli.serve_offload import serve_app
 
     subset = save_subset(
         tmp_path / "math.subset.json", {int(k): v for k, v in KEEP.items()}, model="tiny:olmoe"

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import moectl
 from _serve_helpers import greedy, prompt
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.load import load_model
 from moectl.offload import ExpertStoreError, OffloadConfig, offload
 from moectl.offload.cuda_loader import CudaStreamLoader

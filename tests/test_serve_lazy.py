@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from _serve_helpers import greedy
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.lazy import load_skeleton
 from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
 from moectl.models.shapes import make_checkpoint

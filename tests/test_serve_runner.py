@@ -7,7 +7,7 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.load import load_model
 from moectl.offload.offload_config import OffloadConfig
 from moectl.server.offload_batch import serve_offload
@@ -57,7 +57,7 @@ def test_cli_serve_offload_writes_json(tmp_path):
 def test_policy_and_budget_specs_are_parsed_or_refused_clearly(tmp_path):
     import pytest
 
-    from moectl.cli.serve import parse_budget
+    from moectl.cli.serve_offload import parse_budget
     from moectl.offload import offload, parse_policy
     from moectl.offload.runtime import BudgetError
 

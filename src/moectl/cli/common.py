@@ -91,6 +91,14 @@ RoEAggregationOpt = Annotated[
     str, typer.Option("--aggregation", help="prob_mean (the paper's) | logprob_mean.")
 ]
 RoESeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing noise.")]
+EvalsCacheOpt = Annotated[
+    Path | None, typer.Option("--cache", help="Evaluation set cache (default $MOECTL_EVALS).")
+]
+
+
+def split_list(value: str | None) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (a comma-separated option; None -> [])."""
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
 
 def load(spec: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, with_tokenizer: bool = True):

@@ -9,7 +9,7 @@
 - :mod:`moectl.data.sample`: corpus readers and the shipped sample corpus;
 - :mod:`moectl.data.tokenizer_train`: byte-level BPE training and token counts;
 - :mod:`moectl.data.domains`: ``{domain: texts}`` from a corpus, a folder of DOMAIN.jsonl files or a JSONL file
-  (the commands ``moectl corpus …`` and ``moectl tokenizer …`` live in :mod:`moectl.cli.corpus`).
+  (the commands ``moectl corpus …`` and ``moectl tokenizer …`` live in :mod:`moectl.cli.corpus` and :mod:`moectl.cli.tokenizer`).
 """
 
 from moectl.data.build import build_corpus

@@ -14,7 +14,7 @@
   :mod:`~moectl.eval.perplexity`, :mod:`~moectl.eval.gsm8k`, :mod:`~moectl.eval.math_equiv`,
   :mod:`~moectl.eval.intervals`: moectl's own evaluators and their 95% intervals;
 - :mod:`moectl.eval.results` (the one results schema), :mod:`~moectl.eval.report`,
-  :mod:`~moectl.eval.eval_run` (the commands: :mod:`moectl.cli.eval`).
+  :mod:`~moectl.eval.eval_run` (the commands: :mod:`moectl.cli.eval`, :mod:`moectl.cli.data`, :mod:`moectl.cli.report`).
 
 Heavy modules (lm-eval, datasets) load only when used: ``MoectlLM`` (also under its former
 name ``RoutedLM``) and ``evaluate`` are imported on first access.
