@@ -46,7 +46,7 @@ def in_child(folder: Path, action: Callable[[], None], env: dict[str, str]) -> s
     """Run ``action`` in a forked child inside ``folder`` with ``env`` set: 'done', 'killed' or 'failed: ...'."""
     import torch
 
-    import moectl.io.atomic as fileio
+    import moectl.io.atomic as atomic
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -64,7 +64,7 @@ def in_child(folder: Path, action: Callable[[], None], env: dict[str, str]) -> s
         try:
             os.chdir(folder)
             os.environ.update(env)
-            fileio._crash_steps = 0
+            atomic._crash_steps = 0
             random.seed(0)  # Python reseeds `random` in a forked child: every child the same state
             warnings.simplefilter("ignore")
             action()
