@@ -12,5 +12,5 @@ token needs); hits and misses are counted per token, layer and expert.
   implementation.
 - ``belady.py``: the offline optimum (Belady's MIN with multi-expert requests).
 - ``trace_input.py``: reading traces and arrays, with one-line errors.
-- ``simulate.py``: ``run(config) -> results``; ``plot.py``: hit rate against budget.
+- ``simulate.py``: ``run(config) -> results``; the hit-rate-against-budget figure: ``reporting/residency_plots.py``.
 """

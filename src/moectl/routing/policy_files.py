@@ -9,7 +9,8 @@
 What each argument may be:
 
 - a policy object: returned as it is;
-- a dict with a ``"type"`` (see ``routing/policy_config.py``), or an older file's object without one:
+- a dict with a ``"type"`` (see ``routing/policy_config.py``), or an older file's object without one
+  (recognised by ``routing/legacy.py``):
   ``{"keep": {...}}`` (subset files, ``subset select --json``, ``baselines --out``/``--json``,
   an exported model's ``moectl_subset.json``), ``{"keep": null, "method": "random", "k_hat": K}``
   (``baselines --json`` of the random baseline), ``{"tau": [...]}`` (RoE tau profiles, with or
