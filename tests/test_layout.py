@@ -125,3 +125,13 @@ def test_the_checks_catch_a_wrong_import():
     found = _packages_imported(PACKAGE / "offload" / "probe.py", source)
     assert found == {"engine", "server", "cli", "offload"}
     assert _packages_imported(PACKAGE / "offload" / "__init__.py", "from .runtime import offload\n") == {"offload"}
+
+
+def test_every_name_moectl_lists_resolves():
+    """``dir(moectl)`` names its lazily imported subpackages: each must still exist after a move
+    (``moectl.serve`` listed after serve/ had become offload/ raised ModuleNotFoundError)."""
+    import moectl
+
+    for name in dir(moectl):
+        getattr(moectl, name)
+    assert {"offload", "reporting", "io"} <= set(dir(moectl)) and "serve" not in dir(moectl)

@@ -39,7 +39,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RoEConfig": ("moectl.roe.roe_config", "RoEConfig"),
 }
 _SUBPACKAGES = (
-    "adapters", "data", "eval", "metrics", "models", "options", "roe", "routing", "serve", "subsets", "train",
+    "adapters", "data", "eval", "io", "metrics", "models", "offload", "options", "reporting", "roe", "routing",
+    "subsets", "train",
 )  # fmt: skip
 
 __all__ = [
