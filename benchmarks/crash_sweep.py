@@ -2,7 +2,7 @@
 
 As SQLite's crash tests and PyTorch's distributed-checkpoint tests do: each writer runs in a forked
 child with ``MOECTL_CRASH_AFTER=N``, which SIGKILLs it at the N-th step of an atomic write
-(``moectl.fileio.crash_point``: written, synced, renamed, old folder exchanged, pointer written,
+(``moectl.io.atomic.crash_point``: written, synced, renamed, old folder exchanged, pointer written,
 old checkpoint pruned, ...), for N = 1 .. the steps an uninterrupted write takes. After each kill:
 
 - the destination reads as the old state or the new one, never anything between (for checkpoints:
@@ -46,7 +46,7 @@ def in_child(folder: Path, action: Callable[[], None], env: dict[str, str]) -> s
     """Run ``action`` in a forked child inside ``folder`` with ``env`` set: 'done', 'killed' or 'failed: ...'."""
     import torch
 
-    import moectl.fileio as fileio
+    import moectl.io.atomic as atomic
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -64,7 +64,7 @@ def in_child(folder: Path, action: Callable[[], None], env: dict[str, str]) -> s
         try:
             os.chdir(folder)
             os.environ.update(env)
-            fileio._crash_steps = 0
+            atomic._crash_steps = 0
             random.seed(0)  # Python reseeds `random` in a forked child: every child the same state
             warnings.simplefilter("ignore")
             action()
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.keep and not summary["damaged"]:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
-        from moectl.fileio import write_text_atomic
+        from moectl.io.atomic import write_text_atomic
 
         write_text_atomic(args.json, json.dumps(summary, indent=2) + "\n")
     return summary

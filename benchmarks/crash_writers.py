@@ -86,7 +86,7 @@ def _small_corpus(out: Path, per_domain: int = 6) -> None:
 
 
 def _train_config():
-    from moectl.train.config import TrainConfig
+    from moectl.train.train_config import TrainConfig
 
     return TrainConfig(
         out="run", corpus="corpus", seq_len=64, micro_batch=2, max_steps=6, warmup_steps=1,
@@ -197,7 +197,7 @@ def subset_export_writer(streamed: bool) -> Writer:
 def gguf_writer() -> Writer:
     def setup() -> None:
         import moectl
-        from moectl.data.tokenizer import default_tokenizer_dir
+        from moectl.data.tokenizer_train import default_tokenizer_dir
 
         model = moectl.tiny("qwen2_moe", vocab_size=8192, tie_word_embeddings=True)  # the bundled tokenizer's
         model.save_pretrained("m")
@@ -216,7 +216,7 @@ def gguf_writer() -> Writer:
 
 
 def tokenizer_writer() -> Writer:
-    from moectl.data.tokenizer import train_tokenizer
+    from moectl.data.tokenizer_train import train_tokenizer
 
     def setup() -> None:
         _small_corpus(Path("corpus"))
@@ -252,8 +252,8 @@ def corpus_sample_writer() -> Writer:
 
 def small_files_writer() -> Writer:
     """RoE tau profiles, subset files, eval-style JSON results: one file each, replaced."""
-    from moectl.fileio import write_text_atomic
-    from moectl.roe.config import save_profile
+    from moectl.io.atomic import write_text_atomic
+    from moectl.roe.roe_config import save_profile
     from moectl.subsets.files import save_subset
 
     def save(version: int) -> None:
@@ -271,8 +271,8 @@ def small_files_writer() -> Writer:
 
 
 def model_card_writer() -> Writer:
+    from moectl.reporting.model_card import write_card
     from moectl.train.loop import pretrain
-    from moectl.train.model_card import write_card
 
     def setup() -> None:
         _small_corpus(Path("corpus"))
@@ -360,7 +360,7 @@ def _pro_rows(split: str, per_category: int) -> list[dict]:
 def eval_set_cache_writer() -> Writer:
     """An evaluation set imported over an older copy: the set's folder is swapped in whole, the
     manifest replaced after it (each file old or new; the two are separate files)."""
-    from moectl.eval.fetch import fetch_evals
+    from moectl.eval.set_fetch import fetch_evals
 
     def files(tag: str, per_category: int) -> list[str]:
         out = []

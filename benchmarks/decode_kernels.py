@@ -12,7 +12,7 @@ weight bytes it reads per second, all in one run so the ratios hold on a busy ma
 - bf16 weights cast to fp32 on the fly, then fp32 ``F.linear`` (no extra resident memory);
 - one batched matmul over the stacked selected experts (bf16 and fp32);
 - one ``grouped_mm`` over the experts, a row each (bf16 and fp32): what the offloaded slot forward
-  (``serve/slot_forward.py``) and moectl's training experts run;
+  (``offload/slot_forward.py``) and moectl's training experts run;
 - int8 weight-only (``aten._weight_int8pack_mm``, per-row scales): half the bytes of bf16, not exact.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_kernels.py --json benchmarks/results/decode_kernels.json

@@ -81,8 +81,8 @@ def _serve_setup(spec: str, budget: float):
     """What ``moectl serve-offload SPEC --budget B`` builds before generating (its defaults: lru,
     the checkpoint's shards as the store, read on demand): (model, tokenizer, config, reader)."""
     from moectl.models.load_lazy import load_lazy
-    from moectl.serve.config import OffloadConfig
-    from moectl.serve.policies import parse_policy
+    from moectl.offload.offload_config import OffloadConfig
+    from moectl.offload.residency import parse_policy
 
     net, tok, reader = load_lazy(spec)
     config = OffloadConfig(budget=budget, store="disk")
@@ -90,7 +90,7 @@ def _serve_setup(spec: str, budget: float):
 
 
 def _serve(setup, prompts, n: int, out: dict) -> None:
-    from moectl.serve.runner import serve_offload
+    from moectl.server.offload_batch import serve_offload
 
     net, tok, config, reader = setup
     out.update(serve_offload(net, tok, prompts, config, n, progress=False, reader=reader))
@@ -99,8 +99,8 @@ def _serve(setup, prompts, n: int, out: dict) -> None:
 def _warm(setup):
     """The offloaded model entered once, every budgeted expert made resident: what a decode step
     costs in steady state, without the one-time loads a fresh ``serve-offload`` run includes."""
+    from moectl.offload import offload
     from moectl.routing import route
-    from moectl.serve import offload
 
     net, tok, config, reader = setup
     if hasattr(net, "set_experts_implementation"):

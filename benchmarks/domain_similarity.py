@@ -43,7 +43,7 @@ from bench_args import fail
 from moectl.adapters import inspect
 from moectl.data.domains import texts_by_domain
 from moectl.eval.intervals import DEFAULT_SEED, bootstrap_interval
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.models.load import load_model
 from moectl.subsets.clusters import cluster_tokens
 from moectl.subsets.similarity import document_statistics, document_vectors_by_source, domain_similarity

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import fail
 from moectl.engine import Engine, EngineConfig, SamplingParams
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 PARTS = ("attention", "router", "experts", "lm_head")
 

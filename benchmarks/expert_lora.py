@@ -11,7 +11,7 @@ that take turns step by step (so a varying machine load hits all of them alike):
 
 A step = the teacher-mixed rollout under a controller (``options.rollout.rollout``: ``--prompts``
 prompts × ``--new-tokens`` sampled tokens, student and teacher forwards per token) + the
-intra-option policy's update (``options.losses.student_log_probs`` forward, backward, AdamW step).
+intra-option policy's update (``options.option_losses.student_log_probs`` forward, backward, AdamW step).
 ``peft`` and ``cheap`` start from the same A and B (PEFT's initialisation, B drawn with std
 ``--b-init`` instead of 0 so that the adapters act, copied into the cheap modules), so their
 first (untimed) steps sample the same tokens: the script prints the largest difference of that
@@ -35,7 +35,7 @@ from moectl.adapters import inspect
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.expert_lora import expert_lora_modules, load_expert_lora_state_dict
-from moectl.options.losses import student_log_probs
+from moectl.options.option_losses import student_log_probs
 from moectl.options.policy import ControllerPolicy
 from moectl.options.rollout import rollout
 from moectl.options.teacher import add_lora

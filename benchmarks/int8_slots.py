@@ -36,8 +36,8 @@ from moectl.adapters.inspect import inspect
 from moectl.eval.intervals import bootstrap_interval
 from moectl.generate import Prompt, generate_tokens, load_prompts
 from moectl.models.load import load_model
-from moectl.options.data import read_prompts, texts_by_domain
-from moectl.serve import OffloadConfig, offload
+from moectl.offload import OffloadConfig, offload
+from moectl.options.prompt_data import read_prompts, texts_by_domain
 
 SLOTS = ("same", "int8")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def _read_bytes() -> int | None:
-    """``/proc/self/io`` read_bytes, as ``moectl.serve.runner`` reads it. Not imported from there on
+    """``/proc/self/io`` read_bytes, as ``moectl.server.offload_batch`` reads it. Not imported from there on
     purpose: ``import moectl`` loads torch, whose ~0.3 GB would count against llama.cpp's cap."""
     try:
         for line in Path("/proc/self/io").read_text().splitlines():

@@ -9,7 +9,7 @@ budget's spare slots take prefetches) and ``static`` (the B experts used most of
 the same prompts by the in-memory model: an oracle subset, routing restricted to it).
 
 Each policy runs twice: synchronous loads, and asynchronous loads with prefetch (a worker thread
-on CPU, a side stream on CUDA; ``moectl.serve.loader``, ``moectl.serve.prefetch``). Also printed:
+on CPU, a side stream on CUDA; ``moectl.offload.expert_loader``, ``moectl.offload.prefetch``). Also printed:
 stall seconds per token (the load time compute waited for; with synchronous loads all of it) and
 the prefetch hit rate (prefetched experts demanded before eviction / prefetch loads; "-" when
 nothing was prefetched: with k-hat = B every slot holds the pinned option, so there is no room).
@@ -42,8 +42,8 @@ import torch
 import moectl
 from moectl.generate import generate, load_prompts
 from moectl.models.load import load_model
-from moectl.serve.config import OffloadConfig
-from moectl.serve.runner import serve_offload
+from moectl.offload.offload_config import OffloadConfig
+from moectl.server.offload_batch import serve_offload
 
 # (MoE layers, top-k, experts, bytes of one expert in bf16): from the public configs
 REAL_MODELS = {
@@ -81,7 +81,7 @@ def _run_name(folder: Path) -> str:
 
 def _controlled(model, folder: Path) -> tuple[object, object, int]:
     """(model with the controller's adapters merged, its controller, k-hat): a copy, the base stays."""
-    from moectl.options.state import load_controlled
+    from moectl.options.option_state import load_controlled
 
     net, controller, _, _ = load_controlled(copy.deepcopy(model), folder, merge=True)
     net.eval()
@@ -112,7 +112,7 @@ def bench_model(spec: str, max_new_tokens: int, stores: list[str], controllers: 
                     (run, a) for run in runs for a in (False, True)
                 ):
                     if not isinstance(policy, str):  # a controller: fresh per-sequence state each run
-                        from moectl.serve.policies import ControllerResidency
+                        from moectl.offload.residency import ControllerResidency
 
                         policy = ControllerResidency(policy, seed=0)
                     config = OffloadConfig(frac, policy, store, async_loads=async_loads, prefetch=async_loads)

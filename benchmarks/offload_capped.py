@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="lru,option:8")
     ap.add_argument("--budget", default="0.25")
     ap.add_argument(
-        "--slot-dtypes", default="same", help="moectl rows per resident slot dtype: same,int8 (serve/int8.py)"
+        "--slot-dtypes", default="same", help="moectl rows per resident slot dtype: same,int8 (offload/int8.py)"
     )
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)

@@ -17,7 +17,7 @@ the teacher's perplexity of the sampled tokens (``teacher_ppl``; §5: "perplexit
 ``--json`` writes, per run, the steps logged and the windowed means (with their bootstrap 95%
 intervals) of the first and last ``--window`` steps.
 
-A thin command line: reading, smoothing, summarising and drawing are :mod:`moectl.options.curves`.
+A thin command line: reading, smoothing, summarising and drawing are :mod:`moectl.reporting.option_curves`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from moectl.options.curves import WINDOW, plot, read_log, summarise
+from moectl.reporting.option_curves import WINDOW, plot, read_log, summarise
 
 
 def _short(names: list[str]) -> list[str]:

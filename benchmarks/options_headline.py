@@ -46,11 +46,11 @@ from moectl.adapters.inspect import inspect
 from moectl.eval.policy_file import EvalRouting, setup_routing
 from moectl.generate import Prompt
 from moectl.models.load import load_model
-from moectl.options.data import read_prompts, texts_by_domain
 from moectl.options.evaluate import generation_switch_rate, heldout_quality
+from moectl.options.option_state import latest_checkpoint, load_controlled
 from moectl.options.policy import ControllerPolicy
+from moectl.options.prompt_data import read_prompts, texts_by_domain
 from moectl.options.random_options import check_k_hat
-from moectl.options.state import latest_checkpoint, load_controlled
 from moectl.options.teacher import teacher_mode
 from options_accuracy import TASKS, EvalSet, chance, load_sets, score_set, screen
 

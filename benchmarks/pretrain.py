@@ -52,8 +52,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moectl.train.config import TrainConfig
 from moectl.train.loop import pretrain
+from moectl.train.train_config import TrainConfig
 
 RESULTS = Path(__file__).parent / "results" / "pretrain"
 
@@ -182,7 +182,7 @@ def speed(
 
 def model_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
     """``--model KEY=INT`` pairs as a dict; a key the preset lacks or a non-integer exits with 2."""
-    from moectl.train.config import MODEL_PRESETS
+    from moectl.train.train_config import MODEL_PRESETS
 
     allowed = MODEL_PRESETS.get(args.preset, {})
     out = {}

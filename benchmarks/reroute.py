@@ -22,7 +22,7 @@ import torch
 
 import moectl
 from moectl.models.load import load_model
-from moectl.serve.offload import offload
+from moectl.offload.runtime import offload
 
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "moectl" / "data" / "sample" / "test.jsonl.gz"
 

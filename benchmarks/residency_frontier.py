@@ -1,7 +1,7 @@
 """Routing-changing policies on one chart: bytes moved per token against KL per token (issue #31.3).
 
 TE-MoE's trade-off drawn against what the field does instead. Every policy serves the same
-held-out text with ``--budgets`` experts resident per MoE layer (``moectl.serve.offload``, host
+held-out text with ``--budgets`` experts resident per MoE layer (``moectl.offload.runtime``, host
 store): the first ``--tokens`` tokens of ``--docs`` test documents of the bundled corpus sample,
 taken round-robin over its domains, each fed token by token with the KV cache (teacher forcing
 through one-token decoding steps, the steps on which ``reroute:TOL``, ``option:K`` and the
@@ -47,13 +47,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from bench_args import fail
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.models.load import load_model
+from moectl.offload.offload_config import OffloadConfig
+from moectl.offload.runtime import offload
 from moectl.options.evaluate import ci95
 from moectl.routing import route
 from moectl.routing.kv_cache import with_cache
-from moectl.serve.config import OffloadConfig
-from moectl.serve.offload import offload
 
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "moectl" / "data" / "sample" / "test.jsonl.gz"
 RESIDENCY_ONLY = ("lru", "s3fifo", "arc")
@@ -183,7 +183,7 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moectl.fileio import atomic_path
+    from moectl.io.atomic import atomic_path
 
     rows, budgets = doc["rows"], doc["budgets"]
     fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.8), squeeze=False)

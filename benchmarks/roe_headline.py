@@ -41,9 +41,9 @@ import torch
 from moectl.adapters.inspect import inspect
 from moectl.eval.intervals import bootstrap_interval, mean_interval, perplexity_interval, wilson_interval
 from moectl.models.load import load_model
+from moectl.models.tokens import encode_pair
 from moectl.roe import RoEConfig, score, tune
-from moectl.roe.data import GenItem, LMItem, load_items
-from moectl.roe.score import encode_pair
+from moectl.roe.score_data import GenItem, LMItem, load_items
 from moectl.roe.tune import spread
 
 TASKS = "arc_easy,piqa,sciq,hellaswag,winogrande,boolq,openbookqa,lambada_openai"

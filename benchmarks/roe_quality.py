@@ -31,7 +31,7 @@ import torch
 import moectl
 from moectl.models.load import ByteTokenizer, load_model
 from moectl.roe import RoEConfig, score, tune
-from moectl.roe.data import LMItem, load_items
+from moectl.roe.score_data import LMItem, load_items
 
 SAMPLE = Path(moectl.__file__).parent / "data" / "sample"
 T_975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060, 9: 2.2622}

@@ -112,7 +112,8 @@ def run_one(row_name: str, shape: str, sizes: dict[str, int], cache: Path) -> di
     import torch
 
     from moectl.adapters.inspect import inspect
-    from moectl.metrics.memory import TensorMemory, peak_rss, reset_peak_rss, rss
+    from moectl.io.peak_rss import peak_rss, reset_peak_rss, rss
+    from moectl.metrics.memory import TensorMemory
     from scale_floor import floor
 
     torch.set_num_threads(1)

@@ -105,7 +105,7 @@ def roe_score_full(K: int) -> Callable:
 
 def roe_generate(K: int) -> Callable:
     def run(model, tokenizer, info, sizes: Sizes) -> dict:
-        """RoE greedy generation with the clean cache (roe.generate, RoE §2.3)."""
+        """RoE greedy generation with the clean cache (roe.roe_generate, RoE §2.3)."""
         from moectl.roe import generate
 
         out = generate(

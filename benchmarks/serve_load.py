@@ -39,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import fail
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 PROMPTS = [
     "The mixture of experts routes each token to",

@@ -3,7 +3,7 @@
 Issues 13/18 (serve a model larger than RAM under a memory cap): the page cache is charged to a
 memory cgroup like any other memory, so reading experts must not leave them cached. This writes
 a full-width ``shape:olmoe-1b-7b@2`` checkpoint (1.7 GB, released per-expert layout) under
-``--dir``, then for each read method of ``moectl.models.range_read`` (``direct``: O_DIRECT
+``--dir``, then for each read method of ``moectl.io.range_read`` (``direct``: O_DIRECT
 through an aligned bounce buffer; ``fadvise``: preadv + POSIX_FADV_DONTNEED; ``plain``: preadv)
 reads the same random distinct (MoE layer, expert) pairs into a preallocated slot with
 ``ShardReader.read_expert``; rounds of every method in turn (a new draw per round, so that
@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 
-from moectl.models.page_cache import evict, file_cached_bytes, page_cache_bytes
-from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
+from moectl.io.page_cache import evict, file_cached_bytes, page_cache_bytes
+from moectl.io.range_read import DEFAULT_READ_METHOD, READ_METHODS
+from moectl.io.shards import ShardReader
+from moectl.models.lazy import checkpoint_reader
 from moectl.models.shapes import make_checkpoint
-from moectl.models.shards import ShardReader
 
 MB = 2**20
 
@@ -122,7 +123,7 @@ def main() -> None:
     else:
         path = args.checkpoint
     try:
-        readers = {m: ShardReader.for_checkpoint(path, method=m) for m in methods}
+        readers = {m: checkpoint_reader(path, method=m) for m in methods}
         probe = readers[methods[0]]
         pairs = [(layer.index, e) for layer in probe.layers for e in range(layer.num_experts)]
         expert_mb = probe.layers[0].expert_bytes / MB

@@ -55,7 +55,7 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.slicing import slice_experts
 from moectl.data.domains import corpus_texts_by_domain
 from moectl.eval.intervals import DEFAULT_SEED, bootstrap_interval
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.models.load import load_model
 from moectl.routing import ExpertMask, route
 from moectl.subsets.calibrate import tokenize

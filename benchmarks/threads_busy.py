@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from moectl.routing.config import write_json_atomic
+from moectl.routing.policy_config import write_json_atomic
 
 _CHILD = r"""
 import json, sys, time, torch, moectl

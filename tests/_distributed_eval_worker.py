@@ -18,7 +18,7 @@ RUNS = {  # name → EvalConfig keywords beyond the model, the cache and the see
 
 
 def run(root: Path, name: str) -> dict | None:
-    from moectl.eval.run import EvalConfig, evaluate
+    from moectl.eval.eval_run import EvalConfig, evaluate
 
     kwargs = dict(RUNS[name])
     for key in ("perplexity", "policy", "controller"):

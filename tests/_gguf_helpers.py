@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import moectl
-from moectl.data.tokenizer import default_tokenizer_dir
+from moectl.data.tokenizer_train import default_tokenizer_dir
 
 VOCAB = 8192  # moectl's bundled tokenizer
 

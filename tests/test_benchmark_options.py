@@ -14,9 +14,9 @@ import moectl
 from _eval_data import small_cache
 from moectl.eval.multiple_choice import MCItem
 from moectl.models.load import load_model
-from moectl.options import curves as options_curves_lib
 from moectl.options.controller import build_controller
 from moectl.options.random_options import RandomOptions
+from moectl.reporting import option_curves as options_curves_lib
 from moectl.routing import ExpertMask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -36,7 +36,7 @@ def _log(run: Path, rewards: list[float], switch: list[float]) -> Path:
     return run
 
 
-# -- options_curves.py (moectl.options.curves) ------------------------------------------------------
+# -- options_curves.py (moectl.reporting.option_curves) ------------------------------------------------------
 def test_read_log_skips_a_half_written_last_row_and_refuses_a_broken_one(tmp_path):
     run = _log(tmp_path / "r", [-1.0, -0.5], [0.1, 0.2])
     with (run / "log.jsonl").open("a") as f:
@@ -109,8 +109,8 @@ def tiny_eval(tmp_path_factory):
 
 
 def test_score_set_is_moectl_evals_score_under_each_routing(tiny_eval):
+    from moectl.eval.eval_run import EvalConfig, evaluate
     from moectl.eval.policy_file import setup_routing
-    from moectl.eval.run import EvalConfig, evaluate
 
     cache, model, tok, sets = tiny_eval
     info = moectl.inspect(model)

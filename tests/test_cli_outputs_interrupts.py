@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 from moectl.subsets.files import save_subset
 
 runner = CliRunner()
@@ -113,9 +113,9 @@ def _interrupt(*args, **kwargs):
 @pytest.mark.parametrize(
     ("target", "args", "said"),
     [
-        ("moectl.eval.run.evaluate", ["eval", "tiny:olmoe", "--tasks", "x"], "no results were written"),
+        ("moectl.eval.eval_run.evaluate", ["eval", "tiny:olmoe", "--tasks", "x"], "no results were written"),
         ("moectl.reports.switch_rate_report", ["switch-rate", "--tiny", "olmoe"], "nothing was written"),
-        ("moectl.serve.runner.serve_offload", ["serve-offload", "--tiny", "olmoe"], "nothing was written"),
+        ("moectl.server.offload_batch.serve_offload", ["serve-offload", "--tiny", "olmoe"], "nothing was written"),
     ],
 )
 def test_ctrl_c_ends_a_verb_with_one_line_and_130(monkeypatch, target, args, said):

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli import corpus as cli
-from moectl.cli.corpus import corpus_app, tokenizer_app
+from moectl.cli.corpus import corpus_app
+from moectl.cli.tokenizer import tokenizer_app
 from moectl.data.sources import Source
 
 runner = CliRunner()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import moectl.fileio as fileio
+import moectl.io.atomic as atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import crash_sweep
@@ -46,8 +46,8 @@ def test_pretraining_killed_mid_write_resumes_to_the_uninterrupted_run(tmp_path)
 def test_the_harness_finds_damage_where_a_folder_is_swapped_in_two_renames(tmp_path, monkeypatch):
     """The negative control: without the one-step exchange and the recovery of ``.old-NAME`` (the
     checkpoint writer before this fix), a kill between the two renames loses the checkpoint."""
-    monkeypatch.setattr(fileio, "_exchange", lambda a, b: False)
-    monkeypatch.setattr(fileio, "recover_dir", lambda final: Path(final))
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "recover_dir", lambda final: Path(final))
     monkeypatch.setattr("moectl.train.checkpoint.recover_dir", lambda final: Path(final))
     row = crash_sweep.sweep(WRITERS["pretrain-checkpoint"](), tmp_path)
     assert row["damaged"] >= 1

@@ -16,7 +16,7 @@ import moectl
 from moectl.distributed import Ranks, process_device
 from moectl.models.load import load_model
 from moectl.routing import ExpertMask
-from moectl.routing.state import RouteContext, RoutingState
+from moectl.routing.routing_state import RouteContext, RoutingState
 
 B, T = 2, 5
 

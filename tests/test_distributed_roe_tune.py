@@ -57,7 +57,7 @@ def test_several_processes_need_a_study_file():
     import moectl
     from moectl.distributed import Ranks
     from moectl.models.load import ByteTokenizer
-    from moectl.roe.data import LMItem
+    from moectl.roe.score_data import LMItem
     from moectl.roe.tune import tune
 
     model = moectl.tiny("olmoe", vocab_size=ByteTokenizer.vocab_size)

@@ -186,7 +186,7 @@ def test_models_whose_cache_cannot_be_rebatched_are_refused():
 
 
 def test_offloaded_batch_equals_the_resident_model_and_counts_hits():
-    from moectl.serve.config import OffloadConfig
+    from moectl.offload.offload_config import OffloadConfig
 
     model, tok, _ = _loaded("olmoe")
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -265,7 +265,7 @@ def test_left_pad_and_scored_positions():
 def test_offloading_switches_to_eager_experts_and_back():
     """A model on grouped experts is offloaded with its experts' eager forward (what offloading runs),
     and gets its implementation back when the engine closes."""
-    from moectl.serve.config import OffloadConfig
+    from moectl.offload.offload_config import OffloadConfig
 
     model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
     model.set_experts_implementation("grouped_mm")

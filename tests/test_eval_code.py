@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from _eval_data import write_set
-from moectl.eval.cache import evals_dir
 from moectl.eval.code_exec import (
     ENV_VAR,
     CodeExecutionNotAllowedError,
@@ -30,6 +29,7 @@ from moectl.eval.code_exec import (
     run_program,
 )
 from moectl.eval.sandbox_check import sandbox_processes
+from moectl.eval.set_cache import evals_dir
 from moectl.eval.tasks.utils import (
     humaneval_process_results,
     humaneval_program,
@@ -306,9 +306,9 @@ def test_refused_before_generation(monkeypatch, code_cache):
 
 def test_tiny_random_model_end_to_end(allowed, code_cache):
     import moectl
+    from moectl.eval.eval_tokenizer import byte_tokenizer
     from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
-    from moectl.eval.tokenizer import byte_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,10 +15,10 @@ import torch
 import moectl
 from _eval_data import tiny_eval_env
 from moectl import ExpertMask
+from moectl.eval.eval_tokenizer import byte_tokenizer
 from moectl.eval.forward import BatchRouting, RequestBatch, static_plan
 from moectl.eval.lm_backend import MoectlLM
 from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
-from moectl.eval.tokenizer import byte_tokenizer
 
 ALLOWED = [0, 1, 2, 3]
 

@@ -114,7 +114,7 @@ def test_bootstrap_is_seeded_and_sensible():
 
 
 def test_byte_tokenizer_matches_tiny_models():
-    from moectl.eval.tokenizer import byte_tokenizer
+    from moectl.eval.eval_tokenizer import byte_tokenizer
     from moectl.models.load import ByteTokenizer
 
     fast, ref = byte_tokenizer(), ByteTokenizer()

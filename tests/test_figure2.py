@@ -42,7 +42,7 @@ def _traced(policies=None):
 def test_figure_2_draws_the_recorded_option_under_a_policy(tmp_path, figures):
     """Under a policy that records ω (a document pool here) and no k-hat, Fig. 2 shades ω, ticks its
     switches and says which sequence it shows and the ω's size."""
-    from moectl import plots
+    from moectl.reporting import plots
 
     trace, _ = _traced({"type": "document_pool", "d": 4})
     plots.plot_expert_activation(trace, tmp_path / "a.png", layer=1, model="runs/deep/tiny-olmoe/final")
@@ -57,7 +57,7 @@ def test_figure_2_draws_the_recorded_option_under_a_policy(tmp_path, figures):
 def test_figure_2_legend_has_no_entry_for_what_is_not_drawn(tmp_path, figures):
     """k-hat = top-k: ω is the activated experts, no cell is blue, so the legend has one black entry
     naming ω, not a second 'ω' swatch; a fixed mask never switches: no 'switch' entry."""
-    from moectl import plots
+    from moectl.reporting import plots
     from moectl.routing import ExpertMask
 
     trace, info = _traced()
@@ -77,7 +77,7 @@ def test_figure_2_legend_has_no_entry_for_what_is_not_drawn(tmp_path, figures):
 def test_figure_2_without_k_hat_or_policy_draws_the_router_as_option(tmp_path, figures):
     """No recorded ω and no k-hat: the router with k-hat = top-k (switch_rate's default), not a
     figure with an empty switch strip."""
-    from moectl import plots
+    from moectl.reporting import plots
 
     trace, _ = _traced()
     plots.plot_expert_activation(trace, tmp_path / "d.png", layer=0)
@@ -104,7 +104,7 @@ def test_demo_draws_figure_2_under_its_document_pool(tmp_path, figures):
 
 
 def test_titles_break_paths_at_separators_never_mid_word():
-    from moectl.plots import model_label, wrap_title
+    from moectl.reporting.plots import model_label, wrap_title
 
     assert model_label("/data/users/me/runs/olmoe-math/final") == "olmoe-math/final"
     assert model_label("allenai/OLMoE-1B-7B-0924") == "allenai/OLMoE-1B-7B-0924"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
-from moectl.fileio import default_mode, write_text_atomic
+from moectl.io.atomic import default_mode, write_text_atomic
 from moectl.routing import route
 
 runner = CliRunner()
@@ -69,7 +69,7 @@ def test_saved_models_get_the_usual_mode(tmp_path):
     model = moectl.tiny("olmoe")
     export_subset(model, {i: [0, 1, 2, 3] for i in range(3)}, tmp_path / "sub")
     from moectl.options.controller import build_controller
-    from moectl.options.state import save_folder
+    from moectl.options.option_state import save_folder
 
     save_checkpoint(tmp_path / "run", 0, moectl.tiny("olmoe"), None, {}, 2)
     info = moectl.inspect(model)
@@ -100,7 +100,7 @@ def test_the_switch_column_shows_the_policy_rate_not_the_router_rate():
 def test_a_zero_budget_names_top_k_as_the_minimum():
     import pytest
 
-    from moectl.serve.offload import BudgetError, resolve_budget
+    from moectl.offload.runtime import BudgetError, resolve_budget
 
     with pytest.raises(BudgetError, match="at least top-k experts"):
         resolve_budget(0, 8)

@@ -29,13 +29,13 @@ from typer.testing import CliRunner
 import moectl
 from moectl import ExpertMask, GumbelTopK
 from moectl.cli import app
-from moectl.options.config import OptionsConfig
 from moectl.options.controller import build_controller
-from moectl.roe.config import save_profile
+from moectl.options.options_config import OptionsConfig
+from moectl.roe.roe_config import save_profile
 from moectl.routing import route
 from moectl.routing.pool import DocumentPool
 from moectl.routing.trace import RoutingTrace
-from moectl.train.config import TrainConfig
+from moectl.train.train_config import TrainConfig
 
 torch.set_num_threads(1)
 EXAMPLES = int(os.environ.get("MOECTL_FUZZ_EXAMPLES", "8"))

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import moectl
 from _gguf_helpers import VOCAB, read, saved, values
 from moectl.cli import app
-from moectl.data.tokenizer import default_tokenizer_dir
+from moectl.data.tokenizer_train import default_tokenizer_dir
 from moectl.export import write_gguf
 from moectl.export.gguf_vocab import GPT2_REGEX, pre_tokenizer
 from moectl.subsets import export_subset

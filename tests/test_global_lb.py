@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moectl.train.config import TrainConfig
-from moectl.train.losses import all_reduce_sum, expert_counts, load_balancing_loss
+from moectl.train.pretrain_losses import all_reduce_sum, expert_counts, load_balancing_loss
+from moectl.train.train_config import TrainConfig
 
 
 def _batch():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.train.config import TrainConfig
 from moectl.train.lb_window import CountWindow
 from moectl.train.loop import Trainer
-from moectl.train.losses import expert_counts, load_balancing_loss
+from moectl.train.pretrain_losses import expert_counts, load_balancing_loss
+from moectl.train.train_config import TrainConfig
 from test_train import _config
 
 

@@ -7,7 +7,7 @@ import logging
 
 from transformers import AutoTokenizer
 
-from moectl.data.tokenizer import default_tokenizer_dir
+from moectl.data.tokenizer_train import default_tokenizer_dir
 from moectl.models.tokens import encode
 from moectl.subsets.calibrate import tokenize
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 import moectl
 from moectl.metrics.memory import TensorMemory
 from moectl.roe import RoEConfig
-from moectl.roe.cache import left_padded
+from moectl.roe.clean_cache import left_padded
 from moectl.roe.masks import attention_kinds, teacher_forced_masks
 from moectl.roe.noise import NoiseLayout, SampleGumbel, hashed_gumbel, layer_gumbel, layer_keys
 from moectl.roe.parallel import (
@@ -30,7 +30,7 @@ from moectl.roe.parallel import (
 )
 from moectl.routing import route
 from moectl.routing.kv_cache import cache_out, with_cache
-from moectl.routing.state import RouteContext, RoutingState
+from moectl.routing.routing_state import RouteContext, RoutingState
 from moectl.subsets import select_subset
 from moectl.subsets.calibrate import capture, collect
 from moectl.subsets.methods import easy_ep_scores, frequency_scores, router_scores, wanda_scores

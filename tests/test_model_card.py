@@ -16,8 +16,8 @@ from moectl.data.sample import iter_documents
 from moectl.metrics.effective_experts import measure, report
 from moectl.models.load import load_model
 from moectl.subsets.calibrate import tokenize
-from moectl.train.config import TrainConfig
 from moectl.train.loop import Trainer
+from moectl.train.train_config import TrainConfig
 
 runner = CliRunner()
 MICRO = {

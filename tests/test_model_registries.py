@@ -12,12 +12,12 @@ from torch import nn
 
 import moectl
 from moectl.adapters import linear_gate
+from moectl.offload import delta_store
+from moectl.offload.delta_store import pending_delta, set_pending_delta
 from moectl.options import ControllerPolicy, build_controller
 from moectl.options import policy as controller_policy
 from moectl.options.expert_lora import PendingExpertLoRA
 from moectl.routing import ExpertMask, load_policy, route
-from moectl.serve import delta_store
-from moectl.serve.delta_store import pending_delta, set_pending_delta
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ another is its public API. Scanned with ``ast`` over src/moectl, three ways:
 - ``self._name`` in a class of package A that derives from a class of package B, where the class
   never defines ``_name`` itself (an inherited private).
 
-A package is the first component below ``moectl`` (``moectl.serve.offload`` -> ``serve``); a
+A package is the first component below ``moectl`` (``moectl.offload.offload`` -> ``serve``); a
 top-level module is a package of its own. Privates of other libraries (torch, transformers) are
 not moectl's and are not scanned.
 """
@@ -134,7 +134,7 @@ def test_the_scan_finds_each_kind(tmp_path, monkeypatch):
     package = tmp_path / "moectl" / "mine"
     package.mkdir(parents=True)
     (package / "bad.py").write_text(
-        "from moectl.routing.loader import _secret\n"
+        "from moectl.routing.policy_files import _secret\n"
         "from moectl.options.policy import ControllerPolicy\n"
         "from moectl.routing import gumbel\n"
         "from moectl.mine.other import _fine\n"

@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli import app
-from moectl.fileio import default_mode
+from moectl.io.atomic import default_mode
 from moectl.models.load import load_model
-from moectl.options.curves import read_log, summarise
 from moectl.options.trainer import OptionsConfig, train_options
+from moectl.reporting.option_curves import read_log, summarise
 
 runner = CliRunner()
 PROMPTS = ["hello world", "the cat sat on the", "def f(x):", "1 + 2 =", "Once upon a time"]
@@ -191,7 +191,7 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(trained, tmp_pa
 def test_final_step_is_the_last_logged_step(tmp_path):
     """A finished run resumed with another --steps: options.json's planned steps are not the step
     final/ holds; the log's last step is."""
-    from moectl.options.card import find_source
+    from moectl.reporting.controller_card import find_source
 
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)

@@ -21,7 +21,7 @@ from moectl.options.expert_lora import (
     load_expert_lora_state_dict,
     merge_expert_lora,
 )
-from moectl.options.state import load_controlled, load_weights, save_folder
+from moectl.options.option_state import load_controlled, load_weights, save_folder
 from moectl.options.teacher import add_lora, expert_parameter_names, teacher_mode
 
 

@@ -8,14 +8,14 @@ import torch
 from typer.testing import CliRunner
 
 import moectl
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.load import load_model
+from moectl.offload import offload
+from moectl.offload.residency import ControllerResidency
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.trainer import OptionsConfig, train_options
 from moectl.routing.kv_cache import cache_out, with_cache
-from moectl.serve import offload
-from moectl.serve.policies import ControllerResidency
 
 
 @torch.no_grad()

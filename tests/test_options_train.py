@@ -13,7 +13,7 @@ from moectl.cli import app
 from moectl.engine.batch import left_pad
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
-from moectl.options.losses import student_log_probs
+from moectl.options.option_losses import student_log_probs
 from moectl.options.policy import ControllerPolicy
 from moectl.options.rollout import rollout
 from moectl.options.teacher import add_lora, teacher_mode
@@ -210,7 +210,7 @@ def test_the_trainer_step_is_the_controller_loss_of_its_rollout(tmp_path):
     """train_step spells out Algorithm 2's per-layer terms; their sum is losses.controller_loss's."""
     import copy
 
-    from moectl.options.losses import controller_loss
+    from moectl.options.option_losses import controller_loss
 
     model, tok = load_model("tiny:olmoe")
     cfg = OptionsConfig(

@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 import moectl
 from conftest import random_ids
 from moectl.models.load import load_model
+from moectl.offload.residency import ControllerResidency, LRUPolicy, OptionPolicy, StaticPolicy, parse_policy
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.random_options import RandomOptions
-from moectl.roe.config import RoEConfig, save_profile
+from moectl.roe.roe_config import RoEConfig, save_profile
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, load_policy, policy_types, save_policy
-from moectl.serve.policies import ControllerResidency, LRUPolicy, OptionPolicy, StaticPolicy, parse_policy
 from moectl.subsets.files import save_subset
 
 runner = CliRunner()
@@ -255,7 +255,7 @@ def test_route_takes_files_dicts_strings_and_residency_policies(olmoe, tmp_path)
 
 
 def test_serve_offload_takes_a_subset_file(tmp_path):
-    from moectl.cli.serve import serve_app
+    from moectl.cli.serve_offload import serve_app
 
     subset = save_subset(
         tmp_path / "math.subset.json", {int(k): v for k, v in KEEP.items()}, model="tiny:olmoe"
@@ -360,7 +360,7 @@ def test_load_and_roe_on_plain_strings_with_a_profile(tmp_path):
     profile = save_profile(tmp_path / "p.json", [0.0, 0.3, 0.0], K=2, aggregation="prob_mean")
     texts = ["The cat sat on the mat.", "def f(x): return x"]
     result = moectl.roe.score(model, tokenizer, texts, profile)
-    items = [moectl.roe.data.LMItem("", t) for t in texts]
+    items = [moectl.roe.score_data.LMItem("", t) for t in texts]
     assert result.ppl == moectl.roe.score(model, tokenizer, items, RoEConfig.from_profile(profile)).ppl
     outs = moectl.roe.generate(model, tokenizer, ["Hello"], str(profile), max_new_tokens=3)
     assert len(outs) == 1

@@ -10,7 +10,7 @@ from conftest import random_ids
 from moectl.adapters.rules import RouterRule
 from moectl.routing import DocumentPool, route
 from moectl.routing.kv_cache import cache_out, with_cache
-from moectl.routing.state import RouteContext, RoutingState
+from moectl.routing.routing_state import RouteContext, RoutingState
 
 RULE = RouterRule(kind="softmax_topk", top_k=2, num_experts=8)
 

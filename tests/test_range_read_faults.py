@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moectl
-from moectl.models.range_read import READ_METHODS, RangeReader, ShardError
-from moectl.models.shards import ShardReader
+from moectl.io.range_read import READ_METHODS, RangeReader, ShardError
+from moectl.models.lazy import checkpoint_reader
 
 torch.set_num_threads(1)
 
@@ -44,7 +44,7 @@ def test_short_read_gives_the_real_file_size_not_the_aligned_window(tmp_path, me
 @pytest.mark.parametrize("method", READ_METHODS)
 def test_truncated_shard_names_the_shard_its_size_and_the_tensor(checkpoint, tmp_path, method):
     path = _copy(checkpoint, tmp_path / "ck")
-    reader = ShardReader.for_checkpoint(path, method=method)
+    reader = checkpoint_reader(path, method=method)
     reader.read_expert(0, 0)  # opened and read before the damage
     seg = reader.expert_segments(2, 7)["down_proj"][0]
     os.truncate(seg.file, seg.offset + 10)
@@ -60,7 +60,7 @@ def test_truncated_shard_names_the_shard_its_size_and_the_tensor(checkpoint, tmp
 @pytest.mark.parametrize("opened", [False, True], ids=["before-first-read", "after-first-read"])
 def test_shard_overwritten_in_place_at_the_same_size_is_detected(checkpoint, tmp_path, opened):
     path = _copy(checkpoint, tmp_path / "ck")
-    reader = ShardReader.for_checkpoint(path, method="plain")
+    reader = checkpoint_reader(path, method="plain")
     if opened:
         reader.read_expert(1, 3)
     seg = reader.expert_segments(1, 3)["gate_up_proj"][0]
@@ -77,7 +77,7 @@ def test_shard_overwritten_in_place_at_the_same_size_is_detected(checkpoint, tmp
 
 def test_shard_replaced_by_rename_still_reads_the_indexed_bytes(checkpoint, tmp_path):
     path = _copy(checkpoint, tmp_path / "ck")
-    reader = ShardReader.for_checkpoint(path, method="plain")
+    reader = checkpoint_reader(path, method="plain")
     before = reader.read_expert(0, 1)
     shard = reader.expert_segments(0, 1)["down_proj"][0].file
     new = tmp_path / "new.safetensors"

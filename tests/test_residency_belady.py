@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moectl.residency.belady import BeladyCache, next_use
-from moectl.residency.policies import ONLINE
+from moectl.residency.caches import ONLINE
 
 
 def fewest_misses(chosen: np.ndarray, budget: int) -> int:

@@ -8,12 +8,12 @@ import torch
 
 from moectl.adapters.inspect import inspect
 from moectl.models.load import load_model
+from moectl.offload.offload_config import OffloadConfig
+from moectl.offload.residency import ControllerResidency, LRUPolicy, ResidencyPolicy, parse_policy
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
-from moectl.routing.config import policy_class
-from moectl.serve.config import OffloadConfig
-from moectl.serve.policies import ControllerResidency, LRUPolicy, ResidencyPolicy, parse_policy
-from moectl.serve.runner import serve_offload
+from moectl.routing.policy_config import policy_class
+from moectl.server.offload_batch import serve_offload
 
 torch.set_num_threads(1)
 

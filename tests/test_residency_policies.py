@@ -1,4 +1,4 @@
-"""Replacement policies on sequences small enough to follow by hand (moectl.residency.policies)."""
+"""Replacement policies on sequences small enough to follow by hand (moectl.residency.caches)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moectl.residency.belady import BeladyCache
-from moectl.residency.policies import (
+from moectl.residency.caches import (
     ONLINE,
     ARCCache,
     LeastStaleCache,

@@ -1,5 +1,5 @@
 """Serving with ``s3fifo`` / ``arc`` residency counts the hits and misses the simulator counts on the
-trace recorded while serving (one implementation: moectl.residency.policies)."""
+trace recorded while serving (one implementation: moectl.residency.caches)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 from tests._serve_helpers import greedy
 
 import moectl
+from moectl.offload.residency import ARCResidency, S3FIFOResidency, parse_policy
+from moectl.offload.runtime import offload
 from moectl.residency.simulate import SimConfig, run
 from moectl.residency.trace_input import read_accesses
-from moectl.serve.offload import offload
-from moectl.serve.policies import ARCResidency, S3FIFOResidency, parse_policy
 
 
 @pytest.mark.parametrize("policy", ["s3fifo", "arc"])

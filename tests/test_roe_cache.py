@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionC
 
 import moectl
 from moectl.roe import Ensemble, RoEConfig
-from moectl.roe.cache import cache_bytes, cache_tokens
+from moectl.roe.clean_cache import cache_bytes, cache_tokens
 from moectl.routing.kv_cache import cache_out
 
 
@@ -160,7 +160,8 @@ def test_a_clean_step_does_not_materialise_k_copies_of_the_prefix():
 
 
 def test_names_moved_out_of_the_cache_module_still_import_from_it():
-    from moectl.roe import cache, variant_clean, variants
+    from moectl.roe import clean_cache as cache
+    from moectl.roe import variant_clean, variants
 
     assert cache.make_variant is variants.make_variant
     assert cache.CleanCacheVariant is variant_clean.CleanCacheVariant

@@ -9,7 +9,7 @@ import torch
 
 from moectl.models.load import ByteTokenizer, load_model
 from moectl.roe import GenerationStats, RoEConfig, generate
-from moectl.roe.generate import choose_next
+from moectl.roe.roe_generate import choose_next
 
 PROMPTS = ["The quick brown fox", "Hi", "Mixture of experts"]
 

@@ -11,8 +11,8 @@ import torch
 import moectl
 from moectl.models.load import ByteTokenizer, load_model
 from moectl.roe import AdaptiveEnsemble, RoEConfig, score, token_logprobs, trade_off
-from moectl.roe.data import ChoiceItem, LMItem
 from moectl.roe.score import pad_left, scored_request, token_logprobs_stepwise
+from moectl.roe.score_data import ChoiceItem, LMItem
 
 TEXTS = ["The quick brown fox jumps.", "Hello there", "Experts route."]
 

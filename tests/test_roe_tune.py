@@ -11,7 +11,7 @@ import torch
 import moectl
 from moectl.models.load import ByteTokenizer
 from moectl.roe import RoEConfig, score, tune
-from moectl.roe.data import ChoiceItem, LMItem
+from moectl.roe.score_data import ChoiceItem, LMItem
 
 pytest.importorskip("optuna")
 

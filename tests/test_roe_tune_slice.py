@@ -11,7 +11,7 @@ import moectl
 from moectl.cli import app
 from moectl.models.load import ByteTokenizer
 from moectl.roe import RoEConfig, score, tune
-from moectl.roe.data import LMItem
+from moectl.roe.score_data import LMItem
 from moectl.roe.tune import spread
 
 pytest.importorskip("optuna")

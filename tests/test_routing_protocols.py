@@ -9,11 +9,12 @@ import torch
 import moectl
 from moectl.adapters.inspect import inspect
 from moectl.eval.request_noise import keyed_policies, needs_isolation, reseed
+from moectl.offload.residency import LRUPolicy, OptionPolicy
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.random_options import RandomOptions
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK
-from moectl.routing.loader import load_policy, routing_policies
+from moectl.routing.policy_files import load_policy, routing_policies
 from moectl.routing.protocols import (
     MergingPolicy,
     ResettablePolicy,
@@ -24,9 +25,8 @@ from moectl.routing.protocols import (
     carries_weights,
     renorm_of,
 )
-from moectl.routing.state import Policy
-from moectl.routing.state import SequencePolicy as OldSequencePolicy
-from moectl.serve.policies import LRUPolicy, OptionPolicy
+from moectl.routing.routing_state import Policy
+from moectl.routing.routing_state import SequencePolicy as OldSequencePolicy
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from moectl.errors import ConfigError, MoectlError
-from moectl.options.config import OptionsConfig
-from moectl.serve.config import OffloadConfig
-from moectl.serve.prefetch import PrefetchConfig
-from moectl.train.config import TrainConfig
+from moectl.offload.offload_config import OffloadConfig
+from moectl.offload.prefetch import PrefetchConfig
+from moectl.options.options_config import OptionsConfig
+from moectl.train.train_config import TrainConfig
 
 
 def test_train_config_round_trips_and_refuses_a_mistyped_saved_value(tmp_path):
@@ -42,7 +42,7 @@ def test_train_config_resume_from_applies_and_checks_overrides(tmp_path):
 def test_options_config_round_trips_and_loads_a_runs_options_json(tmp_path):
     cfg = OptionsConfig(k_hat=4, eta=0.05, steps=3, d_e=8)
     assert OptionsConfig.load(cfg.save(tmp_path / "o.json")) == cfg
-    # a run's checkpoint keeps asdict(config) as options.json (options/state.py)
+    # a run's checkpoint keeps asdict(config) as options.json (options/option_state.py)
     (tmp_path / "options.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     assert OptionsConfig.load(tmp_path / "options.json") == cfg
     with pytest.raises(ConfigError, match="'value_head' must be one of 'linear', 'mlp'"):
@@ -73,7 +73,7 @@ def test_run_configs_of_the_verbs_round_trip(tmp_path):
     from moectl.eval import EvalConfig
     from moectl.options import OptionsRunConfig
     from moectl.roe import TuneConfig
-    from moectl.serve import ServeOffloadConfig
+    from moectl.server import ServeOffloadConfig
 
     configs = [
         EvalConfig("tiny:olmoe", tasks="arc_easy,gsm8k", limit=5, policy="subset.json", cache=Path("evals")),
@@ -90,7 +90,7 @@ def test_run_configs_of_the_verbs_refuse_bad_values_by_name():
     from moectl.eval import EvalConfig
     from moectl.options import OptionsRunConfig
     from moectl.roe import TuneConfig
-    from moectl.serve import ServeOffloadConfig
+    from moectl.server import ServeOffloadConfig
 
     with pytest.raises(ConfigError, match="engine must be one of"):
         EvalConfig("tiny:olmoe", tasks="arc_easy", engine="vllm")

@@ -16,7 +16,8 @@ RUN_KEYS = ("texts", "loads", "bytes_moved", "hits", "misses", "budget_experts_p
 
 
 def test_serve_offload_run_equals_the_verb(tmp_path):
-    from moectl.serve import OffloadConfig, ServeOffloadConfig, run_serve_offload
+    from moectl.offload import OffloadConfig
+    from moectl.server import ServeOffloadConfig, run_serve_offload
 
     out = tmp_path / "cli.json"
     args = ["serve-offload", "--tiny", "olmoe", "--budget", "3", "--store", "host", "--policy", "option:3"]
@@ -32,7 +33,8 @@ def test_serve_offload_run_equals_the_verb(tmp_path):
 
 
 def test_readme_example_serves_in_three_lines():
-    from moectl.serve import OffloadConfig, ServeOffloadConfig, run_serve_offload
+    from moectl.offload import OffloadConfig
+    from moectl.server import ServeOffloadConfig, run_serve_offload
 
     result = run_serve_offload(ServeOffloadConfig("tiny:olmoe", OffloadConfig(budget=4, store="host"), ["Hi"], 4))
     assert result["generated_tokens"] == 4 and 0 <= result["hit_rate"] <= 1 and len(result["texts"]) == 1

@@ -11,16 +11,24 @@ from typer.testing import CliRunner
 
 import moectl
 from _serve_helpers import greedy, prompt
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.load import load_model
+from moectl.offload import ExpertStoreError, OffloadConfig, offload
+from moectl.offload.cuda_loader import CudaStreamLoader
+from moectl.offload.expert_loader import (
+    ExpertRead,
+    LoadTotals,
+    SyncLoader,
+    ThreadLoader,
+    Ticket,
+    Wait,
+    make_loader,
+)
+from moectl.offload.prefetch import PrefetchConfig, option_prediction
+from moectl.offload.residency import ControllerResidency
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
-from moectl.serve import ExpertStoreError, OffloadConfig, offload
-from moectl.serve.cuda_loader import CudaStreamLoader
-from moectl.serve.loader import ExpertRead, LoadTotals, SyncLoader, ThreadLoader, Ticket, Wait, make_loader
-from moectl.serve.policies import ControllerResidency
-from moectl.serve.prefetch import PrefetchConfig, option_prediction
-from moectl.serve.runner import serve_offload
+from moectl.server.offload_batch import serve_offload
 
 torch.set_num_threads(1)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

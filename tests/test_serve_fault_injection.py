@@ -35,10 +35,10 @@ import torch
 
 import moectl
 from _serve_helpers import greedy, prompt
-from moectl.models import range_read
-from moectl.models.range_read import ALIGN
-from moectl.models.shards import ShardReader
-from moectl.serve import ExpertStoreError, OffloadConfig, offload
+from moectl.io import range_read
+from moectl.io.range_read import ALIGN
+from moectl.io.shards import ShardReader
+from moectl.offload import ExpertStoreError, OffloadConfig, offload
 
 torch.set_num_threads(1)
 TIMEOUT_S = 0.5  # load_timeout_s of the runs (a normal tiny load: ~50 us)

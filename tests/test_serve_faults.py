@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.serve.loader import SyncLoader, ThreadLoader
-from moectl.serve.resident import ResidentSet
-from moectl.serve.store import ExpertStoreError, HostStore
+from moectl.offload.expert_loader import SyncLoader, ThreadLoader
+from moectl.offload.expert_store import ExpertStoreError, HostStore
+from moectl.offload.resident import ResidentSet
 
 torch.set_num_threads(1)
 LOADERS = {"sync": SyncLoader, "thread": ThreadLoader}
@@ -84,7 +84,7 @@ def test_failed_offload_entry_restores_the_model_and_removes_the_store(tmp_path,
 
     import moectl
 
-    offload_mod = importlib.import_module("moectl.serve.offload")
+    offload_mod = importlib.import_module("moectl.offload.runtime")
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model = moectl.tiny("olmoe")
@@ -115,7 +115,7 @@ def test_sigterm_and_sighup_unwind_and_remove_the_temporary_store(signame, tmp_p
     import tempfile
 
     import moectl
-    from moectl.serve import offload
+    from moectl.offload import offload
 
     sig = getattr(signal, signame)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -145,7 +145,8 @@ def _unwind(sig, model, tmp_path, offload, before) -> None:
 
 def test_serve_offload_restores_the_experts_implementation_after_an_error(monkeypatch):
     import moectl
-    from moectl.serve import OffloadConfig, runner
+    from moectl.offload import OffloadConfig
+    from moectl.server import offload_batch as runner
 
     model, tok, _ = moectl.load("tiny:olmoe")
     model.set_experts_implementation("grouped_mm")

@@ -1,4 +1,4 @@
-"""int8 resident slots (serve/int8.py): the quantiser's error bound, the kernel against its reference,
+"""int8 resident slots (offload/int8.py): the quantiser's error bound, the kernel against its reference,
 and an offloaded model with int8 slots computing exactly the model whose expert weights were
 quantised and dequantised — in the grouped forward, the eager fallback and other layouts."""
 
@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import moectl
 from _serve_helpers import greedy, prompt
 from moectl.cli import app
-from moectl.serve import OffloadConfig, offload
-from moectl.serve.int8 import dequantize_rows, expert_slot_bytes, int8_linear, quantize_rows
-from moectl.serve.plan import plan_memory
+from moectl.offload import OffloadConfig, offload
+from moectl.offload.int8 import dequantize_rows, expert_slot_bytes, int8_linear, quantize_rows
+from moectl.offload.plan import plan_memory
 
 torch.set_num_threads(1)
 

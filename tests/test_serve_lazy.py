@@ -12,13 +12,13 @@ import torch
 from typer.testing import CliRunner
 
 from _serve_helpers import greedy
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.lazy import load_skeleton
 from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
 from moectl.models.shapes import make_checkpoint
-from moectl.serve import OffloadConfig, offload
-from moectl.serve.offload import BudgetError
-from moectl.serve.plan import MemoryPlan, check_plan, memory_limit, preflight
+from moectl.offload import OffloadConfig, offload
+from moectl.offload.plan import MemoryPlan, check_plan, memory_limit, preflight
+from moectl.offload.runtime import BudgetError
 
 SPEC = "shape:olmoe-1b-7b@2~w64"  # 2 MoE layers, 64 experts, top-8, full vocabulary, narrow
 
@@ -152,7 +152,7 @@ def test_preflight_on_meta_reads_nothing(ckpt):
     meta = build_meta(load_config(ckpt))
     plan = preflight(meta, 8, None)
     assert plan.budget_experts == [8, 8] and plan.min_experts == [8, 8]
-    from moectl.models.shards import ShardReader
+    from moectl.io.shards import ShardReader
 
     with ShardReader(ckpt, meta) as reader:
         assert plan.expert_bytes == [layer.expert_bytes for layer in reader.layers]  # bf16 model, bf16 file
@@ -166,11 +166,11 @@ def test_preflight_on_meta_reads_nothing(ckpt):
 
 
 def test_load_for_offload_keeps_a_checkpoints_experts_in_its_shards(ckpt):
-    """serve-offload and serve --budget load through moectl.serve.loading: a checkpoint folder lazily
+    """serve-offload and serve --budget load through moectl.offload.loading: a checkpoint folder lazily
     (a shard reader, expert weights on meta until offloaded), --store host whole, and a too-small
     budget refused before any weight is read."""
-    from moectl.serve.config import OffloadConfig
-    from moectl.serve.loading import load_for_offload
+    from moectl.offload.loading import load_for_offload
+    from moectl.offload.offload_config import OffloadConfig
 
     model, _, reader = load_for_offload(str(ckpt), OffloadConfig(16, store="disk"))
     try:

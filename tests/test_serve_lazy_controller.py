@@ -1,6 +1,6 @@
 """A controller whose adapters reach the experts, served from a checkpoint's shards: the experts are
 never in memory, so their adapters cannot be merged; each expert's delta is added as it is loaded
-(serve/delta_store.py). Served that way, the model computes exactly what the fully loaded model
+(offload/delta_store.py). Served that way, the model computes exactly what the fully loaded model
 with the adapters merged computes — before, the expert adapters were silently dropped (PyTorch's
 "copying … to a meta parameter … is a no-op")."""
 
@@ -18,10 +18,10 @@ import moectl
 from moectl.models.lazy import load_skeleton
 from moectl.models.load_lazy import load_lazy
 from moectl.models.shapes import make_checkpoint
+from moectl.offload import OffloadConfig, offload
 from moectl.options.controller import build_controller
-from moectl.options.state import load_controlled, save_folder
+from moectl.options.option_state import load_controlled, save_folder
 from moectl.options.teacher import add_lora
-from moectl.serve import OffloadConfig, offload
 
 torch.set_num_threads(1)
 SPEC = "shape:olmoe-1b-7b@2~w64"

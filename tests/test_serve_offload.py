@@ -10,8 +10,8 @@ import torch
 import moectl
 from _serve_helpers import greedy, prompt
 from moectl.metrics.switch_rate import router_option_masks
-from moectl.serve import offload
-from moectl.serve.offload import BudgetError
+from moectl.offload import offload
+from moectl.offload.runtime import BudgetError
 
 torch.set_num_threads(1)
 
@@ -168,7 +168,7 @@ def test_static_policy_equals_masked_in_memory_model():
     ids = prompt(2)
     with moectl.route(model, [moectl.ExpertMask.from_lists(info, subsets, renorm="pruned")]):
         reference = greedy(model, ids)
-    from moectl.serve.policies import StaticPolicy
+    from moectl.offload.residency import StaticPolicy
 
     with offload(model, 3, StaticPolicy(subsets), store="disk") as rt:
         with moectl.route(model, rt.policy.routing(rt.info)):

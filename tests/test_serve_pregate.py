@@ -6,9 +6,9 @@ import torch
 from tests._serve_helpers import greedy
 
 import moectl
-from moectl.serve.offload import offload
-from moectl.serve.policies import parse_policy
-from moectl.serve.pregate import PregateResidency, pregate_prediction
+from moectl.offload.pregate import PregateResidency, pregate_prediction
+from moectl.offload.residency import parse_policy
+from moectl.offload.runtime import offload
 
 
 def test_prediction_is_the_next_routers_top_k():

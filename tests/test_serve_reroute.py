@@ -7,9 +7,9 @@ import torch
 from tests._serve_helpers import greedy
 
 import moectl
-from moectl.serve.offload import offload
-from moectl.serve.policies import parse_policy
-from moectl.serve.reroute import RerouteResidency, reroute
+from moectl.offload.reroute import RerouteResidency, reroute
+from moectl.offload.residency import parse_policy
+from moectl.offload.runtime import offload
 
 
 def _ids(mask: torch.Tensor) -> list[int]:
@@ -77,7 +77,7 @@ def test_grouped_routers_are_refused():
 def test_an_expert_another_policy_disallowed_is_never_swapped_in():
     from types import SimpleNamespace
 
-    from moectl.routing.state import RouteContext, RoutingState
+    from moectl.routing.routing_state import RouteContext, RoutingState
 
     layer = moectl.inspect(moectl.tiny("olmoe")).layers[0]  # 8 experts, top-2
     policy = RerouteResidency(1.0)

@@ -7,10 +7,10 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from moectl.cli.serve import serve_app
+from moectl.cli.serve_offload import serve_app
 from moectl.models.load import load_model
-from moectl.serve.config import OffloadConfig
-from moectl.serve.runner import serve_offload
+from moectl.offload.offload_config import OffloadConfig
+from moectl.server.offload_batch import serve_offload
 
 torch.set_num_threads(1)
 
@@ -57,9 +57,9 @@ def test_cli_serve_offload_writes_json(tmp_path):
 def test_policy_and_budget_specs_are_parsed_or_refused_clearly(tmp_path):
     import pytest
 
-    from moectl.cli.serve import parse_budget
-    from moectl.serve import offload, parse_policy
-    from moectl.serve.offload import BudgetError
+    from moectl.cli.serve_offload import parse_budget
+    from moectl.offload import offload, parse_policy
+    from moectl.offload.runtime import BudgetError
 
     assert parse_budget("0.25") == 0.25 and parse_budget("4") == 4
     assert parse_policy("option:8").k_hat == 8 and parse_policy("lru").name == "lru"

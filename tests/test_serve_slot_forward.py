@@ -1,4 +1,4 @@
-"""The slot-grouped experts forward (serve/slot_forward.py) equals transformers' eager loop over the
+"""The slot-grouped experts forward (offload/slot_forward.py) equals transformers' eager loop over the
 same slots: same tokens, logits within float32 rounding, identical residency traffic."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 import moectl
 from _serve_helpers import greedy, prompt
-from moectl.serve import OffloadConfig, offload
+from moectl.offload import OffloadConfig, offload
 
 torch.set_num_threads(1)
 
@@ -83,7 +83,7 @@ def test_unknown_experts_forward_refused():
 def test_bf16_slots_pad_long_prompts_and_compute_the_same(monkeypatch):
     """bf16 slots on the CPU: a long prompt's groups are padded (``cpu_pad``), decoding's are not;
     the padded forward equals the unpadded one."""
-    import moectl.serve.slot_forward as slot_forward
+    import moectl.offload.slot_forward as slot_forward
 
     model = moectl.tiny("olmoe")
     experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import moectl
-from moectl.serve import DiskStore, ExpertStoreError, HostStore, offload
-from moectl.serve.cost import deliberation_cost, measure_load_latency
+from moectl.offload import DiskStore, ExpertStoreError, HostStore, offload
+from moectl.offload.cost import deliberation_cost, measure_load_latency
 
 torch.set_num_threads(1)
 

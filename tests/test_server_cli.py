@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli import app
-from moectl.cli.server import parse_routings, served_name
+from moectl.cli.serve import parse_routings, served_name
 
 runner = CliRunner()
 

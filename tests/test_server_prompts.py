@@ -7,8 +7,8 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from moectl.data.tokenizer import default_tokenizer_dir
-from moectl.server.errors import APIError, validation_error
+from moectl.data.tokenizer_train import default_tokenizer_dir
+from moectl.server.api_errors import APIError, validation_error
 from moectl.server.metrics import Throughput
 from moectl.server.prompts import chat_ids, completion_ids, plain_chat
 from moectl.server.protocol import ChatCompletionRequest

@@ -1,4 +1,4 @@
-"""Reading experts straight from a checkpoint's safetensors shards (moectl.models.shards)."""
+"""Reading experts straight from a checkpoint's safetensors shards (moectl.io.shards)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import moectl
+from moectl.io.page_cache import evict, file_cached_bytes
+from moectl.io.range_read import ALIGN, READ_METHODS, RangeReader
+from moectl.io.safetensors_index import CheckpointIndex, read_header
+from moectl.io.shards import ShardReader
+from moectl.models.lazy import checkpoint_reader
 from moectl.models.meta_model import build_meta, load_config
-from moectl.models.page_cache import evict, file_cached_bytes
-from moectl.models.range_read import ALIGN, READ_METHODS, RangeReader
-from moectl.models.safetensors_index import CheckpointIndex, read_header
 from moectl.models.shapes import known_shapes, make_checkpoint
-from moectl.models.shards import ShardReader
 
 SMALL = "@2~w64"
 SHARD_BYTES = 300_000  # several shards even at width 64
@@ -77,7 +78,7 @@ def test_single_file_checkpoint(tmp_path):
     model = moectl.tiny("olmoe")
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
-    reader = ShardReader.for_checkpoint(tmp_path)
+    reader = checkpoint_reader(tmp_path)
     assert reader.index.files == [tmp_path / "model.safetensors"]
     for layer in reader.layers:
         for e in (0, layer.num_experts - 1):
@@ -91,7 +92,7 @@ def test_single_file_checkpoint(tmp_path):
 def test_every_tensor_matches_from_pretrained(shapes_root, name):
     path = _shape_dir(shapes_root, name)
     ref = _reference(str(path))
-    reader = ShardReader.for_checkpoint(path)
+    reader = checkpoint_reader(path)
     assert reader.layers and reader.map.unused == []
     released_fused = name.startswith("gpt-oss")  # gpt-oss is released with fused experts
     for layer in reader.layers:
@@ -112,7 +113,7 @@ def test_every_tensor_matches_from_pretrained(shapes_root, name):
 def test_methods_read_the_same_bytes(shapes_root, method):
     path = _shape_dir(shapes_root, "mixtral-8x7b")
     ref = _reference(str(path))
-    reader = ShardReader.for_checkpoint(path, method=method)
+    reader = checkpoint_reader(path, method=method)
     for layer in reader.layers:
         for e in range(layer.num_experts):
             for param, t in reader.read_expert(layer.index, e).items():
@@ -123,7 +124,7 @@ def test_methods_read_the_same_bytes(shapes_root, method):
 def test_released_layout_addresses_gate_then_up(shapes_root):
     """OLMoE's expert 7 of gate_up_proj: its gate tensor in rows 0..I, its up tensor in I..2I."""
     path = _shape_dir(shapes_root, "olmoe-1b-7b")
-    reader = ShardReader.for_checkpoint(path)
+    reader = checkpoint_reader(path)
     segments = reader.expert_segments(1, 7)
     gate, up = segments["gate_up_proj"]
     (down,) = segments["down_proj"]
@@ -142,7 +143,7 @@ def test_released_layout_addresses_gate_then_up(shapes_root):
 
 def test_mixtral_and_phi_renames(shapes_root):
     for name, keys in (("mixtral-8x7b", ("w1", "w3", "w2")), ("phi-3.5-moe", ("w1", "w3", "w2"))):
-        reader = ShardReader.for_checkpoint(_shape_dir(shapes_root, name))
+        reader = checkpoint_reader(_shape_dir(shapes_root, name))
         segments = reader.expert_segments(0, 3)
         got = [s.key for s in segments["gate_up_proj"] + segments["down_proj"]]
         assert got == [f"model.layers.0.block_sparse_moe.experts.3.{k}.weight" for k in keys]
@@ -152,7 +153,7 @@ def test_fused_checkpoint_is_sliced(tmp_path):
     """transformers' own save_pretrained(save_original_format=False) keeps experts fused."""
     model = moectl.tiny("qwen3_moe")
     model.save_pretrained(tmp_path, save_original_format=False)
-    reader = ShardReader.for_checkpoint(tmp_path)
+    reader = checkpoint_reader(tmp_path)
     for layer in reader.layers:
         for param, source in layer.params.items():
             assert source.layout == "whole"
@@ -174,7 +175,7 @@ def test_read_rows_reads_only_the_kept_experts(shapes_root, tmp_path, fused):
         path = tmp_path
     else:
         path = _shape_dir(shapes_root, "olmoe-1b-7b")
-    reader = ShardReader.for_checkpoint(path)
+    reader = checkpoint_reader(path)
     layer = reader.layers[0]
     rows = [5, 1, 3]
     for param in layer.params:
@@ -190,7 +191,7 @@ def test_read_rows_reads_only_the_kept_experts(shapes_root, tmp_path, fused):
 def test_tied_embeddings(tmp_path):
     model = moectl.tiny("olmoe", tie_word_embeddings=True)
     model.save_pretrained(tmp_path)
-    reader = ShardReader.for_checkpoint(tmp_path)
+    reader = checkpoint_reader(tmp_path)
     assert reader.map.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     assert torch.equal(reader.read_tensor("lm_head.weight"), model.model.embed_tokens.weight)
 
@@ -198,7 +199,7 @@ def test_tied_embeddings(tmp_path):
 def test_moe_layers_numbered_as_inspect(tmp_path):
     model = moectl.tiny("deepseek_v3")  # leading dense layer: MoE layer 0 is decoder layer 1
     model.save_pretrained(tmp_path)
-    reader = ShardReader.for_checkpoint(tmp_path)
+    reader = checkpoint_reader(tmp_path)
     names = {id(m): n for n, m in model.named_modules()}
     info = moectl.inspect(model)
     assert [layer.module for layer in reader.layers] == [
@@ -210,7 +211,7 @@ def test_moe_layers_numbered_as_inspect(tmp_path):
 def test_read_expert_fills_the_slot_in_place(shapes_root):
     path = _shape_dir(shapes_root, "qwen3-30b-a3b")
     ref = _reference(str(path))
-    reader = ShardReader.for_checkpoint(path)
+    reader = checkpoint_reader(path)
     slot = reader.empty_expert(0)
     pointers = {k: t.data_ptr() for k, t in slot.items()}
     got = reader.read_expert(0, 11, out=slot)
@@ -226,7 +227,7 @@ def test_read_expert_fills_the_slot_in_place(shapes_root):
 
 
 def test_read_expert_bad_arguments(shapes_root):
-    reader = ShardReader.for_checkpoint(_shape_dir(shapes_root, "olmoe-1b-7b"))
+    reader = checkpoint_reader(_shape_dir(shapes_root, "olmoe-1b-7b"))
     with pytest.raises(IndexError, match="MoE layer 5"):
         reader.read_expert(5, 0)
     with pytest.raises(IndexError, match="expert 64"):
@@ -246,13 +247,13 @@ def test_missing_and_truncated_shards_name_the_file(shapes_root, tmp_path):
     size = shard.stat().st_size
     os.truncate(shard, size - 100)
     with pytest.raises(ValueError, match=f"{shard.name}: truncated"):
-        ShardReader.for_checkpoint(path)
+        checkpoint_reader(path)
     os.truncate(shard, 4)
     with pytest.raises(ValueError, match=f"{shard.name}: truncated"):
         CheckpointIndex(path)
     shard.unlink()
     with pytest.raises(ValueError, match=f"{shard.name}: shard is missing"):
-        ShardReader.for_checkpoint(path)
+        checkpoint_reader(path)
     (path / "model.safetensors.index.json").unlink()
     with pytest.raises(ValueError, match=r"no model\.safetensors\.index\.json and no model\.safetensors"):
         CheckpointIndex(path)
@@ -265,7 +266,7 @@ def test_missing_and_truncated_shards_name_the_file(shapes_root, tmp_path):
 @pytest.mark.parametrize("method", READ_METHODS)
 def test_shard_truncated_after_indexing(shapes_root, tmp_path, method):
     path = _copy_checkpoint(_shape_dir(shapes_root, "olmoe-1b-7b"), tmp_path / "ck")
-    reader = ShardReader.for_checkpoint(path, method=method)
+    reader = checkpoint_reader(path, method=method)
     (seg,) = reader.expert_segments(1, 63)["down_proj"]
     os.truncate(seg.file, seg.offset + 10)
     with pytest.raises(ValueError, match=f"{seg.file.name}: truncated"):
@@ -284,7 +285,7 @@ def test_missing_tensor_names_it(tmp_path):
     del state["model.norm.weight"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model tensor model\.norm\.weight \[64\] is not in the checkpoint"):
-        ShardReader.for_checkpoint(path)
+        checkpoint_reader(path)
 
 
 def test_missing_expert_names_it(tmp_path):
@@ -295,7 +296,7 @@ def test_missing_expert_names_it(tmp_path):
         ValueError,
         match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj needs 8 .*up_proj.*expert 5 is missing",
     ):
-        ShardReader.for_checkpoint(path)
+        checkpoint_reader(path)
 
 
 def test_wrong_shape_and_dtype_name_the_tensor(tmp_path):
@@ -306,21 +307,21 @@ def test_wrong_shape_and_dtype_name_the_tensor(tmp_path):
         ValueError,
         match=r"checkpoint tensor model\.layers\.0\.mlp\.experts\.2\.down_proj\.weight has shape \[64, 95\]",
     ):
-        ShardReader.for_checkpoint(path)  # the experts of one projection disagree
+        checkpoint_reader(path)  # the experts of one projection disagree
     path, state = _tiny_state(tmp_path)
     state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 32)
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(
         ValueError, match=r"q_proj\.weight has shape \[64, 32\]; model tensor .* needs \[64, 64\]"
     ):
-        ShardReader.for_checkpoint(path)
+        checkpoint_reader(path)
     path, state = _tiny_state(tmp_path)
     state["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(
         ValueError, match=r"model\.norm\.weight is torch\.int32; model tensor model\.norm\.weight"
     ):
-        ShardReader.for_checkpoint(path)
+        checkpoint_reader(path)
 
 
 def test_model_of_another_shape_names_the_tensor(shapes_root):
@@ -372,7 +373,7 @@ def test_page_cache_stays_bounded(tmp_path):
     make_checkpoint("shape:olmoe-1b-7b@1~w256", path)
     cached = {}
     for method in READ_METHODS:
-        reader = ShardReader.for_checkpoint(path, method=method)
+        reader = checkpoint_reader(path, method=method)
         files = reader.index.files
         for file in files:
             evict(file)
@@ -381,7 +382,7 @@ def test_page_cache_stays_bounded(tmp_path):
             reader.read_expert(0, e, out=slot)
         cached[method] = sum(file_cached_bytes(f) for f in files)
         reader.close()
-    expert_bytes = ShardReader.for_checkpoint(path).expert_bytes
+    expert_bytes = checkpoint_reader(path).expert_bytes
     shutil.rmtree(path)
     assert cached["direct"] <= 2 * ALIGN, cached
     assert cached["fadvise"] <= 2 * ALIGN, cached
@@ -391,8 +392,8 @@ def test_page_cache_stays_bounded(tmp_path):
 @pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b", "gpt-oss-20b"])
 def test_full_size_models_map_on_meta(name):
     """Every layer of the full-size model, addressed from its planned checkpoint (nothing written)."""
-    from moectl.models.checkpoint_map import map_checkpoint
-    from moectl.models.safetensors_index import TensorEntry
+    from moectl.io.checkpoint_map import map_checkpoint
+    from moectl.io.safetensors_index import TensorEntry
     from moectl.models.shape_checkpoint import plan_tensors
     from moectl.models.shapes import build_shape
 

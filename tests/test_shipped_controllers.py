@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 
 import moectl
 from moectl.models.load import load_model
-from moectl.options.curves import summarise
+from moectl.reporting.option_curves import summarise
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 SHIPPED = sorted(p for p in MODELS.glob("*-controller-*") if (p / "controller.json").exists())

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import moectl
 from moectl import ExpertMask, GumbelTopK
 from moectl.cli import app
-from moectl.roe.config import MAX_K, RoEConfig
+from moectl.roe.roe_config import MAX_K, RoEConfig
 
 torch.set_num_threads(1)
 
@@ -60,7 +60,7 @@ def test_roe_cli_refuses_a_huge_k_in_one_line():
 
 
 def test_int8_scales_of_small_fp16_weights_do_not_underflow():
-    from moectl.serve.int8 import dequantize_rows, int8_linear, quantize_rows
+    from moectl.offload.int8 import dequantize_rows, int8_linear, quantize_rows
 
     w = (torch.randn(16, 32, generator=torch.Generator().manual_seed(0)) * 1e-6).half()
     q, scale = quantize_rows(w)
@@ -78,7 +78,7 @@ def test_int8_scales_of_small_fp16_weights_do_not_underflow():
 
 
 def test_default_mode_never_changes_the_umask():
-    from moectl.fileio import default_mode
+    from moectl.io.atomic import default_mode
 
     old = os.umask(0o027)
     try:

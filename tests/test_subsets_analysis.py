@@ -7,16 +7,11 @@ import torch
 
 import moectl
 from moectl.models.load import ByteTokenizer
+from moectl.reporting.similarity_plots import plot_similarity
 from moectl.routing import route
 from moectl.subsets.clusters import cluster_tokens, document_purity, pca, spherical_kmeans
 from moectl.subsets.gating import block_mask, domain_losses, mean_loss
-from moectl.subsets.similarity import (
-    document_statistics,
-    document_vectors,
-    domain_similarity,
-    domain_vectors,
-    plot_similarity,
-)
+from moectl.subsets.similarity import document_statistics, document_vectors, domain_similarity, domain_vectors
 
 TEXTS = {
     "math": ["1 + 1 = 2 and 2 * 3 = 6", "x^2 - 4 = 0"],

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import moectl
-from moectl.cli.subset import modularity_cmd, subset_app
+from moectl.cli.modularity import modularity_cmd
+from moectl.cli.subset import subset_app
 from moectl.models.load import load_model
 from moectl.routing import ExpertMask, route
 

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from moectl.data.sample import iter_documents, sample_corpus_dir
-from moectl.data.tokenizer import BOS, EOS, PAD, count_tokens, default_tokenizer_dir, train_tokenizer
+from moectl.data.tokenizer_train import BOS, EOS, PAD, count_tokens, default_tokenizer_dir, train_tokenizer
 
 TEXTS = [
     ("prose", "It is a truth universally acknowledged, that a single man in possession of a good fortune, "

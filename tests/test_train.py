@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 import moectl
 from moectl.routing.pool import sample_pool_sizes, segment_starts
-from moectl.train.config import TrainConfig
 from moectl.train.loop import Trainer
-from moectl.train.losses import expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.packing import batch_indices, pack_documents
+from moectl.train.pretrain_losses import expert_counts, load_balancing_loss, router_z_loss
+from moectl.train.train_config import TrainConfig
 
 MICRO_MODEL = {
     "hidden_size": 64,

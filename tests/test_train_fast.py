@@ -13,12 +13,12 @@ import torch
 
 from moectl.models.grouped_experts import grouped_experts_forward, register
 from moectl.train.allocator import fast_allocator_env
-from moectl.train.config import TrainConfig
 from moectl.train.fused_ce import linear_cross_entropy
 from moectl.train.loop import Trainer, TrainingInterrupted, pretrain, truncate_log
 from moectl.train.model import build_model
 from moectl.train.objective import NextTokenLoss
 from moectl.train.speed import flops_per_token, kernel_kind, measure_training
+from moectl.train.train_config import TrainConfig
 from test_train import MICRO_MODEL
 
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}

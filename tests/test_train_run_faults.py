@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import moectl.fileio as fileio
+import moectl.io.atomic as atomic
 from moectl.train.checkpoint import latest_in, load_trainer_state
-from moectl.train.config import TrainConfig
 from moectl.train.loop import Trainer, load_tokenizer, pretrain, truncate_log
 from moectl.train.packing import load_or_pack
+from moectl.train.train_config import TrainConfig
 from test_train import MICRO_MODEL
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moectl"
@@ -151,24 +151,24 @@ def test_atomic_writes_sync_the_file_and_its_folder(tmp_path, monkeypatch):
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", spy)
-    fileio.write_text_atomic(tmp_path / "a.json", "{}")
+    atomic.write_text_atomic(tmp_path / "a.json", "{}")
     assert any(Path(p).name.startswith(".a.json.") for p in synced)  # the file, before its rename
     assert str(tmp_path) in synced  # the folder, after it
     synced.clear()
-    with fileio.atomic_dir(tmp_path / "ckpt") as tmp:
+    with atomic.atomic_dir(tmp_path / "ckpt") as tmp:
         (tmp / "w.bin").write_bytes(b"1")
     assert any(p.endswith("w.bin") for p in synced) and str(tmp_path) in synced
 
 
 def test_atomic_dir_keeps_the_old_folder_when_the_new_one_fails(tmp_path):
     final = tmp_path / "final"
-    with fileio.atomic_dir(final) as tmp:
+    with atomic.atomic_dir(final) as tmp:
         (tmp / "model.safetensors").write_text("old")
-    with pytest.raises(RuntimeError), fileio.atomic_dir(final) as tmp:
+    with pytest.raises(RuntimeError), atomic.atomic_dir(final) as tmp:
         (tmp / "model.safetensors").write_text("half")
         raise RuntimeError("killed mid-write")
     assert (final / "model.safetensors").read_text() == "old"
-    with fileio.atomic_dir(final) as tmp:
+    with atomic.atomic_dir(final) as tmp:
         (tmp / "model.safetensors").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["final"]  # nothing left beside it
     assert (final / "model.safetensors").read_text() == "new"
@@ -233,7 +233,7 @@ def test_plots_are_written_atomically(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moectl.plots import plot_curves
+    from moectl.reporting.plots import plot_curves
 
     png = tmp_path / "loss_curve.png"
     plot_curves({"a": ([0, 1], [2.0, 1.0])}, png, xlabel="tokens", ylabel="loss")

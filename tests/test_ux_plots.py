@@ -47,7 +47,7 @@ def test_options_figure_heading_titles_and_legend_do_not_overlap(tmp_path, figur
     """`options generate --plot`: the heading (title, model, prompt) stood over the first panel's
     title and the legend was cut at the figure's edge."""
     from moectl.generate import generate_traced
-    from moectl.options.plots import plot_options
+    from moectl.reporting.option_plots import plot_options
 
     model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
     prompt = "The history of the city of " * 8  # longer than a line of the heading
@@ -76,7 +76,7 @@ def test_options_figure_heading_titles_and_legend_do_not_overlap(tmp_path, figur
 def test_a_long_path_in_a_title_breaks_after_a_separator(tmp_path, figures):
     """`offload simulate --routing 'learned: /a/long/checkpoint/path' --plot`: the title's lines break
     after a '/', every path part whole, whole budgets on the axis."""
-    from moectl.residency.plot import plot_hit_rate
+    from moectl.reporting.residency_plots import plot_hit_rate
 
     path = "/home/someone/checkpoints/experiments/2026-11/olmoe-math-finetune-with-a-long-name/final"
     rows = [{"policy": p, "budget": b, "hit_rate": b / 8} for p in ("lru", "belady") for b in (2, 4, 6)]

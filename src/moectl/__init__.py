@@ -36,10 +36,11 @@ _LAZY: dict[str, tuple[str, str]] = {
     "FAMILIES": ("moectl.models.tiny", "FAMILIES"),
     "load": ("moectl.loaded", "load"),
     "Loaded": ("moectl.loaded", "Loaded"),
-    "RoEConfig": ("moectl.roe.config", "RoEConfig"),
+    "RoEConfig": ("moectl.roe.roe_config", "RoEConfig"),
 }
 _SUBPACKAGES = (
-    "adapters", "data", "eval", "metrics", "models", "options", "roe", "routing", "serve", "subsets", "train",
+    "adapters", "data", "eval", "io", "metrics", "models", "offload", "options", "reporting", "roe", "routing",
+    "subsets", "train",
 )  # fmt: skip
 
 __all__ = [

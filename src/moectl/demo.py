@@ -10,7 +10,7 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
 from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
-from moectl.plots import plot_expert_activation
+from moectl.reporting.plots import plot_expert_activation
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, route
 
 

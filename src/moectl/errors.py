@@ -24,3 +24,11 @@ class ConfigError(MoectlError, ValueError):
 
 class MoectlFileError(MoectlError, FileNotFoundError):
     """A file or folder moectl needs is missing or unreadable."""
+
+
+class FetchError(MoectlError, RuntimeError):
+    """A package, wheel or evaluation set could not be downloaded or unpacked."""
+
+
+class UnsupportedModelError(MoectlError, ValueError):
+    """The model has no router moectl can re-route, or something bypasses the routers."""

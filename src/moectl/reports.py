@@ -14,9 +14,9 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
 from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
-from moectl.plots import model_label, plot_expert_activation, plot_switch_rate_per_layer
-from moectl.routing.config import PolicyConfig
-from moectl.routing.loader import load_policy
+from moectl.reporting.plots import model_label, plot_expert_activation, plot_switch_rate_per_layer
+from moectl.routing.policy_config import PolicyConfig
+from moectl.routing.policy_files import load_policy
 
 
 def _summarise(values: list[list[float]]) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from moectl.errors import ConfigError
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 C = TypeVar("C", bound="RunConfig")
 

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moectl.adapters.errors import UnsupportedModelError
 from moectl.adapters.linear_gate import GateFamily, GateRouter, run_experts
 from moectl.adapters.registry import Adapter, register_gate
 from moectl.adapters.rules import RouterRule
+from moectl.errors import UnsupportedModelError
 
 
 def _shared(block: nn.Module) -> list[int]:

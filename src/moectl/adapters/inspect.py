@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from moectl.adapters.errors import UnsupportedModelError
 from moectl.adapters.linear_gate import gate_router
 from moectl.adapters.registry import Adapter, gate_families, registry, supported_routers
 from moectl.adapters.rules import RouterRule
+from moectl.errors import UnsupportedModelError
 
 __all__ = ["MoELayer", "ModelInfo", "UnsupportedModelError", "check_not_bypassed", "inspect"]
 

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moectl.adapters.errors import UnsupportedModelError
 from moectl.adapters.registry import Adapter, gate_families
 from moectl.adapters.rules import RouterRule
+from moectl.errors import UnsupportedModelError
 
 # block -> its GateRouter, made once (hooks on it must outlive one inspect); keyed weakly, not kept on
 # the user's block: the entry goes with the block (the router holds the block only weakly)

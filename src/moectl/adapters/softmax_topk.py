@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from moectl.adapters.errors import UnsupportedModelError
 from moectl.adapters.registry import Adapter, register
 from moectl.adapters.rules import RouterRule
+from moectl.errors import UnsupportedModelError
 
 M = "transformers.models"
 

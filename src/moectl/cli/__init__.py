@@ -16,18 +16,22 @@ from moectl.cli import (
     card,
     checkpoint,
     corpus,
+    data,
     demo,
     eval,
     export,
     inspect,
+    modularity,
     offload,
     options,
     pretrain,
+    report,
     roe,
     serve,
-    server,
+    serve_offload,
     subset,
     switch_rate,
+    tokenizer,
 )
 from moectl.cli.helpformat import FlagGroup, flags_untyped
 
@@ -58,20 +62,20 @@ app.command("inspect")(inspect.inspect_cmd)
 app.command("switch-rate")(switch_rate.switch_rate_cmd)
 app.command("demo")(demo.demo_cmd)
 app.add_typer(corpus.corpus_app, name="corpus", help="Build the offline multi-domain corpus.")
-app.add_typer(corpus.tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
+app.add_typer(tokenizer.tokenizer_app, name="tokenizer", help="Train moectl's byte-level BPE tokenizer.")
 app.command("pretrain")(pretrain.pretrain_command)
 app.command("card")(card.card_command)
 app.command("eval")(eval.eval_command)
-app.command("report")(eval.report_command)
-app.command("serve")(server.serve_command)
-app.command("serve-offload")(serve.serve_offload_command)
+app.command("report")(report.report_command)
+app.command("serve")(serve.serve_command)
+app.command("serve-offload")(serve_offload.serve_offload_command)
 app.add_typer(offload.offload_app, name="offload", help="Expert offloading: which experts to keep resident.")
 app.add_typer(subset.subset_app, name="subset", help="Select, export and analyse per-domain expert subsets.")
-app.command("modularity")(subset.modularity_cmd)
+app.command("modularity")(modularity.modularity_cmd)
 app.add_typer(
     roe.roe_app, name="roe", help="Roster of Experts: Gumbel-routed ensembles with a clean KV cache."
 )
-app.add_typer(eval.data_app, name="data", help="Fetch offline evaluation sets.")
+app.add_typer(data.data_app, name="data", help="Fetch offline evaluation sets.")
 app.add_typer(
     options.options_app, name="options", help="Temporally extended MoE: option controllers (TE-MoE)."
 )

@@ -34,7 +34,7 @@ from moectl.cli.common import (
 )
 
 _ERRORS = (ValueError, OSError, KeyError)
-PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.data``)
+PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.prompt_data``)
 
 
 def baselines_command(
@@ -76,7 +76,7 @@ def baselines_command(
     """Per-layer expert masks of TE-MoE's pruning baselines (frequency, reconstruction, random, wanda)."""
     from moectl.adapters import inspect
     from moectl.options.baselines import baseline_keep, baseline_name, calibration_batch
-    from moectl.options.data import read_prompts
+    from moectl.options.prompt_data import read_prompts
     from moectl.options.random_options import check_k_hat
     from moectl.subsets.files import save_subset
 

@@ -44,7 +44,7 @@ def card_command(
     json_path: JsonOpt = None,
 ) -> None:
     """Write MODEL_DIR/README.md (Hugging Face model card) and copy the training log and curves beside it."""
-    from moectl.train.model_card import write_card
+    from moectl.reporting.model_card import write_card
 
     try:
         if not model_dir.is_dir():

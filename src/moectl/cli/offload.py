@@ -34,7 +34,7 @@ def _expert_bytes(expert_bytes: int | None, checkpoint: Path | None, layers: int
 
 def _meta_expert_bytes(meta) -> list[int]:
     from moectl.adapters import inspect
-    from moectl.serve.int8 import expert_slot_bytes
+    from moectl.offload.int8 import expert_slot_bytes
 
     out = []
     for layer in inspect(meta).layers:
@@ -116,7 +116,7 @@ def simulate_command(
         rows = run(config)
         doc = report(config, rows, routing)
         if plot is not None:
-            from moectl.residency.plot import plot_hit_rate
+            from moectl.reporting.residency_plots import plot_hit_rate
 
             title = (
                 f"hit rate vs budget: {acc.tokens} tokens × {acc.layers} layers × top-{acc.top_k} of "

@@ -168,7 +168,7 @@ def train_cmd(
 
 def _load(model: str, controller: Path | None, device: str, dtype: str, seed: int, merge: bool = True):
     """(model, tokenizer, controller, options config, router snapshot) through the shared loader."""
-    from moectl.options.state import attach_controller
+    from moectl.options.option_state import attach_controller
 
     lm, tokenizer = load(model, device, dtype, seed=seed)
     lm, ctrl, config, snapshot = attach_controller(lm, controller, merge)
@@ -227,7 +227,7 @@ def generate_cmd(
         rows.append({"prompt": p.text, "text": text, "switch_events": events})
     console.print(f"switch rate {report.mean:.4f} (per layer {[round(x, 4) for x in report.per_layer]})")
     if plot is not None:
-        from moectl.options.plots import plot_options
+        from moectl.reporting.option_plots import plot_options
 
         for i, p in enumerate(prompts):
             plot_options(trace, plot / f"options_prompt{i}.png", row=i, label=f"prompt {i}: {p.text!r}", model=model)
@@ -268,9 +268,9 @@ def eval_cmd(
 
     from moectl.adapters.inspect import inspect
     from moectl.generate import load_prompts
-    from moectl.options.data import texts_by_domain
     from moectl.options.evaluate import generation_switch_rate, heldout_quality
     from moectl.options.policy import ControllerPolicy
+    from moectl.options.prompt_data import texts_by_domain
     from moectl.options.teacher import teacher_mode
 
     with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
@@ -363,7 +363,7 @@ def card_cmd(
     that step, the training curves (TE-MoE Fig. 5) and README.md, every figure read from files."""
     from rich.markup import escape
 
-    from moectl.options.card import write_controller_card
+    from moectl.reporting.controller_card import write_controller_card
 
     with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
         result = write_controller_card(

@@ -90,8 +90,8 @@ def pretrain_command(
 ) -> None:
     """Pretrain one of moectl's MoEs with the standard or the EMO objective."""
     from moectl.errors import ConfigError
-    from moectl.train.config import TrainConfig
     from moectl.train.loop import TrainingInterrupted, pretrain
+    from moectl.train.train_config import TrainConfig
 
     overrides = dict(
         max_steps=max_steps,

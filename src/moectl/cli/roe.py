@@ -54,8 +54,8 @@ LimitOpt = Annotated[int | None, typer.Option("--limit", help="Use only the firs
 
 # -- helpers --------------------------------------------------------------------------------
 def _config(k: int | None, temperatures: str | None, cache: str, aggregation: str, seed: int):
-    """RoEConfig from the CLI options (``moectl.roe.config.config_from_options``)."""
-    from moectl.roe.config import config_from_options
+    """RoEConfig from the CLI options (``moectl.roe.roe_config.config_from_options``)."""
+    from moectl.roe.roe_config import config_from_options
 
     try:
         return config_from_options(k, temperatures, cache, aggregation, seed)
@@ -112,8 +112,8 @@ def generate_cmd(
     """Generate with a K-sample RoE ensemble per token (greedy by default, RoE §3.1)."""
     from moectl.adapters.inspect import inspect
     from moectl.generate import load_prompts
-    from moectl.roe.config import config_dict
-    from moectl.roe.generate import GenerationStats, generate
+    from moectl.roe.roe_config import config_dict
+    from moectl.roe.roe_generate import GenerationStats, generate
 
     with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
@@ -198,14 +198,14 @@ def score_cmd(
 ) -> None:
     """RoE log-likelihood of held-out data: perplexity, multiple-choice or exact-match accuracy."""
     from moectl.adapters.inspect import inspect
-    from moectl.roe.config import config_dict
-    from moectl.roe.data import load_items
+    from moectl.roe.roe_config import config_dict
     from moectl.roe.score import score
+    from moectl.roe.score_data import load_items
 
     with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
         spec = model_spec(model, tiny)
         if data is None:
-            raise ValueError("give --data FILE.jsonl (see `moectl.roe.data` for the accepted lines)")
+            raise ValueError("give --data FILE.jsonl (see `moectl.roe.score_data` for the accepted lines)")
         config = _config(k, temperatures, cache, aggregation, seed)
         items = load_items(data, limit)
         lm, tokenizer = load(spec, device, dtype)

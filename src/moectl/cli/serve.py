@@ -1,246 +1,200 @@
-"""``moectl serve-offload``: generate with only a budget of experts resident and report the cost.
-
-``serve_app`` runs it alone (``moectl.cli`` mounts ``serve_offload_command`` as ``serve-offload``).
-"""
+"""``moectl serve MODEL``: an OpenAI-compatible HTTP server (``moectl.server``) over the batching engine."""
 
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
-    JsonOpt,
     OptionalModelArg,
     ThreadsOpt,
     TinyOpt,
     console,
-    handle_moectl_errors,
-    interrupted,
+    fail,
+    load,
     model_spec,
     use_threads,
-    write_json,
 )
 
-serve_app = typer.Typer(help="Serve an MoE with offloaded experts.", no_args_is_help=True)
+ROUTING = re.compile(r"^([^=]+)=(.+)$")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def parse_budget(text: str) -> float | int:
-    """``0.25`` (a fraction of the experts per layer) or ``4`` (experts per layer)."""
+def parse_routings(items: list[str]) -> dict[str, str]:
+    """``NAME=SPEC`` items as a dict; ``ValueError`` for a malformed or repeated name."""
+    out: dict[str, str] = {}
+    for item in items:
+        match = ROUTING.match(item)
+        if not match:
+            raise ValueError(
+                f"--routing {item!r}: give NAME=SPEC, e.g. math=math.subset.json, opt8=option:8 or "
+                "ctl=controller:DIR"
+            )
+        name, spec = match.group(1).strip(), match.group(2).strip()
+        if name in out:
+            raise ValueError(f"--routing {name!r} is given twice: one spec per name")
+        out[name] = spec
+    return out
+
+
+def served_name(spec: str) -> str:
+    """The name /v1/models lists: a checkpoint folder's basename, else the spec itself."""
+    path = Path(spec).expanduser()
+    return path.resolve().name if path.exists() else spec
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port that cannot be bound before the model loads (``OSError`` naming it)."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
     try:
-        return float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError as err:
-        raise typer.BadParameter(
-            f"--budget must be a fraction like 0.25 or a count like 4, got {text!r}"
-        ) from err
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r} is not an address this machine can bind: {err.strerror}") from err
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def _rate(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}"
-
-
-def _seconds(s: float | None) -> str:
-    return "-" if s is None else f"{s:.3f} s"
-
-
-@serve_app.command("serve-offload")
-@interrupted("nothing was written (results are written when the command finishes); run the command again")
-def serve_offload_command(
+def serve_command(
     model: OptionalModelArg = None,
     tiny: TinyOpt = None,
-    budget: Annotated[
-        str, typer.Option(help="Resident experts per MoE layer: a fraction (0.25) or a count (4).")
-    ] = "0.25",
-    policy: Annotated[
-        str,
+    host: Annotated[str, typer.Option(help="Address to listen on; loopback by default.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    routing: Annotated[
+        list[str] | None,
         typer.Option(
-            help="lru | s3fifo | arc | reroute:TOL | pregate | static:SUBSET.json | option:K_HAT | controller:DIR, or any policy file or folder "
-            "(`moectl.load_policy`: a subset file or expert mask is served static, a controller folder as controller)."
+            "--routing",
+            help='NAME=SPEC (repeatable): a routing requests may name with "routing": NAME — a subset or '
+            "policy file, option:K, controller:DIR (`moectl.load_policy`). No routing: the model as trained.",
         ),
-    ] = "lru",
-    store: Annotated[
-        str,
-        typer.Option(
-            help="Where non-resident experts live: disk (a checkpoint folder's own shards, read on demand; "
-            "a temporary store for tiny:/shape: models) | checkpoint (the shards, required) | host (RAM)."
-        ),
-    ] = "disk",
-    read_method: Annotated[
-        str,
-        typer.Option(
-            "--read-method",
-            help="How checkpoint shards are read: direct (O_DIRECT, the page cache stays empty) | fadvise | plain.",
-        ),
-    ] = "direct",
-    experts_forward: Annotated[
-        str,
-        typer.Option(
-            "--experts-forward",
-            help="grouped (one grouped GEMM over the resident slots) | eager (transformers' per-expert loop).",
-        ),
-    ] = "grouped",
-    slot_dtype: Annotated[
-        str,
-        typer.Option(
-            "--slot-dtype",
-            help="Resident experts: same (the model's dtype) | int8 (weight-only, per-row scales: half "
-            "the memory of bf16, faster reads on CPU, not exact).",
-        ),
-    ] = "same",
-    store_dir: Annotated[
-        Path | None,
-        typer.Option("--store-dir", help="Directory for the disk store (default: a temporary one)."),
     ] = None,
-    prompts: Annotated[
-        Path | None, typer.Option(help="JSONL with 'prompt' per line; default: built-in prompts.")
-    ] = None,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences generated together.")] = 8,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests waiting for a row; past it requests get 429.")
     ] = 64,
-    max_batch: Annotated[
-        int,
+    api_key: Annotated[
+        str | None,
         typer.Option(
-            "--max-batch",
-            help="Prompts decoded together by the engine (their rows share the resident experts); "
-            "1: one at a time.",
-        ),
-    ] = 1,
-    plot: Annotated[Path | None, typer.Option(help="PNG (or directory) for the load timeline.")] = None,
-    json_path: JsonOpt = None,
-    async_loads: Annotated[
-        bool | None,
-        typer.Option(
-            "--async-loads/--no-async-loads",
-            help="Overlap expert loads with compute (CUDA: a side stream; CPU: a worker thread). "
-            "Default: on with CUDA, off without.",
+            "--api-key", envvar="MOECTL_API_KEY", help="Require Authorization: Bearer KEY (all but /health)."
         ),
     ] = None,
-    prefetch: Annotated[
-        bool | None,
+    budget: Annotated[
+        str | None,
         typer.Option(
-            "--prefetch/--no-prefetch",
-            help="Start loading a predicted switch's experts one token early (option and controller "
-            "policies; only into free or unpinned slots). Default: as --async-loads.",
+            help="Offload experts: resident experts per MoE layer, a fraction (0.25) or a count (4)."
         ),
     ] = None,
-    prefetch_lookahead: Annotated[
-        int,
-        typer.Option(
-            help="option policy: a runner-up within top-k + this many ranks, outside the option, "
-            "predicts a switch."
-        ),
-    ] = 1,
-    prefetch_beta: Annotated[
-        float, typer.Option(help="controller policy: β above this predicts a switch.")
-    ] = 0.5,
-    load_timeout: Annotated[
-        float,
-        typer.Option(
-            "--load-timeout",
-            help="Seconds compute waits for one expert load from the worker thread (--async-loads on CPU) "
-            "before stopping with an error naming the expert.",
-        ),
-    ] = 300.0,
-    seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights and of controller sampling.")] = 0,
+    residency: Annotated[
+        str | None,
+        typer.Option(help="With --budget: lru | option:K | controller:DIR (which experts stay resident)."),
+    ] = None,
+    slot_dtype: Annotated[
+        str | None,
+        typer.Option("--slot-dtype", help="With --budget: same | int8 (resident experts' weights)."),
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="With --budget: disk | checkpoint | host (where other experts live).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights.")] = 0,
+    log_level: Annotated[str, typer.Option("--log-level", help=", ".join(LOG_LEVELS))] = "info",
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
 ) -> None:
-    """Generate greedily with experts offloaded; report memory, loads, bytes moved, time and hit rate."""
-    from moectl.serve.config import EXPERTS_FORWARDS, STORES, OffloadConfig
-    from moectl.serve.int8 import SLOT_DTYPES
-    from moectl.serve.prefetch import PrefetchConfig
-    from moectl.serve.runner import ServeOffloadConfig, run
+    """Serve MODEL over HTTP with OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions
+    (stream: true as server-sent events), /health, /metrics (Prometheus). SIGTERM drains and exits 0."""
+    try:
+        spec = model_spec(model, tiny)
+    except typer.BadParameter as err:
+        fail(str(err))
+    try:
+        routings = parse_routings(routing or [])
+        if max_batch < 1:
+            raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
+        if max_queue < 1:
+            raise ValueError(f"--max-queue must be at least 1, got {max_queue}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        offload = _offload_config(budget, residency, slot_dtype, store)
+        check_port(host, port)
+    except (ValueError, OSError) as err:
+        fail(err)
 
-    spec = model_spec(model, tiny)
-    if store not in STORES:
-        raise typer.BadParameter(f"--store must be one of {', '.join(STORES)}, got {store!r}")
-    if read_method not in ("direct", "fadvise", "plain"):
-        raise typer.BadParameter(f"--read-method must be direct, fadvise or plain, got {read_method!r}")
-    if experts_forward not in EXPERTS_FORWARDS:
-        raise typer.BadParameter(
-            f"--experts-forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {experts_forward!r}"
-        )
-    if max_batch < 1:
-        raise typer.BadParameter(f"--max-batch must be >= 1, got {max_batch}")
-    if threads is not None and threads < 1:
-        raise typer.BadParameter(f"--threads must be >= 1, got {threads}")
-    if slot_dtype not in SLOT_DTYPES:
-        raise typer.BadParameter(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
+    from moectl.engine import Engine, EngineConfig
+    from moectl.server.app import create_app
+    from moectl.server.uvicorn_run import serve
+
     n_threads = use_threads(threads)
-    with handle_moectl_errors():
-        config = ServeOffloadConfig(
-            model=spec,
-            offload=OffloadConfig(
-                budget=parse_budget(budget),
-                policy=policy,
-                store=store,
-                store_dir=store_dir,
-                async_loads=async_loads,
-                prefetch=prefetch,
-                prefetch_config=PrefetchConfig(prefetch_lookahead, prefetch_beta),
-                read_method=read_method,
-                experts_forward=experts_forward,
-                slot_dtype=slot_dtype,
-                load_timeout_s=load_timeout,
+    reader = None
+    try:
+        if offload is not None:  # a checkpoint's experts stay in its shards (moectl.offload.loading)
+            from moectl.offload.loading import load_for_offload
+
+            net, tokenizer, reader = load_for_offload(spec, offload, dtype, device, seed)
+        else:
+            net, tokenizer = load(spec, device, dtype, seed=seed)
+        engine = Engine(
+            net,
+            tokenizer,
+            EngineConfig(
+                max_batch=max_batch, max_queue=max_queue, offload=offload, adapt_threads=threads is None
             ),
-            prompts=prompts,
-            max_new_tokens=max_new_tokens,
-            max_batch=max_batch,
-            plot=plot,
-            seed=seed,
-            device=device,
-            dtype=dtype,
+            routings=routings,
+            reader=reader,
         )
-    with handle_moectl_errors(ValueError, OSError, RuntimeError, MemoryError):  # not every one a MoectlError yet
-        result = run(config)
-    table = Table(title=f"serve-offload: policy {result['policy']}, store {result['store']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    rows = [
-        (
-            "resident experts / layer",
-            f"{result['budget_experts_per_layer'][0]} of {result['num_experts'][0]}",
-        ),
-        ("resident expert memory", _mib(result["resident_expert_bytes"])),
-        ("total expert memory", _mib(result["total_expert_bytes"])),
-        ("non-expert memory", _mib(result["non_expert_bytes"])),
-        ("peak process RSS", _mib(result["peak_rss_bytes"])),
-        ("time to first token", _seconds(result["time_to_first_token_s"])),
-        (
-            "disk bytes read / generated token",
-            "-" if result["disk_read_bytes_per_token"] is None else _mib(result["disk_read_bytes_per_token"]),
-        ),
-        ("loads / generated token", f"{result['loads_per_token']:.3f}"),
-        ("bytes moved / generated token", _mib(result["bytes_moved_per_token"])),
-        ("hit rate", "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"),
-        (
-            "switch rate of the resident option",
-            f"- ({result['switch_rate_unmeasured']})" if result["switch_rate"] is None else f"{result['switch_rate']:.3f}",
-        ),
-        ("loader", f"{result['loader']}" + (", prefetch" if result["prefetch"] else "")),
-        ("load time (of which compute waited)", f"{result['load_s']:.3f} s ({result['stall_s']:.3f} s)"),
-        (
-            "prefetch hits / loads",
-            f"{result['prefetch_hits']} / {result['prefetch_loads']}" if result["prefetch"] else "-",
-        ),
-        ("expert compute time", f"{result['expert_compute_s']:.3f} s"),
-        ("tokens/s (decode only)", f"{result['tokens_per_s']:.2f} ({_rate(result['decode_tokens_per_s'])})"),
-        ("prompts decoded together (max batch)", str(result["max_batch"])),
-        ("torch threads", str(n_threads)),
-        ("one expert load (median)", f"{result['load_latency']['load_s'] * 1e6:.1f} µs"),
-        ("deliberation cost η", f"{result['eta']['value']:.4f}"),
-    ]
-    rows.append(("load timeline (PNG)", result.get("plot") or "not written (--plot PATH writes it)"))
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    write_json(json_path, {**result, "threads": n_threads})
+        engine.open()  # the routing and the offload runtime installed now: their errors are one line here
+    except (ValueError, OSError, RuntimeError, MemoryError) as err:
+        fail(err)
+    name = served_name(spec)
+    app = create_app(engine, name, api_key=api_key)
+    names = ", ".join(sorted(routings)) or "none"
+    console.print(f"serving {name} on http://{host}:{port}/v1 (routings: {names}; {n_threads} torch threads)")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        console.print(
+            f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it"
+        )
+    try:
+        serve(app, host, port, log_level=log_level)
+    except OSError as err:
+        fail(err)
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _offload_config(budget: str | None, residency: str | None, slot_dtype: str | None, store: str | None):
+    """The offload settings, or None when --budget is not given (the others need it)."""
+    if budget is None:
+        given = [
+            f"--{n}" for n, v in (("residency", residency), ("slot-dtype", slot_dtype), ("store", store)) if v
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --budget (offloaded experts)")
+        return None
+    from moectl.offload.int8 import SLOT_DTYPES
+    from moectl.offload.offload_config import STORES, OffloadConfig
+
+    if store is not None and store not in STORES:
+        raise ValueError(f"--store must be one of {', '.join(STORES)}, got {store!r}")
+    if slot_dtype is not None and slot_dtype not in SLOT_DTYPES:
+        raise ValueError(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
+    try:
+        amount = float(budget) if any(c in budget for c in ".eE") else int(budget)
+    except ValueError as err:
+        raise ValueError(f"--budget must be a fraction like 0.25 or a count like 4, got {budget!r}") from err
+    return OffloadConfig(
+        budget=amount, policy=residency or "lru", slot_dtype=slot_dtype or "same", store=store or "disk"
+    )

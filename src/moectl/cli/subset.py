@@ -6,10 +6,9 @@
     moectl subset merge MODEL --subset math.subset.json --experts math-8-ft/ --out merged/
     moectl subset gate MODEL --subset math.subset.json --data domains/ --json gate.json
     moectl subset clusters MODEL --data domains/ --out clusters/
-    moectl modularity MODEL --data domains/ --out report/     # ``modularity_cmd``, mounted top-level
 
 MODEL is ``tiny:FAMILY`` (an offline random model), a checkpoint directory or a hub id. ``--data``
-is JSONL with a ``text`` field per line; for ``gate``, ``clusters`` and ``modularity`` a directory of
+is JSONL with a ``text`` field per line; for ``gate`` and ``clusters`` (and ``moectl modularity``, ``cli/modularity.py``) a directory of
 DOMAIN.jsonl files or a moectl corpus folder (its validation split, by ``domain``; ``clusters`` and
 ``gate`` also take one JSONL file), read by ``moectl.data.domains.texts_by_domain``. Each verb
 prints a rich table and writes its results with ``--json``.
@@ -39,7 +38,7 @@ from moectl.cli.common import (
     write_json,
     write_or_fail,
 )
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 subset_app = typer.Typer(
     help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",
@@ -222,45 +221,6 @@ def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None
         fail(err)
     _print_export(out, report, "streamed shard by shard")
     write_json(json_path, report)
-
-
-def modularity_cmd(
-    model: ModelArg,
-    data: DataOpt,
-    out: Annotated[
-        Path,
-        typer.Option(
-            "--out", help="Directory for the heatmap PNGs and similarity.json.", callback=check_out_folder
-        ),
-    ],
-    max_docs: MaxDocsOpt = None,
-    max_length: MaxLengthOpt = 512,
-    seed: SeedOpt = 0,
-    json_path: JsonOpt = None,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "auto",
-) -> None:
-    """Domain similarity of expert use per MoE layer (EMO §5.3, Figure 6): heatmaps and a table."""
-    from moectl.adapters import inspect
-    from moectl.data.domains import texts_by_domain
-    from moectl.subsets.similarity import modularity_report
-
-    try:
-        texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        report = modularity_report(lm, tokenizer, texts, out, inspect(lm), max_length, progress=True)
-    except _ERRORS as err:
-        fail(err)
-    table = Table(title=f"domain similarity of expert use ({len(report['domains'])} domains)")
-    for column in ("MoE layer", "mean off-diagonal", "min", "max"):
-        table.add_column(column, justify="right")
-    for index, summary in report["summary"].items():
-        table.add_row(index, *(f"{summary[key]:.3f}" for key in ("mean", "min", "max")))
-    console.print(table)
-    result = {"model": model, **report}
-    write_or_fail("--out", write_text_atomic, out / "similarity.json", json.dumps(result, indent=2) + "\n")
-    console.print(f"[dim]wrote {out}/similarity.json and {len(report['plots'])} heatmaps[/dim]")
-    write_json(json_path, result)
 
 
 @subset_app.command("gate")

@@ -30,12 +30,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moectl.data.corpus_fetch import fetch_source
 from moectl.data.decoders import DECODERS
-from moectl.data.fetch import fetch_source
 from moectl.data.markup import normalise_whitespace, strip
 from moectl.data.sources import SOURCES, Source, select_sources
 from moectl.data.split import DEFAULT_FRACTIONS, SPLITS, content_key, split_of, unit_hash
-from moectl.fileio import atomic_dir, atomic_path, write_text_atomic
+from moectl.io.atomic import atomic_dir, atomic_path, write_text_atomic
 
 __all__ = ["CHARS_PER_TOKEN", "PIPELINE_VERSION", "build_corpus", "source_documents"]
 

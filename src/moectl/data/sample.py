@@ -19,7 +19,7 @@ from typing import Any
 from moectl.data.build import CHARS_PER_TOKEN
 from moectl.data.jsonl import iter_jsonl_rows
 from moectl.data.split import SPLITS, unit_hash
-from moectl.fileio import atomic_dir
+from moectl.io.atomic import atomic_dir
 
 __all__ = [
     "corpus_files",

@@ -8,7 +8,7 @@ EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
 or subset, a document pool, Gumbel noise, ``option:K`` or a controller with its own option state.
-The offload runtime (``moectl.serve.offload``) can sit underneath: the batch's rows then share one
+The offload runtime (``moectl.offload.runtime``) can sit underneath: the batch's rows then share one
 resident expert set, and an expert that any row needs is loaded once per step.
 
 Use it synchronously (``engine.generate(prompts, params)``, as the batch commands do) or as a
@@ -196,7 +196,7 @@ class Engine:
         policies: list = []
         try:
             if self.config.offload is not None:
-                from moectl.serve.offload import offload
+                from moectl.offload.runtime import offload
 
                 impl = getattr(self.model.config, "_experts_implementation", None)
                 if impl not in (None, "eager") and hasattr(self.model, "set_experts_implementation"):

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.routing.config import PolicyConfig
+from moectl.routing.policy_config import PolicyConfig
 from moectl.routing.protocols import Policy, SequencePolicy, carries_weights, renorm_of
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
@@ -56,7 +56,7 @@ class Routing:
 
 def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
     """The routing ``spec`` describes for ``model``, checked against it (``ValueError`` if not)."""
-    from moectl.routing.loader import routing_policies
+    from moectl.routing.policy_files import routing_policies
 
     if not NAME.match(name):
         raise ValueError(
@@ -84,7 +84,7 @@ def _roe_config(spec: Any) -> Any:
         return spec
     if not isinstance(spec, (str, Mapping)) and not isinstance(spec, os.PathLike):
         return None
-    from moectl.routing.loader import load_policy
+    from moectl.routing.policy_files import load_policy
 
     try:
         loaded = load_policy(spec)
@@ -96,7 +96,7 @@ def _roe_config(spec: Any) -> Any:
 def _carries_weights(spec: Any, info: ModelInfo) -> bool:
     """Whether loading ``spec`` merges trained weights into the model (a trained controller's
     LoRA adapters and routers: ``ControllerPolicy.pending``)."""
-    from moectl.routing.loader import load_policy
+    from moectl.routing.policy_files import load_policy
 
     if not isinstance(spec, (str, Mapping, list, tuple)) and not isinstance(spec, os.PathLike):
         return carries_weights(spec)

@@ -1,6 +1,6 @@
 """Routing per row: one policy installed on the model that hands each row to its own request's policies.
 
-``RowRouter`` is a routing policy (``moectl.routing.state.Policy``). Before each forward the engine
+``RowRouter`` is a routing policy (``moectl.routing.routing_state.Policy``). Before each forward the engine
 says which rows belong to which routing (``set_groups``); at every MoE layer the router applies each
 group's policies to a ``RoutingState`` cut to that group's rows, with a context as the request alone
 would have it (its own offset: the real tokens it has seen), and writes their ``allowed`` / ``noise``
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.routing.state import Policy, RouteContext, RoutingState
+from moectl.routing.routing_state import Policy, RouteContext, RoutingState
 
 
 @dataclass

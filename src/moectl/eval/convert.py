@@ -17,7 +17,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-from moectl.eval.catalog import EvalSet
+from moectl.eval.catalog import MEDMCQA_FIELDS, EvalSet
 from moectl.eval.math_equiv import last_boxed
 from moectl.eval.mmlu_categories import category_of
 
@@ -96,20 +96,7 @@ def _gsm8k(doc: Row) -> Row:
 
 
 def _medmcqa(doc: Row) -> Row:
-    keep = (
-        "id",
-        "question",
-        "opa",
-        "opb",
-        "opc",
-        "opd",
-        "cop",
-        "choice_type",
-        "exp",
-        "subject_name",
-        "topic_name",
-    )
-    return {k: doc.get(k) for k in keep}
+    return {k: doc.get(k) for k in MEDMCQA_FIELDS}
 
 
 def _mbpp(doc: Row) -> Row:

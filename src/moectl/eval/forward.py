@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo
 from moectl.eval.request_noise import keyed_policies, set_request_codes
 from moectl.metrics.switch_rate import switch_rate
-from moectl.roe.config import RoEConfig
+from moectl.roe.roe_config import RoEConfig
+from moectl.routing.routing_state import Policy
 from moectl.routing.session import route
-from moectl.routing.state import Policy
 from moectl.routing.trace import RoutingTrace
 
 

@@ -19,7 +19,7 @@ From lm-eval: ``--model moectl --model_args pretrained=MODEL,policy=FILE,roe=K=1
 Data parallel: under ``accelerate launch`` (``-m moectl eval`` or ``-m lm_eval --model moectl``)
 the backend reports its ``rank`` and ``world_size`` and gathers with lm-eval's primitives
 (``all_gather``, ``gather_object``, ``barrier``), so lm-eval splits the documents over the
-processes and joins the metrics on rank 0 (:mod:`moectl.eval.distributed`); each process runs
+processes and joins the metrics on rank 0 (:mod:`moectl.eval.rank_split`); each process runs
 on its own device (``cuda:LOCAL_RANK``).
 """
 
@@ -39,13 +39,13 @@ from torch import nn
 from moectl.distributed import Ranks, process_device, ranks
 from moectl.errors import ConfigError
 from moectl.eval import model_args as margs
-from moectl.eval.distributed import lm_eval_padding
+from moectl.eval.eval_generation import GenSettings, generate_texts
 from moectl.eval.forward import RoutingPlan, SwitchStats, static_plan
-from moectl.eval.generation import GenSettings, generate_texts
 from moectl.eval.perplexity import Document, document_nll
 from moectl.eval.policy_file import EvalRouting, check_routing_args, setup_routing
+from moectl.eval.rank_split import lm_eval_padding
 from moectl.eval.scoring import score_pairs
-from moectl.routing.state import Policy
+from moectl.routing.routing_state import Policy
 
 # no process-wide HF_HUB_OFFLINE / HF_DATASETS_OFFLINE: ``pretrained`` may be a hub id to download and,
 # under ``lm_eval --model moectl``, the tasks lm-eval's own; moectl's task run, whose data is local,

@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from moectl.eval.cache import EvalSetMissingError, evals_dir, refetch_hint, split_path
 from moectl.eval.intervals import wilson_interval
 from moectl.eval.results import metric
+from moectl.eval.set_cache import EvalSetMissingError, evals_dir, refetch_hint, split_path
 
 TASK_DIR = Path(__file__).parent / "tasks"
 _PLACEHOLDER = "@EVALS@"

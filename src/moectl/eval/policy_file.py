@@ -7,7 +7,7 @@ A file holds one policy object or a list of them (composed in order, as ``route(
     {"type": "gumbel", "tau": 0.3, "seed": 0}                       # tau: number, list or {layer: tau}
     {"type": "document_pool", "d": 4, "mode": "causal"}
 
-and every other form of ``routing/loader.py``: a subset file (``moectl subset select``,
+and every other form of ``routing/policy_files.py``: a subset file (``moectl subset select``,
 ``moectl baselines --out``), a RoE tau profile, a controller folder, ``option:8``. Keys of
 ``experts`` are MoE layer indices (0 … number of MoE layers − 1); layers not named allow every
 expert. This module keeps the evaluation's view: :func:`setup_routing` turns ``--policy``,
@@ -27,11 +27,11 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.eval.forward import RoutingPlan, static_plan
-from moectl.roe.config import RoEConfig, parse_roe_spec
+from moectl.roe.roe_config import RoEConfig, parse_roe_spec
 from moectl.routing import ExpertMask, load_policy
-from moectl.routing.config import PolicyConfig, policy_types
-from moectl.routing.loader import routing_policies
-from moectl.routing.state import Policy
+from moectl.routing.policy_config import PolicyConfig, policy_types
+from moectl.routing.policy_files import routing_policies
+from moectl.routing.routing_state import Policy
 
 POLICY_TYPES = tuple(policy_types())
 
@@ -128,7 +128,7 @@ def check_routing_args(
 ) -> RoEConfig | None:
     """Check ``roe`` and ``controller`` before any model is loaded; returns the parsed RoE config."""
     if controller is not None:
-        from moectl.options.state import check_controller_dir
+        from moectl.options.option_state import check_controller_dir
 
         check_controller_dir(controller)
     if roe is None or isinstance(roe, RoEConfig):

@@ -3,7 +3,7 @@
 One row per run (model × routing), one column per benchmark, each cell ``value [low, high]``
 (accuracies in %, perplexities as is), then the experts a mask allows and the switch rate in %
 where a mask or controller was active (TE-MoE Table 2 / EMO Table 2 layout). The plot draws the
-same numbers as grouped bars with 95% error bars, accuracies and perplexities on separate axes.
+same numbers as grouped bars with 95% error bars, accuracies and perplexities on separate axes (``reporting/eval_plots.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from moectl.eval.results import load_results
-from moectl.fileio import save_figure
 
 
 @dataclass
@@ -89,6 +88,12 @@ def _primary_names(docs: Sequence[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def percent_columns(docs: Sequence[dict[str, Any]], columns: Sequence[str]) -> set[str]:
+    """The columns whose primary metric (as the first file naming the task records it) is a percentage."""
+    primary = _primary_names(docs)
+    return {c for c in columns if _percent(primary.get(c, ""))}
+
+
 def markdown_table(docs: Sequence[dict[str, Any]], tasks: Sequence[str] | None = None) -> str:
     """The Markdown table of ``docs`` (model × benchmark with 95% CI, experts, switch %)."""
     columns, rows = build_rows(docs, tasks)
@@ -118,53 +123,6 @@ def markdown_table(docs: Sequence[dict[str, Any]], tasks: Sequence[str] | None =
     return "\n".join(lines) + "\n"
 
 
-def plot_results(
-    docs: Sequence[dict[str, Any]], path: str | os.PathLike, tasks: Sequence[str] | None = None
-) -> Path:
-    """Grouped bars with 95% error bars: accuracies (%) on one axis, perplexities on another."""
-    import numpy as np
-    from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
-
-    columns, rows = build_rows(docs, tasks)
-    primary = _primary_names(docs)
-    groups = [
-        ("accuracy (%)", [c for c in columns if _percent(primary.get(c, ""))]),
-        ("perplexity", [c for c in columns if not _percent(primary.get(c, ""))]),
-    ]
-    groups = [(title, cols) for title, cols in groups if cols]
-    widths = [max(3.0, 0.5 * len(cols) * (len(rows) + 1)) for _, cols in groups]
-    fig = Figure(figsize=(min(24.0, sum(widths) + 1.5), 4.5))
-    axes = fig.subplots(1, len(groups), squeeze=False, width_ratios=widths)
-    width = 0.8 / max(1, len(rows))
-    for ax, (title, cols) in zip(axes[0], groups, strict=True):
-        x = np.arange(len(cols))
-        for r, row in enumerate(rows):
-            values, err = [], [[], []]
-            for c in cols:
-                cell = row.cells.get(c)
-                scale = 100.0 if cell is not None and cell.percent else 1.0
-                v = np.nan if cell is None else cell.value * scale
-                values.append(v)
-                lo = v if cell is None or cell.low is None else cell.low * scale
-                hi = v if cell is None or cell.high is None else cell.high * scale
-                err[0].append(max(0.0, v - lo) if cell else 0.0)
-                err[1].append(max(0.0, hi - v) if cell else 0.0)
-            label = f"{row.model} · {row.routing}"
-            if row.switch is not None:
-                label += f" (switch {100 * row.switch:.0f}%)"
-            ax.bar(x + (r - (len(rows) - 1) / 2) * width, values, width, yerr=err, capsize=3, label=label)
-        ax.set_xticks(x)
-        ax.set_xticklabels(cols, rotation=30, ha="right")
-        ax.set_ylabel(title)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, path, dpi=120)
-    return path
-
-
 def report(
     paths: Sequence[str | os.PathLike],
     markdown: str | os.PathLike | None = None,
@@ -182,6 +140,8 @@ def report(
         Path(markdown).write_text(table)
         out["markdown_path"] = str(markdown)
     if plot is not None:
+        from moectl.reporting.eval_plots import plot_results  # matplotlib only when plotting
+
         out["plot_path"] = str(plot_results(docs, plot, tasks))
     columns, rows = build_rows(docs, tasks)
     out["columns"] = columns

@@ -33,7 +33,7 @@ from torch import Tensor
 from moectl.routing.gumbel import GumbelTopK
 from moectl.routing.keyed_hash import M32, layer_word, mix, mix_int, seed_key, uniforms
 from moectl.routing.protocols import ResettablePolicy, SeededPolicy
-from moectl.routing.state import RouteContext, RoutingState
+from moectl.routing.routing_state import RouteContext, RoutingState
 
 
 def request_codes(keys: Sequence[str], salt: int = 0) -> Tensor:

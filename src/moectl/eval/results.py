@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 SCHEMA = "moectl.eval.results/1"
 CI_METHODS = ("wilson", "bootstrap", "normal", "none")

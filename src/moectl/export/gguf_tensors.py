@@ -3,7 +3,7 @@
 Names come from the ``gguf`` package's own tables: ``TensorNameMap`` maps a transformers tensor
 name to the GGUF one, ``MODEL_TENSORS[arch]`` says which tensors the architecture has. Sources are
 the model's tensors as transformers 5 holds them in memory (fused experts: ``gate_up_proj``
-``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``), read by :class:`moectl.models.shards.ShardReader`
+``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``), read by :class:`moectl.io.shards.ShardReader`
 from the checkpoint's own shards whatever their on-disk layout (per-expert or fused).
 
 - ``gate_up_proj`` is split into ``ffn_gate_exps`` (rows ``[:I]``) and ``ffn_up_exps`` (``[I:]``),
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from moectl.export.gguf_arch import ArchSpec
-from moectl.models.shards import ShardReader
+from moectl.io.shards import ShardReader
 
 QTYPES = {
     "f32": gguf.GGMLQuantizationType.F32,

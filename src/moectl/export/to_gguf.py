@@ -18,9 +18,9 @@ import gguf
 from moectl.export.gguf_arch import spec_for, write_hparams
 from moectl.export.gguf_tensors import FILE_TYPES, arrays, plan, resolve_outtype
 from moectl.export.gguf_vocab import read_vocab
-from moectl.fileio import atomic_path
+from moectl.io.atomic import atomic_path
+from moectl.io.shards import ShardReader
 from moectl.models.meta_model import build_meta, load_config
-from moectl.models.shards import ShardReader
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -11,9 +11,8 @@ allocation: views of weights never count twice). Not seen: buffers a kernel allo
 attention's scratch space) and allocations outside PyTorch's dispatcher; tensors that existed
 before the block count from ``baseline`` (give the bytes the caller already holds, e.g. weights).
 
-:func:`peak_rss` / :func:`reset_peak_rss` read and reset the kernel's high-water mark of the
-resident set (``VmHWM`` in ``/proc/self/status``; reset by writing 5 to ``/proc/self/clear_refs``),
-which includes allocator slack, the interpreter and the libraries.
+The process's peak resident set (allocator slack, the interpreter and the libraries included) is
+read by :mod:`moectl.io.peak_rss`.
 """
 
 from __future__ import annotations
@@ -71,35 +70,3 @@ class TensorMemory(TorchDispatchMode):
             if isinstance(leaf, Tensor) and leaf.device.type != "meta":
                 self._see(leaf, inputs)
         return out
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` memory field in bytes (0 where there is no procfs)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def rss() -> int:
-    """The process's resident set now, bytes."""
-    return _status("VmRSS")
-
-
-def peak_rss() -> int:
-    """The process's resident-set high-water mark since start or the last :func:`reset_peak_rss`."""
-    return _status("VmHWM")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the high-water mark to the current resident set; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        return True
-    except OSError:
-        return False

@@ -1,7 +1,7 @@
 """Grouped matrix products over rows sorted by expert: what every experts forward of moectl runs.
 
 Shared by the autocast-aware experts forward (``moectl.models.grouped_experts``), the expert LoRA branch
-(``moectl.options.expert_lora``) and the offloaded experts over slots (``moectl.serve.slot_forward``):
+(``moectl.options.expert_lora``) and the offloaded experts over slots (``moectl.offload.slot_forward``):
 :func:`group_by_expert` sorts a layer's (token, k) choices by expert, :func:`grouped_mm` runs the
 products, :func:`combine` weights and sums each token's k outputs.
 

@@ -27,10 +27,10 @@ from typing import NamedTuple
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from moectl.io.range_read import DEFAULT_READ_METHOD
+from moectl.io.shards import ShardReader
 from moectl.models.meta_buffers import materialize_buffers
 from moectl.models.meta_model import build_meta, load_config, set_tensor
-from moectl.models.range_read import DEFAULT_READ_METHOD
-from moectl.models.shards import ShardReader
 
 
 class Skeleton(NamedTuple):
@@ -72,7 +72,7 @@ def load_skeleton(
     dtype or its name; checkpoint tensors of another float dtype are cast on the way.
     ``load_experts``: also read the fused expert parameters (the whole model, as
     ``from_pretrained`` gives it); otherwise they stay on meta. ``method``: how the reader reads
-    (``moectl.models.range_read.READ_METHODS``). Raises ``ValueError`` naming the file for a
+    (``moectl.io.range_read.READ_METHODS``). Raises ``ValueError`` naming the file for a
     missing or truncated shard, naming the tensor for a checkpoint that does not fit the model.
     """
     folder = Path(path).expanduser()
@@ -92,3 +92,11 @@ def load_skeleton(
     model.config.name_or_path = str(folder)
     _generation_config(model, folder)
     return Skeleton(model.eval(), reader)
+
+
+def checkpoint_reader(
+    path: str | Path, dtype: torch.dtype | str | None = None, method: str = DEFAULT_READ_METHOD
+) -> ShardReader:
+    """A ``ShardReader`` for the checkpoint folder ``path``, its model built on meta from its config
+    (nothing loaded). Here, not in ``io/shards.py``: building the model is ``models/``'s job."""
+    return ShardReader(path, build_meta(load_config(path), dtype), method)

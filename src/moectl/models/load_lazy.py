@@ -2,7 +2,7 @@
 
 ``load_lazy(folder)`` builds the model on the meta device and reads only the non-expert weights
 (``moectl.models.lazy.load_skeleton``); the returned ``ShardReader`` then reads experts on demand
-from the checkpoint's own shards (``moectl.serve`` does so into its resident slots). A model
+from the checkpoint's own shards (``moectl.offload`` does so into its resident slots). A model
 larger than RAM can be served this way: peak memory is the non-expert weights plus the resident
 budget, never the checkpoint (issues 13.3 and 18).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moectl.io.range_read import DEFAULT_READ_METHOD
 from moectl.models.lazy import load_skeleton
 from moectl.models.load import byte_tokenizer, check_model_folder
-from moectl.models.range_read import DEFAULT_READ_METHOD
 from moectl.models.shapes import MARKER
 
 

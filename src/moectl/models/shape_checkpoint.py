@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from moectl.models.safetensors_index import DTYPES, INDEX, CheckpointIndex
+from moectl.io.safetensors_index import DTYPES, INDEX, CheckpointIndex
 from moectl.models.shape_build import (
     build_from_config,
     is_routed_expert,

@@ -2,9 +2,9 @@
 
 from moectl.options.baselines import BASELINES, baseline_policy
 from moectl.options.controller import ControllerConfig, LayerController, OptionController, build_controller
+from moectl.options.option_state import load_controlled
 from moectl.options.policy import ControllerPolicy, OptionRecord
 from moectl.options.random_options import RandomOptions
-from moectl.options.state import load_controlled
 from moectl.options.train_run import OptionsRunConfig, run_train
 from moectl.options.trainer import OptionsConfig, train_options
 

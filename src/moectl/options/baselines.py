@@ -26,7 +26,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.generate import Prompt, generate
 from moectl.options.random_options import RandomOptions, check_k_hat
 from moectl.routing import ExpertMask
-from moectl.routing.state import Policy
+from moectl.routing.routing_state import Policy
 from moectl.subsets.calibrate import tokenize
 from moectl.subsets.select import select_subset
 

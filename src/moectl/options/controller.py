@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.fileio import default_mode
+from moectl.io.atomic import default_mode
 
 
 @dataclass

@@ -26,7 +26,7 @@ from moectl.metrics.switch_rate import switch_rate
 from moectl.options.rollout import positions
 from moectl.progress import progress_bar
 from moectl.routing import route
-from moectl.routing.state import Policy
+from moectl.routing.routing_state import Policy
 
 PolicyFactory = Callable[[], Sequence[Policy]]
 

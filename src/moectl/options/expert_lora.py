@@ -37,7 +37,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
-from moectl.serve.delta_store import set_pending_delta  # the offloading runtime reads them there
+from moectl.offload.delta_store import set_pending_delta  # the offloading runtime reads them there
 from moectl.train.master_weights import HALF
 
 __all__ = [
@@ -307,7 +307,7 @@ class PendingExpertLoRA:
     """The expert adapters of an experts module whose weights are not in memory (the meta device:
     ``serve-offload`` of a checkpoint reads each expert from its shards when it is needed). Nothing
     can be merged into such weights, so each expert's s·B_e·A_e is added when the expert is loaded
-    (``moectl.serve.offload`` finds it with ``moectl.serve.delta_store.pending_delta``): what ``merge_expert_lora`` would have
+    (``moectl.offload.offload`` finds it with ``moectl.offload.delta_store.pending_delta``): what ``merge_expert_lora`` would have
     folded in, one expert at a time."""
 
     def __init__(

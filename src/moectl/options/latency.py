@@ -5,7 +5,7 @@ their bytes over the measured copy bandwidth give the switch's seconds, and the 
 of one decoding step turns seconds into "tokens of delay". ``nats_per_token_delay`` is the
 user's exchange rate (per-token KL one would give up to avoid one token's worth of delay):
 
-    η = nats_per_token_delay × k̂ × load_s / token_s      (``moectl.serve.cost.deliberation_cost``)
+    η = nats_per_token_delay × k̂ × load_s / token_s      (``moectl.offload.cost.deliberation_cost``)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.offload.cost import deliberation_cost
 from moectl.routing.kv_cache import cache_out, with_cache
-from moectl.serve.cost import deliberation_cost
 
 
 def expert_tensors(info: ModelInfo, layer: int = 0, expert: int = 0) -> list[torch.Tensor]:

@@ -30,9 +30,9 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.options.controller import OptionController
 from moectl.options.plackett_luce import mask_of
 from moectl.options.row_noise import OPTION, SWITCH, row_uniforms
-from moectl.routing.config import PolicyConfig, register_policy, write_json_atomic
 from moectl.routing.gumbel import gumbel_noise
-from moectl.routing.state import RoutingState
+from moectl.routing.policy_config import PolicyConfig, register_policy, write_json_atomic
+from moectl.routing.routing_state import RoutingState
 
 _MODES = ("sample", "greedy")
 
@@ -139,7 +139,7 @@ class ControllerPolicy(PolicyConfig):
     def from_dict(
         cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
     ) -> ControllerPolicy:
-        from moectl.options.state import controller_dir
+        from moectl.options.option_state import controller_dir
 
         if not isinstance(data.get("path"), str):
             raise ValueError("a controller policy needs 'path', the folder `moectl options train` wrote")
@@ -327,7 +327,7 @@ def merged_controller(model: nn.Module) -> str | None:
 
 def _attach(folder: Path, model: nn.Module) -> OptionController:
     """The controller of ``folder``, its adapters and routers merged into ``model`` (once per model)."""
-    from moectl.options.state import load_controlled
+    from moectl.options.option_state import load_controlled
 
     key = str(folder.resolve())
     applied = merged_controller(model)

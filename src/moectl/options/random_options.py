@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer
 from moectl.adapters.rules import Renorm
-from moectl.routing.config import PolicyConfig, register_policy
-from moectl.routing.state import RoutingState
+from moectl.routing.policy_config import PolicyConfig, register_policy
+from moectl.routing.routing_state import RoutingState
 from moectl.subsets.scores import check_k
 
 

@@ -59,7 +59,7 @@ def step_row(
     seconds: float,
     total: Callable[[Tensor], Tensor] = _same,
 ) -> dict[str, Any]:
-    """The step's row of ``log.jsonl`` (the curves :func:`moectl.options.plots.plot_curves` draws)."""
+    """The step's row of ``log.jsonl`` (the curves :func:`moectl.reporting.option_plots.plot_curves` draws)."""
     device = roll.rewards.device
     valid = roll.valid.float()
     n = total(valid.sum()).clamp(min=1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from moectl.options.config import OptionsConfig
+from moectl.options.options_config import OptionsConfig
 from moectl.runconfig import RunConfig
 
 
@@ -55,7 +55,7 @@ def run_train(config: OptionsRunConfig, *, progress: bool = True) -> dict[str, A
     """
     from moectl.distributed import check_divides, launched_world_size, process_device, ranks
     from moectl.models.load import load_model
-    from moectl.options.data import read_prompts
+    from moectl.options.prompt_data import read_prompts
     from moectl.options.trainer import check_resume, train_options
 
     options = config.options

@@ -10,7 +10,7 @@ Every training iteration (:meth:`OptionsTrainer.train_step`) is the algorithm's 
     lines 17–19   intra-option policy gradient (θ: LoRA on attention and experts, routers)
     line 20       θ ← θ + α_intra · dθ
 
-The terms are :mod:`moectl.options.losses`' functions, named as in §4.3; the rollout is
+The terms are :mod:`moectl.options.option_losses`' functions, named as in §4.3; the rollout is
 :mod:`moectl.options.rollout`.
 
 Data parallel (``accelerate launch -m moectl options train …``, :mod:`moectl.distributed`): every
@@ -42,9 +42,8 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import inspect
 from moectl.distributed import Ranks, check_divides, ranks
 from moectl.engine.batch import left_pad
-from moectl.options.config import OptionsConfig
 from moectl.options.controller import OptionController, build_controller
-from moectl.options.losses import (
+from moectl.options.option_losses import (
     controller_stats,
     critic_loss,
     intra_option_loss,
@@ -52,10 +51,11 @@ from moectl.options.losses import (
     selection_loss,
     termination_loss,
 )
+from moectl.options.option_state import latest_checkpoint, load_weights, save_checkpoint, save_folder
+from moectl.options.options_config import OptionsConfig
 from moectl.options.policy import ControllerPolicy
 from moectl.options.rollout import Rollout, rollout
 from moectl.options.row_noise import row_codes
-from moectl.options.state import latest_checkpoint, load_weights, save_checkpoint, save_folder
 from moectl.options.step_stats import step_row, tokenize_prompts
 from moectl.options.teacher import add_lora
 from moectl.stopping import TrainingInterrupted, stop_on_signals
@@ -369,7 +369,7 @@ def train_options(
     final = trainer._save_final(asdict(config))
     log = processes.broadcast_object(_read_log(out) if processes.is_main else None)
     if processes.is_main:
-        from moectl.options.plots import plot_curves
+        from moectl.reporting.option_plots import plot_curves
 
         plot_curves(log, out / "curves.png", title=f"k-hat={config.k_hat}, eta={config.eta}")
     return {"final": str(final), "rows": rows, "resumed": resumed, "log": log}

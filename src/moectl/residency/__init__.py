@@ -5,12 +5,12 @@ return) is replayed through one cache of B experts per MoE layer (``simulate.py`
 start empty; a token's experts are resident together (no policy evicts an expert the current
 token needs); hits and misses are counted per token, layer and expert.
 
-- ``policies.py``: the online policies, one cache object per layer with ``step(need) -> hits``
+- ``caches.py``: the online policies, one cache object per layer with ``step(need) -> hits``
   (``base.Cache``: LRU, LFU, LFUDA, SpecMD's Least-Stale, static there; ARC in ``arc.py``,
   S3-FIFO in ``s3fifo.py``); the same objects drive the
-  runtime's residency in ``serve/policies.py``, so the simulator and serving share one
+  runtime's residency in ``offload/residency.py``, so the simulator and serving share one
   implementation.
 - ``belady.py``: the offline optimum (Belady's MIN with multi-expert requests).
 - ``trace_input.py``: reading traces and arrays, with one-line errors.
-- ``simulate.py``: ``run(config) -> results``; ``plot.py``: hit rate against budget.
+- ``simulate.py``: ``run(config) -> results``; the hit-rate-against-budget figure: ``reporting/residency_plots.py``.
 """

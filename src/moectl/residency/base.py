@@ -1,4 +1,4 @@
-"""The cache interface every replacement policy implements (see ``policies.py`` for the semantics)."""
+"""The cache interface every replacement policy implements (see ``caches.py`` for the semantics)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ every request served from the cache, this is the fewest misses any policy can ha
 against exhaustive search in tests/test_residency_belady.py).
 
 The next use of every access is computed once, vectorised (``next_use``); the replay is the
-priority cache of ``policies.py`` with priority −(next use).
+priority cache of ``caches.py`` with priority −(next use).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moectl.residency.policies import PriorityCache
+from moectl.residency.caches import PriorityCache
 
 
 def next_use(chosen: np.ndarray, num_experts: int) -> np.ndarray:

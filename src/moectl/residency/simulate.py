@@ -3,7 +3,7 @@ the offline optimum.
 
 ``run(SimConfig) -> list of result rows``: for every budget B and policy, each MoE layer gets its
 own cache of B experts (empty at the start) and the trace's tokens are served in order
-(``policies.py``: a token's experts resident together). A row reports hits and misses over
+(``caches.py``: a token's experts resident together). A row reports hits and misses over
 tokens × layers × top-k accesses, misses per token (summed over layers), bytes loaded per token
 (misses × the expert's bytes, when known) and the gap to Belady's optimum in hit-rate points.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from moectl.residency.belady import BeladyCache
-from moectl.residency.policies import ONLINE, Cache, StaticCache
+from moectl.residency.caches import ONLINE, Cache, StaticCache
 from moectl.residency.trace_input import Accesses
 
 POLICIES = (*ONLINE, "static", "belady")
@@ -100,8 +100,9 @@ def static_subsets(spec: str, acc: Accesses, budget: int) -> list[list[int]]:
 
 def read_subset_file(path: Path) -> dict[int, list[int]]:
     """``{layer: [experts]}`` from a subset file (``subset select --json``, an expert mask, ...)."""
-    from moectl.routing.loader import normalise, read_policy_json
+    from moectl.routing.legacy import normalise
     from moectl.routing.mask import expert_lists_of
+    from moectl.routing.policy_files import read_policy_json
 
     data = normalise(read_policy_json(path))
     for form in ("experts", "keep"):

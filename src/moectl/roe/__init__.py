@@ -18,9 +18,9 @@ LM head on a few tokens at a time: no [K, T, V]), ``generate``, ``score``, ``dat
 """
 
 from moectl.roe.adaptive import AdaptiveEnsemble, trade_off
-from moectl.roe.config import RoEConfig, load_profile, save_profile
 from moectl.roe.ensemble import Ensemble, aggregate
-from moectl.roe.generate import Generation, GenerationStats, generate
+from moectl.roe.roe_config import RoEConfig, load_profile, save_profile
+from moectl.roe.roe_generate import Generation, GenerationStats, generate
 from moectl.roe.score import ScoreResult, score, token_logprobs
 from moectl.roe.tune import TuneResult, tune
 from moectl.roe.tune import run as run_tune

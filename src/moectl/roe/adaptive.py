@@ -22,12 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.roe.config import RoEConfig
-from moectl.roe.data import Item, LMItem
 from moectl.roe.ensemble import Ensemble, StepOutput, aggregate
+from moectl.roe.roe_config import RoEConfig
 from moectl.roe.score import pad_left, scored_request, token_logprobs_stepwise
+from moectl.roe.score_data import Item, LMItem
 from moectl.roe.variant_clean import CleanCacheVariant
-from moectl.routing.state import Policy
+from moectl.routing.routing_state import Policy
 
 
 def entropy(logits: Tensor) -> Tensor:

@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.models.grouped_experts import pays_on_cpu
 from moectl.models.grouped_experts import register as register_grouped_experts
-from moectl.roe.config import RoEConfig
 from moectl.roe.noise import SampleGumbel
+from moectl.roe.roe_config import RoEConfig
 from moectl.roe.variants import SampleVariant, make_variant
+from moectl.routing.routing_state import Policy
 from moectl.routing.session import RoutingSession, route
-from moectl.routing.state import Policy
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from moectl.roe.cache import new_clean_cache
+from moectl.roe.clean_cache import new_clean_cache
 
 
 class _StateView:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.routing.keyed_hash import layer_word, mix, mix_int, seed_key, uniforms
-from moectl.routing.state import RoutingState
+from moectl.routing.routing_state import RoutingState
 
 
 def layer_keys(seed: int, layers: Sequence[int]) -> list[int]:

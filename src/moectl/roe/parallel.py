@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from moectl.engine.batch import TokenScores
-from moectl.roe.config import RoEConfig
 from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs, vocab_size
+from moectl.roe.roe_config import RoEConfig
 from moectl.roe.spans import RoEScoringInputs, is_attention_only, sample_spans
 
 __all__ = [

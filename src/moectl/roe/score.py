@@ -34,12 +34,12 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.batch import left_pad, scored_positions
 from moectl.models.tokens import encode, request
 from moectl.progress import progress_bar
-from moectl.roe.config import RoEConfig, as_config
-from moectl.roe.data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.roe.ensemble import Ensemble
 from moectl.roe.masks import attention_kinds
 from moectl.roe.parallel import RoEScoringInputs, parallel_token_logprobs
-from moectl.routing.state import Policy
+from moectl.roe.roe_config import RoEConfig, as_config
+from moectl.roe.score_data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
+from moectl.routing.routing_state import Policy
 
 
 # -- tokens ---------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def score(
 ) -> ScoreResult:
     """RoE log-likelihood of a dataset: perplexity (LM items), accuracy (multiple choice or generation).
 
-    ``data`` is a JSONL path (see ``moectl.roe.data``) or a list of items; a plain string in the
+    ``data`` is a JSONL path (see ``moectl.roe.score_data``) or a list of items; a plain string in the
     list is a text scored whole (``LMItem("", text)``). ``config`` is a RoEConfig, or a tau profile
     (path or dict) that ``moectl.load_policy`` reads; None: K = 16, tau = 0.
     """
@@ -240,7 +240,7 @@ def score(
 
 
 def _exact_match(model, tokenizer, items, config, batch_size, progress, info, start) -> ScoreResult:
-    from moectl.roe.generate import generate
+    from moectl.roe.roe_generate import generate
 
     assert all(isinstance(i, GenItem) for i in items)
     longest = max(len(encode(tokenizer, i.answer)) for i in items)

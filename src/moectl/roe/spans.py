@@ -26,15 +26,15 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.roe.cache import CleanCacheMixin, StepPlan, new_clean_cache
-from moectl.roe.config import RoEConfig
+from moectl.roe.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
 from moectl.roe.ensemble import experts_implementation
 from moectl.roe.masks import AttentionKind, attention_kinds, mask_dtype, teacher_forced_span_masks
 from moectl.roe.noise import NoiseLayout, SampleGumbel
 from moectl.roe.padding import left_padded
+from moectl.roe.roe_config import RoEConfig
 from moectl.routing.kv_cache import with_cache
+from moectl.routing.routing_state import Policy
 from moectl.routing.session import route
-from moectl.routing.state import Policy
 
 
 class FullCleanCache(CleanCacheMixin, DynamicCache):

@@ -38,11 +38,11 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, launched_world_size, process_device, ranks
 from moectl.errors import ConfigError
-from moectl.fileio import crash_point
+from moectl.io.atomic import crash_point
 from moectl.progress import progress_bar
-from moectl.roe.config import RoEConfig, save_profile
-from moectl.roe.data import Item, item_kind, load_items
+from moectl.roe.roe_config import RoEConfig, save_profile
 from moectl.roe.score import score
+from moectl.roe.score_data import Item, item_kind, load_items
 from moectl.roe.tune_config import OBJECTIVES, TuneConfig
 
 __all__ = ["OBJECTIVES", "TuneConfig", "TuneResult", "check_tuning", "run", "tune"]
@@ -293,7 +293,9 @@ def tune(
     if out is not None and processes.is_main:
         result.profile = save_profile(out, best_tau, **meta)
     if plot_dir is not None and processes.is_main:
-        result.figures = _figures(result, Path(plot_dir), max_tau, uniform, direction)
+        from moectl.reporting.roe_plots import tune_figures  # matplotlib only when plotting
+
+        result.figures = tune_figures(result, Path(plot_dir), max_tau, uniform, direction)
     return result
 
 
@@ -310,27 +312,6 @@ def study_storage(storage: str | Path | None) -> Any:
 
         return JournalStorage(JournalFileBackend(str(path)))
     return f"sqlite:///{path.resolve()}"
-
-
-def _figures(result: TuneResult, plot_dir: Path, max_tau: float, uniform: bool, direction: str) -> list[Path]:
-    from moectl.roe.plots import plot_tau_heatmap, plot_uniform_curve  # matplotlib only when plotting
-
-    ranked = sorted(result.history, key=lambda h: h["value"], reverse=direction == "maximize")[:10]
-    label = "ppl" if result.objective == "ppl" else "acc"
-    rows = [h["tau"] for h in ranked]
-    labels = [f"#{h['trial']} {label}={h['value']:.6g}" for h in ranked]
-    figures = [
-        plot_tau_heatmap(
-            rows, labels, plot_dir / "tau_heatmap.png", max_tau,
-            title=f"Tuned tau per MoE layer (best {len(rows)} trials, best first)",
-        )
-    ]  # fmt: skip
-    if uniform:
-        taus = [h["tau"][0] for h in result.history]
-        values = [h["value"] for h in result.history]
-        ylabel = "validation perplexity" if result.objective == "ppl" else "validation accuracy"
-        figures.append(plot_uniform_curve(taus, values, plot_dir / "uniform_tau.png", ylabel))
-    return figures
 
 
 class _InterruptedTrialFilter(logging.Filter):

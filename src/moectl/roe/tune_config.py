@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from moectl.errors import ConfigError
-from moectl.roe.config import AGGREGATIONS, check_k
+from moectl.roe.roe_config import AGGREGATIONS, check_k
 from moectl.runconfig import RunConfig
 
 OBJECTIVES = ("ppl", "acc")

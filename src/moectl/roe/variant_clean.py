@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moectl.roe.cache import CleanCacheMixin, StepPlan, new_clean_cache
+from moectl.roe.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
 from moectl.roe.masks import attention_kinds, mask_dtype, step_masks
 from moectl.roe.noise import NoiseLayout, SampleGumbel
 from moectl.roe.padding import left_padded, token_column

@@ -1,10 +1,10 @@
 """Routing policies (mask, document pool, Gumbel-top-k), the session that installs them, the trace,
 and the one policy format (``config``: to_dict / from_dict / save; ``loader``: ``load_policy``)."""
 
-from moectl.routing.config import PolicyConfig, policy_types, register_policy, save_policy
 from moectl.routing.gumbel import GumbelTopK
-from moectl.routing.loader import load_policy
 from moectl.routing.mask import ExpertMask
+from moectl.routing.policy_config import PolicyConfig, policy_types, register_policy, save_policy
+from moectl.routing.policy_files import load_policy
 from moectl.routing.pool import DocumentPool
 from moectl.routing.protocols import (
     Policy,
@@ -13,8 +13,8 @@ from moectl.routing.protocols import (
     SeededPolicy,
     SequencePolicy,
 )
+from moectl.routing.routing_state import RouteContext, RoutingState
 from moectl.routing.session import RoutingSession, route
-from moectl.routing.state import RouteContext, RoutingState
 from moectl.routing.trace import RoutingTrace
 
 __all__ = [

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.routing.config import PolicyConfig, layer_key, register_policy
-from moectl.routing.state import RoutingState
+from moectl.routing.policy_config import PolicyConfig, layer_key, register_policy
+from moectl.routing.routing_state import RoutingState
 
 
 def gumbel_noise(shape: torch.Size, generator: torch.Generator, device: torch.device) -> Tensor:

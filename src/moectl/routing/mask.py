@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import Renorm
-from moectl.routing.config import PolicyConfig, layer_key, register_policy
-from moectl.routing.state import RoutingState
+from moectl.routing.policy_config import PolicyConfig, layer_key, register_policy
+from moectl.routing.routing_state import RoutingState
 
 _RENORMS = ("pruned", "stock")
 # the ways a policy file names the allowed experts (exactly one per expert_mask)

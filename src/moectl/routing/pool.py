@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import RouterRule
-from moectl.routing.config import PolicyConfig, register_policy
-from moectl.routing.state import RoutingState
+from moectl.routing.policy_config import PolicyConfig, register_policy
+from moectl.routing.routing_state import RoutingState
 
 PoolMode = Literal["causal", "full"]
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from moectl.adapters.inspect import ModelInfo
-    from moectl.routing.state import RoutingState
+    from moectl.routing.routing_state import RoutingState
 
 
 @runtime_checkable

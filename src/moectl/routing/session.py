@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, UnsupportedModelError, inspect
 from moectl.routing.kv_cache import cache_in
-from moectl.routing.loader import routing_policies
-from moectl.routing.state import Policy, RouteContext, RoutingState
+from moectl.routing.policy_files import routing_policies
+from moectl.routing.routing_state import Policy, RouteContext, RoutingState
 from moectl.routing.trace import RoutingTrace
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()

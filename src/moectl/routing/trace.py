@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from moectl.fileio import atomic_path
+from moectl.io.atomic import atomic_path
 
 
 @dataclass

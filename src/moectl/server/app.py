@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from moectl.server.api_errors import APIError, install_error_handlers
 from moectl.server.auth import APIKeyMiddleware
-from moectl.server.errors import APIError, install_error_handlers
-from moectl.server.generation import Generation, collect
+from moectl.server.engine_events import Generation, collect
 from moectl.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from moectl.server.prompts import chat_ids, completion_ids
 from moectl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields

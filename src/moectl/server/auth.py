@@ -11,7 +11,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moectl.server.errors import APIError
+from moectl.server.api_errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moectl.server.errors import APIError
+from moectl.server.api_errors import APIError
 
 
 def completion_ids(tokenizer: Any, prompt: str, param: str = "prompt") -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from moectl.server.errors import APIError
+from moectl.server.api_errors import APIError
 
 
 class StreamOptions(BaseModel):

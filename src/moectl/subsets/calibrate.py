@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.routing import ExpertMask, route
-from moectl.routing.state import RoutingState
+from moectl.routing.routing_state import RoutingState
 from moectl.subsets.stats import LayerStats
 
 

@@ -5,7 +5,7 @@ whose "32 routed experts" no longer describes the weights. :func:`write_subset_c
 of the subset instead, every figure read from files: the export's ``moectl_subset.json`` (kept
 experts per MoE layer, parent model, subset file, selection method, calibration data, the size
 report) and the exported folder's ``config.json`` and safetensors headers
-(:func:`moectl.train.model_card.read_model`). The YAML front matter follows the Hub's model card
+(:func:`moectl.reporting.model_card.read_model`). The YAML front matter follows the Hub's model card
 metadata (``huggingface_hub.ModelCardData``): ``base_model`` is the parent, ``license`` the parent
 card's (the weights are the parent's, cut), ``library_name: transformers`` (plain transformers
 loads the folder).
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 CARD = "README.md"
 TAGS = ("moectl", "mixture-of-experts", "expert-subset")
@@ -67,7 +67,7 @@ def subset_card_text(folder: Path, meta: dict[str, Any], parent: Path | None) ->
     """README.md of the exported subset ``folder`` (written, with its ``moectl_subset.json`` = ``meta``)."""
     from huggingface_hub import ModelCardData
 
-    from moectl.train.model_card import read_model
+    from moectl.reporting.model_card import read_model
 
     facts = read_model(folder)
     spec = str(meta.get("model") or "an unnamed model")

@@ -17,7 +17,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
-from moectl.fileio import atomic_dir
+from moectl.io.atomic import atomic_dir
 from moectl.subsets.card import write_subset_card
 
 METADATA = "moectl_subset.json"
@@ -60,7 +60,7 @@ def export_subset(
     (kept experts, ``metadata``, the report) and a model card of the subset (``README.md``,
     :mod:`moectl.subsets.card`) beside the weights. ``out_dir`` must not exist or be
     empty (as for the streamed export: an existing checkpoint, or the source itself, is never written
-    into); the folder appears complete or not at all (``moectl.fileio.atomic_dir``).
+    into); the folder appears complete or not at all (``moectl.io.atomic.atomic_dir``).
     """
     out_dir = Path(out_dir)
     check_out_dir(out_dir)

@@ -5,7 +5,7 @@ the model, slices it and saves it; this path works on the checkpoint's tensors i
 at most one output shard (≤ the largest input shard) at a time:
 
 - the model is built on the meta device (shapes only) to know, by transformers' own
-  weight-conversion mapping (``moectl.models.checkpoint_map``), which checkpoint tensors make
+  weight-conversion mapping (``moectl.io.checkpoint_map``), which checkpoint tensors make
   each expert of each MoE layer, and which tensors carry an expert dimension (router rows,
   router bias, score-correction bias: ``moectl.adapters.slicing.per_expert_tensors``);
 - a per-expert checkpoint tensor (``...experts.E.gate_proj.weight``) of a kept expert is copied
@@ -39,11 +39,11 @@ from torch import Tensor
 from moectl.adapters.inspect import inspect
 from moectl.adapters.linear_gate import GateRouter
 from moectl.adapters.slicing import EXPERT_COUNT_KEYS, check_keep, per_expert_tensors
-from moectl.fileio import atomic_dir, default_mode
+from moectl.io.atomic import atomic_dir, default_mode
+from moectl.io.range_read import RangeReader
+from moectl.io.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
+from moectl.io.shards import ShardReader
 from moectl.models.meta_model import build_meta, load_config
-from moectl.models.range_read import RangeReader
-from moectl.models.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
-from moectl.models.shards import ShardReader
 from moectl.subsets.card import write_subset_card
 from moectl.subsets.export import check_out_dir
 

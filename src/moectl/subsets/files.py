@@ -26,8 +26,8 @@ from pathlib import Path
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
-from moectl.fileio import write_text_atomic
-from moectl.routing.config import FORMAT_VERSION
+from moectl.io.atomic import write_text_atomic
+from moectl.routing.policy_config import FORMAT_VERSION
 
 
 @dataclass

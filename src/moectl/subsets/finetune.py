@@ -266,7 +266,7 @@ def save_finetuned(
 ) -> Path:
     """Write the fine-tuned model atomically: weights (``save_pretrained``), tokenizer, ``finetune.json``,
     ``loss_curve.png`` and, from ``source``, its ``moectl_subset.json`` (the kept experts)."""
-    from moectl.plots import plot_curves
+    from moectl.reporting.plots import plot_curves
     from moectl.subsets.export import METADATA
 
     def write(tmp: Path) -> None:

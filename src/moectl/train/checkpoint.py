@@ -4,7 +4,7 @@
 transformers), the tokenizer, and ``trainer_state.pt`` (optimizer, scheduler, step, RNG states);
 ``out/checkpoints/latest`` names the newest complete one. A crash mid-write leaves only a
 ``.tmp-*`` folder, which the next save removes; the previous checkpoint stays intact. Files and
-folders are synced before they are renamed in (``moectl.fileio.atomic_dir``).
+folders are synced before they are renamed in (``moectl.io.atomic.atomic_dir``).
 
 ``trainer_state.pt`` is read with ``torch.load(weights_only=True)``: tensors and plain containers
 only, so resuming a run folder someone shared cannot run code hidden in a pickle.
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from moectl.fileio import atomic_dir, crash_point, recover_dir, write_text_atomic
+from moectl.io.atomic import atomic_dir, crash_point, recover_dir, write_text_atomic
 
 
 def write_dir_atomic(final: Path, write: Callable[[Path], None], overwrite: bool = True) -> Path:
     """Call ``write(tmp)`` on a fresh ``.tmp-NAME`` folder beside ``final``, then put it in place of
-    ``final`` in one step (``moectl.fileio.atomic_dir``: synced; an old ``final`` is exchanged out).
+    ``final`` in one step (``moectl.io.atomic.atomic_dir``: synced; an old ``final`` is exchanged out).
 
     A crash inside ``write`` leaves only the temporary folder (removed by the next write of the same
     name); an existing ``final`` is replaced only once the new one is complete, and only with

@@ -37,13 +37,13 @@ from moectl.train.checkpoint import (
     save_checkpoint,
     write_dir_atomic,
 )
-from moectl.train.config import TrainConfig
 from moectl.train.lb_window import CountWindow
-from moectl.train.losses import all_reduce_sum, expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.model import build_model
 from moectl.train.objective import NextTokenLoss
 from moectl.train.packing import PackedSplit, batch_indices, load_or_pack
+from moectl.train.pretrain_losses import all_reduce_sum, expert_counts, load_balancing_loss, router_z_loss
 from moectl.train.runlog import read_log, write_log
+from moectl.train.train_config import TrainConfig
 
 
 def lr_lambda(config: TrainConfig):
@@ -62,7 +62,7 @@ def lr_lambda(config: TrainConfig):
 def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-    from moectl.data.tokenizer import default_tokenizer_dir
+    from moectl.data.tokenizer_train import default_tokenizer_dir
 
     return AutoTokenizer.from_pretrained(str(path or default_tokenizer_dir()))
 
@@ -412,7 +412,7 @@ def plot_loss_curve(log_path: Path, png: Path) -> Path | None:
     """Training loss (and validation loss where logged) against tokens."""
     if not log_path.exists():
         return None
-    from moectl.plots import plot_curves
+    from moectl.reporting.plots import plot_curves
 
     rows = read_log(log_path)
     train = [r for r in rows if "ce" in r and not r.get("final")]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from moectl.data.sample import corpus_files, iter_documents
-from moectl.fileio import atomic_path
+from moectl.io.atomic import atomic_path
 
 CACHE_VERSION = 1
 

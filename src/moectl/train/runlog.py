@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from moectl.fileio import write_text_atomic
+from moectl.io.atomic import write_text_atomic
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:

@@ -1,0 +1,229 @@
+"""``load_policy``: one reader for every policy — a file, a folder, a dict, a list or a short string.
+
+    load_policy("math.subset.json", model)     # an expert mask (a subset file is one)
+    load_policy("profile.json")                # a RoE tau profile (RoEConfig)
+    load_policy("runs/ctrl", model)            # a trained controller; its adapters merge into model
+    load_policy([{"type": "document_pool", "d": 4}, {"type": "gumbel", "tau": 0.3}], model)
+    load_policy("option:8") | load_policy("lru") | load_policy("static:FILE") | load_policy("controller:DIR")
+
+What each argument may be:
+
+- a policy object: returned as it is;
+- a dict with a ``"type"`` (see ``routing/policy_config.py``), or an older file's object without one
+  (recognised by ``routing/legacy.py``):
+  ``{"keep": {...}}`` (subset files, ``subset select --json``, ``baselines --out``/``--json``,
+  an exported model's ``moectl_subset.json``), ``{"keep": null, "method": "random", "k_hat": K}``
+  (``baselines --json`` of the random baseline), ``{"tau": [...]}`` (RoE tau profiles, with or
+  without ``"format": "moectl-roe-profile/1"``), ``{"subsets": {...}}`` or a bare
+  ``{"moe_layer": [experts]}`` (``serve-offload --policy static:FILE``'s files);
+- a list: a composition, applied in order (as ``route()`` applies a list) — returned as a list;
+- a path to a JSON file holding any of these; relative ``"path"`` fields resolve against its folder;
+- a folder: its ``policy.json``, else a controller (``controller.json`` in it or in its
+  ``final/``, as ``moectl options train`` writes), else an exported subset's ``moectl_subset.json``;
+- ``lru``, ``option:K_HAT``, ``static:FILE`` (FILE's expert mask kept resident),
+  ``controller:DIR`` — the residency policies of ``moectl serve-offload``.
+
+``model_or_info`` is the model (or its ``ModelInfo``) the policy is for: needed where the file
+alone does not say enough (an expert list needs the number of experts). A trained controller's
+LoRA adapters and routers are merged into the model, in place: here when the model is given,
+else when the policy first enters ``route(model, ...)``. Errors are ``ValueError`` (or
+``FileNotFoundError``) naming the file, the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.routing.legacy import check_subset_layers, normalise
+from moectl.routing.policy_config import PolicyConfig, check_version, policy_class
+from moectl.routing.protocols import MergingPolicy, RoutingPolicy, RoutingSource
+
+PolicySpec = Any  # str | os.PathLike | Mapping | Sequence | a policy object
+SHORT_FORMS = "lru, option:K_HAT, static:FILE, controller:DIR"
+
+
+def load_policy(spec: PolicySpec, model_or_info: nn.Module | ModelInfo | None = None) -> Any:
+    """The policy (or, for a list, the policies in order) that ``spec`` describes; see the module doc."""
+    model, info = _target(model_or_info)
+    return _load(spec, model, info, base=None, where=None)
+
+
+def routing_policies(
+    specs: Sequence[Any], model: nn.Module | None, info: ModelInfo | None = None
+) -> list[Any]:
+    """What ``route()`` installs for ``specs``: files/dicts/strings loaded, lists flattened, residency
+    policies replaced by the routing they need (``policy.routing(info)``). A RoE config is refused:
+    it is K routings at once, not one."""
+    out: list[Any] = []
+    for spec in specs:
+        if _is_spec(spec) and info is None and model is not None:
+            info = inspect(model)
+        item = _load(spec, model, info, None, None) if _is_spec(spec) else spec
+        if isinstance(item, (list, tuple)):
+            out += routing_policies(item, model, info)
+        elif isinstance(item, PolicyConfig) and item.policy_type == "roe":
+            raise ValueError(
+                "a RoE config is an ensemble of K routings (RoE §2.3), not one routing policy: use "
+                "moectl.roe.score / moectl.roe.generate, or `moectl eval --roe`"
+            )
+        elif isinstance(item, RoutingPolicy):
+            if isinstance(item, MergingPolicy) and model is not None:
+                item.attach(model)  # a controller loaded without its model: trained weights merge in now
+            out.append(item)
+        elif isinstance(item, RoutingSource):
+            if info is None:
+                info = inspect(model)
+            out += routing_policies(list(item.routing(info)), model, info)
+        else:
+            raise TypeError(f"{type(item).__name__} is not a routing policy (needs bind() and apply())")
+    return out
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+def _is_spec(spec: Any) -> bool:
+    return isinstance(spec, (str, os.PathLike, Mapping, list, tuple))
+
+
+def _target(model_or_info: Any) -> tuple[nn.Module | None, ModelInfo | None]:
+    if model_or_info is None:
+        return None, None
+    if isinstance(model_or_info, ModelInfo):
+        return None, model_or_info
+    if isinstance(model_or_info, nn.Module):
+        return model_or_info, inspect(model_or_info)
+    raise TypeError(f"model_or_info must be a model or a ModelInfo, got {type(model_or_info).__name__}")
+
+
+def _load(spec: Any, model, info, base: Path | None, where: str | None) -> Any:
+    if isinstance(spec, (list, tuple)):
+        if not spec:
+            raise ValueError(f"{where or 'policy'}: the policy list is empty")
+        return [_load(s, model, info, base, f"{where or 'policy'} [{i}]") for i, s in enumerate(spec)]
+    if isinstance(spec, Mapping):
+        return _from_dict(spec, model, info, base, where)
+    if isinstance(spec, os.PathLike):
+        return _from_path(Path(spec), model, info)
+    if isinstance(spec, str):
+        return _from_string(spec, model, info)
+    if isinstance(spec, (PolicyConfig, RoutingPolicy, RoutingSource)):
+        return spec
+    raise TypeError(
+        f"cannot load a policy from {type(spec).__name__}: give a path, a dict, a list or one of {SHORT_FORMS}"
+    )
+
+
+def _from_dict(data: Mapping[str, Any], model, info, base: Path | None, where: str | None) -> Any:
+    try:
+        data = normalise(data)
+        cls = policy_class(data["type"])
+        check_version(data, cls)
+        if base is not None and isinstance(data.get("path"), str) and not Path(data["path"]).is_absolute():
+            data = {**data, "path": str(base / data["path"])}
+        return cls.from_dict(data, info, model=model)
+    except ValueError as err:
+        if where is None:
+            raise
+        raise ValueError(f"{where}: {err}") from None
+
+
+def read_policy_json(path: Path) -> Any:
+    """The JSON value of the policy file ``path``; errors name the file (``FileNotFoundError`` /
+    ``ValueError``)."""
+    if not path.exists():
+        raise FileNotFoundError(f"policy file {path} does not exist")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+# what a malformed field raises deep inside a policy's reader (a wrong JSON type where a number,
+# a list or an object was meant): reported as a ValueError naming the file, like every other error
+_MALFORMED = (TypeError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError)
+
+
+def _from_path(path: Path, model, info) -> Any:
+    if not path.exists():
+        raise FileNotFoundError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
+    try:
+        if path.is_dir():
+            return _from_folder(path, model, info)
+        data = read_policy_json(path)
+        check_subset_layers(data, info, path)
+        if not isinstance(data, (Mapping, list)):
+            raise ValueError(
+                f"{path}: a policy file holds a JSON object (or a list of them), got {json.dumps(data)[:40]}"
+            )
+        return _load(data, model, info, path.parent, str(path))
+    except _MALFORMED as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(
+            f"{path}: not a policy moectl can read ({type(err).__name__}: {detail[:200]}); "
+            "see moectl.load_policy for the forms a policy file takes"
+        ) from err
+
+
+def _from_folder(path: Path, model, info) -> Any:
+    if (path / "policy.json").exists():
+        return _from_path(path / "policy.json", model, info)
+    if (path / "controller.json").exists() or (path / "final" / "controller.json").exists():
+        return _from_dict({"type": "controller", "path": str(path)}, model, info, None, str(path))
+    if (path / "moectl_subset.json").exists():
+        return _from_path(path / "moectl_subset.json", model, info)
+    raise ValueError(
+        f"{path}: a folder with no policy in it; expected policy.json, a controller (controller.json, as "
+        "`moectl options train` writes, in it or in its final/) or an exported subset's moectl_subset.json"
+    )
+
+
+def _from_string(spec: str, model, info) -> Any:
+    kind, sep, arg = spec.partition(":")
+    if spec == "lru":
+        return policy_class("lru")()
+    if sep and kind == "option":
+        try:
+            k_hat = int(arg)
+        except ValueError:
+            raise ValueError(f"policy {spec!r}: option needs an integer k-hat, as option:8") from None
+        return policy_class("option").from_dict({"type": "option", "k_hat": k_hat}, info)
+    if sep and kind == "static":
+        path = Path(arg)
+        if not path.is_file():
+            raise FileNotFoundError(f"policy {spec!r}: subset file {path} does not exist")
+        data = read_policy_json(path)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
+        check_subset_layers(data, info, path)
+        data = normalise(data)
+        if data["type"] not in ("expert_mask", "static"):
+            raise ValueError(
+                f"{path}: static:FILE needs an expert mask (a subset file), got type {data['type']!r}"
+            )
+        return _from_dict({**data, "type": "static"}, model, info, path.parent, str(path))
+    if sep and kind == "controller":
+        folder = Path(arg)
+        found = folder.is_file() or any((folder / sub / "controller.json").exists() for sub in ("", "final"))
+        policy = _from_path(folder, model, info) if found else None
+        if not isinstance(policy, PolicyConfig) or policy.policy_type != "controller":
+            raise ValueError(
+                f"policy {spec!r}: {arg} is not a controller folder (needs controller.json and "
+                "controller.safetensors, as `moectl options train` writes)"
+            )
+        return policy
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _from_path(path, model, info)
+    if path.suffix == ".json" or os.sep in spec:
+        raise FileNotFoundError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
+    raise ValueError(f"unknown policy {spec!r}: give a policy JSON file, a folder, or one of {SHORT_FORMS}")
