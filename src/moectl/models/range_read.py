@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moectl.errors import MoectlError
+
 READ_METHODS = ("direct", "fadvise", "plain")
 DEFAULT_READ_METHOD = "direct"
 ALIGN = 4096
@@ -56,7 +58,7 @@ BOUNCE_BYTES = 16 * 2**20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
-class ShardError(ValueError):
+class ShardError(MoectlError, ValueError):
     """A shard no longer holds the bytes it was indexed with (truncated, or changed in place)."""
 
     def __init__(self, message: str, path: Path, start: int | None = None, size: int | None = None) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters import inspect
+from moectl.errors import MoectlError
 from moectl.serve.config import OffloadConfig
 from moectl.serve.delta_store import PENDING, DeltaStore
 from moectl.serve.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
@@ -38,7 +39,7 @@ from moectl.serve.slot_forward import supports as supports_slots
 from moectl.serve.store import DiskStore, HostStore
 
 
-class BudgetError(ValueError):
+class BudgetError(MoectlError, ValueError):
     """The resident budget cannot hold what a step needs."""
 
 
