@@ -24,3 +24,15 @@ class ConfigError(MoectlError, ValueError):
 
 class MoectlFileError(MoectlError, FileNotFoundError):
     """A file or folder moectl needs is missing or unreadable."""
+
+
+class FileFormatError(MoectlError, ValueError):
+    """A file is not what it claims: truncated, malformed, or another format (the message names it)."""
+
+
+class OutputExistsError(MoectlError, FileExistsError):
+    """An output file or folder exists already and replacing it was not asked for (``--overwrite``)."""
+
+
+class DiskSpaceError(MoectlError, OSError):
+    """The disk has not the room an output needs (checked before writing; the message says how much)."""

@@ -15,6 +15,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TextIO
 
+from moectl.errors import FileFormatError
+
 __all__ = ["iter_jsonl_rows", "open_text", "read_jsonl_rows"]
 
 
@@ -41,17 +43,17 @@ def iter_jsonl_rows(
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
+                raise FileFormatError(
                     f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+                raise FileFormatError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
             if fields:
                 value = next((row[name] for name in fields if name in row), None)
                 if not isinstance(value, str) or not (allow_empty or value):
                     what = "string" if allow_empty else "non-empty string"
                     names = " or ".join(f'"{name}"' for name in fields)
-                    raise ValueError(f"{path}:{number}: each line needs a {what} {names} field")
+                    raise FileFormatError(f"{path}:{number}: each line needs a {what} {names} field")
             yield number, row
 
 
