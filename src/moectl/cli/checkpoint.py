@@ -41,10 +41,11 @@ def make_cmd(
 ) -> None:
     """Write SPEC as a sharded safetensors checkpoint with random weights and print its summary."""
     from moectl.errors import ConfigError
-    from moectl.models.shapes import make_checkpoint, parse_shape_spec
 
     if max_shard_gb <= 0:
         raise ConfigError(f"--max-shard-gb must be > 0, got {max_shard_gb}")
+    from moectl.models.shapes import make_checkpoint, parse_shape_spec
+
     parse_shape_spec(spec)  # a bad spec names the known shapes before any work
     summary = make_checkpoint(spec, out, int(max_shard_gb * 1e9), seed=seed, overwrite=overwrite)
     params = summary["parameters"]
