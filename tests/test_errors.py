@@ -66,8 +66,8 @@ def test_every_error_class_is_a_moectl_error_or_listed_with_a_reason():
 
 
 def test_every_moectl_error_keeps_a_built_in_base():
-    """``except ValueError`` (or OSError, RuntimeError) written before the base existed still catches."""
-    builtin = (ValueError, OSError, RuntimeError)
+    """``except ValueError`` (or IndexError, OSError, RuntimeError) written before the base existed still catches."""
+    builtin = (ValueError, LookupError, OSError, RuntimeError)
     for path, cls in _moectl_exception_classes().items():
         if issubclass(cls, MoectlError) and cls is not MoectlError:
             assert issubclass(cls, builtin), path

@@ -5,3 +5,7 @@ from moectl.errors import MoectlError
 
 class UnsupportedModelError(MoectlError, ValueError):
     """The model has no router moectl can re-route, or something bypasses the routers."""
+
+
+class NoSuchLayerError(MoectlError, IndexError):
+    """A MoE layer index the model does not have (the message names the valid range)."""

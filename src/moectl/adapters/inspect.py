@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from moectl.adapters.errors import UnsupportedModelError
+from moectl.adapters.errors import NoSuchLayerError, UnsupportedModelError
 from moectl.adapters.linear_gate import gate_router
 from moectl.adapters.registry import Adapter, gate_families, registry, supported_routers
 from moectl.adapters.rules import RouterRule
@@ -63,7 +63,7 @@ class ModelInfo:
 
     def layer(self, index: int) -> MoELayer:
         if not 0 <= index < len(self.layers):
-            raise IndexError(
+            raise NoSuchLayerError(
                 f"MoE layer {index} does not exist; the model has MoE layers 0..{len(self.layers) - 1}"
             )
         return self.layers[index]

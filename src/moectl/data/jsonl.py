@@ -15,7 +15,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TextIO
 
-from moectl.errors import FileFormatError
+from moectl.errors import FileFormatError, MoectlFileError
 
 __all__ = ["iter_jsonl_rows", "open_text", "read_jsonl_rows"]
 
@@ -36,7 +36,19 @@ def iter_jsonl_rows(
     (non-empty unless ``allow_empty``).
     """
     fields = (required_field,) if isinstance(required_field, str) else tuple(required_field or ())
-    with open_text(path) as handle:
+    try:
+        handle = open_text(path)
+    except OSError as err:  # a folder, no permission, gone
+        raise MoectlFileError(f"{path} cannot be read: {err.strerror or err}") from None
+    with handle:
+        yield from _rows(path, handle, fields, allow_empty)
+
+
+def _rows(
+    path: str | Path, handle: TextIO, fields: tuple[str, ...], allow_empty: bool
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    number = 0
+    try:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -55,6 +67,8 @@ def iter_jsonl_rows(
                     names = " or ".join(f'"{name}"' for name in fields)
                     raise FileFormatError(f"{path}:{number}: each line needs a {what} {names} field")
             yield number, row
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as err:  # not text, or a cut-off .gz
+        raise FileFormatError(f"{path}:{number + 1}: not UTF-8 JSON lines ({err})") from None
 
 
 def read_jsonl_rows(
