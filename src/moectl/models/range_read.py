@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moectl.errors import MoectlError
+from moectl.errors import ConfigError, MoectlError
 
 READ_METHODS = ("direct", "fadvise", "plain")
 DEFAULT_READ_METHOD = "direct"
@@ -132,9 +132,9 @@ class RangeReader:
         """``identities``: each file's (size, mtime_ns, inode) when it was indexed; files not in it
         are pinned when first opened."""
         if method not in READ_METHODS:
-            raise ValueError(f"read method must be one of {', '.join(READ_METHODS)}, got {method!r}")
+            raise ConfigError(f"read method must be one of {', '.join(READ_METHODS)}, got {method!r}")
         if bounce_bytes < ALIGN or bounce_bytes % ALIGN:
-            raise ValueError(f"bounce_bytes must be a positive multiple of {ALIGN}, got {bounce_bytes}")
+            raise ConfigError(f"bounce_bytes must be a positive multiple of {ALIGN}, got {bounce_bytes}")
         self.method, self.bounce_bytes = method, bounce_bytes
         self.stats = ReadStats()
         self._fds: dict[Path, tuple[int, str]] = {}
@@ -159,7 +159,7 @@ class RangeReader:
                 if method != "direct":
                     fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError as err:
-                raise ValueError(f"{path}: shard is missing") from err
+                raise ShardError(f"{path}: shard is missing", path) from err
             if method == "fadvise":
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._identity.setdefault(path, file_identity(os.fstat(fd)))
