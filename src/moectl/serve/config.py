@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import ConfigError
 from moectl.models.range_read import DEFAULT_READ_METHOD, READ_METHODS
 from moectl.serve.int8 import SLOT_DTYPES
 from moectl.serve.prefetch import PrefetchConfig
@@ -65,17 +66,17 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         t = self.load_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
-            raise ValueError(f"load_timeout_s (--load-timeout) must be a finite number of seconds > 0, got {t!r}")
+            raise ConfigError(f"load_timeout_s (--load-timeout) must be a finite number of seconds > 0, got {t!r}")
         if self.slot_dtype not in SLOT_DTYPES:
-            raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
+            raise ConfigError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {self.slot_dtype!r}")
         if self.experts_forward not in EXPERTS_FORWARDS:
-            raise ValueError(
+            raise ConfigError(
                 f"experts forward must be one of {', '.join(EXPERTS_FORWARDS)}, got {self.experts_forward!r}"
             )
         if self.store not in STORES:
-            raise ValueError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
+            raise ConfigError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
         if self.read_method not in READ_METHODS:
-            raise ValueError(
+            raise ConfigError(
                 f"read method must be one of {', '.join(READ_METHODS)}, got {self.read_method!r}"
             )
         if self.store_dir is not None and not isinstance(self.store_dir, Path):
