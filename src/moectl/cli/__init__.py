@@ -5,15 +5,13 @@ needs (transformers, lm-eval, optuna, peft, matplotlib, accelerate) loads inside
 ``moectl --help`` and ``moectl VERB --help`` stay fast.
 
 Errors: a :class:`moectl.errors.MoectlError` escaping any command (input or state moectl refuses) is
-printed by :class:`MoectlGroup` as one line, ``error: MESSAGE``, with exit code 2; any other
+printed by :class:`~moectl.cli.common.MoectlGroup` as one line, ``error: MESSAGE``, with exit code 2; any other
 exception is a bug and keeps its traceback; Ctrl-C is left to each verb (``common.interrupted``).
 """
 
 from __future__ import annotations
 
-import click
 import typer
-from typer.core import TyperGroup
 
 from moectl.cli import (
     baselines,
@@ -33,22 +31,7 @@ from moectl.cli import (
     subset,
     switch_rate,
 )
-from moectl.cli.common import fail
-from moectl.errors import MoectlError
-
-
-class MoectlGroup(TyperGroup):
-    """The ``moectl`` command group, and the command line's one error handler: every verb and verb
-    group runs inside :meth:`invoke`, so a ``MoectlError`` from anywhere below (the library refusing
-    its input) ends as ``error: MESSAGE`` and exit code 2, the same line as ``common.fail``, both
-    under the console script and under ``CliRunner().invoke(app, ...)``."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except MoectlError as err:
-            fail(err)
-
+from moectl.cli.common import MoectlGroup
 
 app = typer.Typer(
     cls=MoectlGroup,

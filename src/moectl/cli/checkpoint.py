@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, check_out_folder, console, write_json
+from moectl.cli.common import JsonOpt, MoectlGroup, check_out_folder, console, write_json
 
 checkpoint_app = typer.Typer(
+    cls=MoectlGroup,
     help="Write checkpoints of real models' shapes (random weights).", no_args_is_help=True
 )
 

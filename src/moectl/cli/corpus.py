@@ -12,13 +12,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.common import check_out_folder, err_console, write_json
+from moectl.cli.common import MoectlGroup, check_out_folder, err_console, write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app", "tokenizer_app"]
 
-corpus_app = typer.Typer(help="Build the offline multi-domain text corpus.", no_args_is_help=True)
-tokenizer_app = typer.Typer(help="Train moectl's byte-level BPE tokenizer.", no_args_is_help=True)
+corpus_app = typer.Typer(cls=MoectlGroup, help="Build the offline multi-domain text corpus.", no_args_is_help=True)
+tokenizer_app = typer.Typer(cls=MoectlGroup, help="Train moectl's byte-level BPE tokenizer.", no_args_is_help=True)
 _console = Console()
 
 

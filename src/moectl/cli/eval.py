@@ -20,6 +20,7 @@ from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
     ModelArg,
+    MoectlGroup,
     check_out_file,
     console,
     fail,
@@ -29,9 +30,9 @@ from moectl.cli.common import (
 
 __all__ = ["data_app", "eval_app", "report_app"]
 
-eval_app = typer.Typer(help="Evaluate a (routed) model on benchmarks or a corpus.")
-data_app = typer.Typer(help="Offline evaluation sets.", no_args_is_help=True)
-report_app = typer.Typer(help="Render results files as the papers' tables and a plot.")
+eval_app = typer.Typer(cls=MoectlGroup, help="Evaluate a (routed) model on benchmarks or a corpus.")
+data_app = typer.Typer(cls=MoectlGroup, help="Offline evaluation sets.", no_args_is_help=True)
+report_app = typer.Typer(cls=MoectlGroup, help="Render results files as the papers' tables and a plot.")
 
 
 EvalsCacheOpt = Annotated[

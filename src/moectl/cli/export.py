@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, check_out_file, console, write_json
+from moectl.cli.common import JsonOpt, MoectlGroup, check_out_file, console, write_json
 
 export_app = typer.Typer(
+    cls=MoectlGroup,
     help="Write a model in another engine's format (GGUF for llama.cpp).", no_args_is_help=True
 )
 

@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, console, write_json, write_or_fail
+from moectl.cli.common import JsonOpt, MoectlGroup, console, write_json, write_or_fail
 
-offload_app = typer.Typer(help="Expert offloading: which experts to keep resident.", no_args_is_help=True)
+offload_app = typer.Typer(cls=MoectlGroup, help="Expert offloading: which experts to keep resident.", no_args_is_help=True)
 
 
 def _expert_bytes(expert_bytes: int | None, checkpoint: Path | None, layers: int) -> tuple[int, ...] | None:
