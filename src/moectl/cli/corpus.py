@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.common import MoectlGroup, check_out_folder, err_console, write_json
+from moectl.cli.common import MoectlGroup, check_out_folder, write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app", "tokenizer_app"]
@@ -80,14 +80,9 @@ def build_command(
 ) -> None:
     """Fetch the sources, strip markup, de-duplicate, split by document id, write JSONL and stats.json."""
     from moectl.data.build import build_corpus
-    from moectl.data.fetch import FetchError
 
     chosen = _parse_domains(domains)
-    try:
-        stats = build_corpus(out, cache, chosen, max_docs_per_source, progress=progress, sources=SOURCES)
-    except FetchError as exc:
-        err_console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from exc
+    stats = build_corpus(out, cache, chosen, max_docs_per_source, progress=progress, sources=SOURCES)
     _console.print(corpus_table(stats))
     _console.print(f"corpus written to {out} (stats in {out / 'stats.json'})")
     write_json(json_path, stats, ensure_ascii=False)
@@ -131,10 +126,7 @@ def train_command(
                                  param_hint="CORPUS_DIR")
     if vocab < MIN_VOCAB:
         raise typer.BadParameter(f"vocabulary must be at least {MIN_VOCAB}, got {vocab}", param_hint="--vocab")
-    try:
-        summary = train_tokenizer(corpus_dir, vocab, out, max_chars_per_domain=max_chars_per_domain)
-    except (FileNotFoundError, ValueError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="CORPUS_DIR") from exc
+    summary = train_tokenizer(corpus_dir, vocab, out, max_chars_per_domain=max_chars_per_domain)
     table = Table(title=f"tokenizer: vocab {summary['vocab_size']:,} -> {out}")
     table.add_column("domain")
     table.add_column("train chars used", justify="right")
