@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
+from moectl.cli.common import MoectlGroup
 from moectl.errors import ConfigError, MoectlError
 
 runner = CliRunner()
@@ -95,6 +96,33 @@ def test_the_handler_covers_verbs_inside_groups(tmp_path):
     assert result.exit_code == 2, result.output
     assert _stderr_lines(result) == ["error: --max-shard-gb must be > 0, got 0.0"]
     assert not (tmp_path / "ck").exists()
+
+
+def test_every_verb_group_is_a_moectl_group():
+    """Tests and programs invoke a verb group's own app (``subset_app``, ``serve_app``) as well as
+    ``app``: each is a ``MoectlGroup``, so the handler is there whichever is invoked."""
+    import typer
+
+    groups = {}
+    for name in (n for n in _moectl_modules() if n == "moectl.cli" or n.startswith("moectl.cli.")):
+        for attr, obj in vars(importlib.import_module(name)).items():
+            if isinstance(obj, typer.Typer):
+                groups[f"{name}.{attr}"] = obj
+    assert "moectl.cli.app" in groups and "moectl.cli.subset.subset_app" in groups
+    assert sorted(path for path, group in groups.items() if group.info.cls is not MoectlGroup) == []
+
+
+def test_a_verb_group_invoked_alone_has_the_handler(tmp_path, monkeypatch):
+    """``subset_app`` invoked by itself (as tests/test_subsets_cli.py does): a missing --data file is
+    refused by the JSONL reader (MoectlFileError) and printed by the group's handler."""
+    from moectl.cli.subset import subset_app
+
+    monkeypatch.chdir(tmp_path)  # short paths: the line fits the console's width wherever tmp_path is
+    result = runner.invoke(
+        subset_app, ["select", "tiny:olmoe", "--data", "none.jsonl", "--keep", "4", "--out", "s.json"]
+    )
+    assert result.exit_code == 2, result.output
+    assert _stderr_lines(result) == ["error: none.jsonl cannot be read: No such file or directory"]
 
 
 def test_the_console_script_prints_the_same_line(tmp_path):
