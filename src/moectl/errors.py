@@ -34,5 +34,9 @@ class OutputExistsError(MoectlError, FileExistsError):
     """An output file or folder exists already and replacing it was not asked for (``--overwrite``)."""
 
 
-class DiskSpaceError(MoectlError, OSError):
-    """The disk has not the room an output needs (checked before writing; the message says how much)."""
+class OutputIsFolderError(MoectlError, IsADirectoryError):
+    """An output that must be a file names a folder (the message suggests a file path)."""
+
+
+class UnavailableError(MoectlError, OSError):
+    """What the machine must provide is not there: room on the disk, a port to listen on."""

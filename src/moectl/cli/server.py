@@ -52,8 +52,9 @@ def served_name(spec: str) -> str:
 
 
 def check_port(host: str, port: int) -> None:
-    """Refuse a port that cannot be bound before the model loads (``ConfigError`` naming it)."""
-    from moectl.errors import ConfigError
+    """Refuse a port that cannot be bound before the model loads (``ConfigError`` for a bad port or
+    host, ``UnavailableError``, an ``OSError``, for one in use)."""
+    from moectl.errors import ConfigError, UnavailableError
 
     if not 1 <= port <= 65535:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
@@ -67,7 +68,7 @@ def check_port(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as err:
-            raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
+            raise UnavailableError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
 
 
 def serve_command(

@@ -15,7 +15,7 @@ from typing import Any
 
 import gguf
 
-from moectl.errors import ConfigError, MoectlFileError, OutputExistsError
+from moectl.errors import FileFormatError, OutputExistsError, OutputIsFolderError
 from moectl.export.gguf_arch import spec_for, write_hparams
 from moectl.export.gguf_tensors import FILE_TYPES, arrays, plan, resolve_outtype
 from moectl.export.gguf_vocab import read_vocab
@@ -27,7 +27,7 @@ from moectl.models.shards import ShardReader
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse a folder, or an existing file unless ``overwrite``."""
     if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder: give a file path, e.g. {out / 'model.gguf'}")
+        raise OutputIsFolderError(f"--out {out} is a folder: give a file path, e.g. {out / 'model.gguf'}")
     if out.exists() and not overwrite:
         raise OutputExistsError(f"--out {out} already exists; pass --overwrite to replace it")
 
@@ -61,7 +61,7 @@ def write_gguf(
     model_dir, out = Path(model_dir).expanduser(), Path(out).expanduser()
     check_out(out, overwrite)
     if not model_dir.is_dir():
-        raise MoectlFileError(f"{model_dir} is not a checkpoint folder (config.json + *.safetensors)")
+        raise FileFormatError(f"{model_dir} is not a checkpoint folder (config.json + *.safetensors)")
     config = load_config(model_dir)
     spec = spec_for(config)
     model = build_meta(config, None)

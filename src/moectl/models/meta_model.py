@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from moectl.errors import ConfigError, FileFormatError, MoectlFileError
+from moectl.errors import ConfigError, FileFormatError
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: PretrainedConfig) -> torch.dtype:
@@ -40,7 +40,7 @@ def load_config(path: str | Path) -> PretrainedConfig:
     """The ``config.json`` of a checkpoint folder; ``ValueError`` naming the folder if absent."""
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
-        raise MoectlFileError(f"{folder}: no config.json (expected a checkpoint folder as save_pretrained writes)")
+        raise FileFormatError(f"{folder}: no config.json (expected a checkpoint folder as save_pretrained writes)")
     try:
         return AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError) as err:  # not JSON, an unknown model_type, ...

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from moectl.errors import ConfigError, DiskSpaceError, OutputExistsError
+from moectl.errors import ConfigError, OutputExistsError, UnavailableError
 from moectl.models.safetensors_index import DTYPES, INDEX, CheckpointIndex
 from moectl.models.shape_build import (
     build_from_config,
@@ -205,7 +205,7 @@ def write_shape_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if tensor_bytes > free:
-        raise DiskSpaceError(
+        raise UnavailableError(
             f"{config.moectl_shape} needs {tensor_bytes / 2**30:.2f} GiB but {out.parent} has "
             f"{free / 2**30:.2f} GiB free"
         )
