@@ -40,3 +40,7 @@ class OutputIsFolderError(MoectlError, IsADirectoryError):
 
 class UnavailableError(MoectlError, OSError):
     """What the machine must provide is not there: room on the disk, a port to listen on."""
+
+
+class MemoryLimitError(MoectlError, MemoryError):
+    """What was asked for cannot fit the memory there is (the message names the limit and what fits)."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from moectl.errors import ConfigError
+from moectl.errors import ConfigError, MemoryLimitError
 from moectl.models.shape_layout import checkpoint_pieces
 from moectl.models.shape_presets import PRESETS
 from moectl.models.shape_values import fill_values
@@ -205,7 +205,7 @@ def build_from_config(
     need = parameter_counts(_meta_model(config, dtype))["bytes"]
     available = _available_memory()
     if str(device) == "cpu" and available is not None and need > available:
-        raise MemoryError(
+        raise MemoryLimitError(
             f"{getattr(config, 'moectl_shape', config.model_type)} needs {need / 2**30:.1f} GiB of weights "
             f"but {available / 2**30:.1f} GiB is available; build it on device='meta', with fewer layers "
             f"(@LAYERS) or reduced width (~wWIDTH), or stream it to disk with write_shape_checkpoint"

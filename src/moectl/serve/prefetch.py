@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class PrefetchConfig:
@@ -35,9 +37,9 @@ class PrefetchConfig:
 
     def __post_init__(self) -> None:
         if self.lookahead < 1:
-            raise ValueError(f"prefetch lookahead must be >= 1, got {self.lookahead}")
+            raise ConfigError(f"prefetch lookahead must be >= 1, got {self.lookahead}")
         if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"prefetch beta threshold must be in [0, 1), got {self.beta}")
+            raise ConfigError(f"prefetch beta threshold must be in [0, 1), got {self.beta}")
 
 
 def option_prediction(
