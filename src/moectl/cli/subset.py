@@ -35,7 +35,6 @@ from moectl.cli.common import (
     check_out_folder,
     console,
     err_console,
-    fail,
     load,
     write_json,
     write_or_fail,
@@ -143,10 +142,7 @@ def export_cmd(
     from moectl.subsets.export import check_out_dir, export_subset
     from moectl.subsets.files import load_subset
 
-    try:  # before the model loads: an existing checkpoint (or MODEL itself) is never written into
-        check_out_dir(out)
-    except ValueError as err:
-        fail(f"--out {err}")
+    check_out_dir(out)  # before the model loads: an existing checkpoint (or MODEL itself) is never written into
     if stream is None:
         stream = is_checkpoint_folder(model) and dtype == "auto"
     if stream:
