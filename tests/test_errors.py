@@ -78,14 +78,20 @@ def _stderr_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
-def test_a_library_error_inside_a_verb_is_one_line_and_exit_2():
-    """``--dtype foo`` is refused by the model loader (a ConfigError at the source); ``inspect`` has no
-    except block of its own, so the one handler prints it. Before: an AttributeError traceback."""
-    result = runner.invoke(app, ["inspect", "--tiny", "olmoe", "--dtype", "foo"])
+@pytest.mark.parametrize(
+    "flag, line",
+    [
+        (["--dtype", "foo"], "error: --dtype 'foo' is not known: give auto, float32, bfloat16 or float16"),
+        (["--device", "foo"], "error: --device 'foo' is not a device: give cpu, cuda, cuda:1, ... (or auto / balanced)"),
+    ],
+)
+def test_a_library_error_inside_a_verb_is_one_line_and_exit_2(flag, line):
+    """``--dtype foo`` / ``--device foo`` are refused by the model loader (a ConfigError at the
+    source); ``inspect`` has no except block of its own, so the one handler prints it. Before: an
+    AttributeError / RuntimeError traceback."""
+    result = runner.invoke(app, ["inspect", "--tiny", "olmoe", *flag])
     assert result.exit_code == 2, result.output
-    assert _stderr_lines(result) == [
-        "error: --dtype 'foo' is not known: give auto, float32, bfloat16 or float16"
-    ]
+    assert _stderr_lines(result) == [line]
     assert result.stdout == ""
 
 
