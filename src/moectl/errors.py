@@ -3,8 +3,8 @@
 Every error a user can cause — a bad flag value, a file that is not what it claims, a model moectl
 cannot re-route, a budget memory cannot hold — derives from :class:`MoectlError`, so a program
 catches them all with one ``except MoectlError`` and the command line prints them with one handler
-(``cli/common.py``, ``MoectlGroup``: ``error: MESSAGE``, exit code 2) instead of a traceback. An error that is not a
-``MoectlError`` is a bug in moectl and keeps its traceback.
+(``MoectlGroup`` in ``cli/common.py``: ``error: MESSAGE``, exit code 2) instead of a traceback. An
+error that is not a ``MoectlError`` is a bug in moectl and keeps its traceback.
 
 Each error also derives from the built-in exception a caller would have caught before this base
 existed (``ValueError``, ``FileNotFoundError``, ``RuntimeError``, ``OSError``), so code written
