@@ -84,3 +84,17 @@ def test_an_unfinished_run_is_refused_and_nothing_is_written(run, tmp_path):
     assert out.output.startswith("error:") and "no final evaluation" in out.output
     assert len(out.output.strip().splitlines()) <= 2 and "Traceback" not in out.output
     assert not (model_dir / "README.md").exists() and not (model_dir / "training_log.jsonl").exists()
+
+
+def test_a_malformed_result_file_is_one_line_and_nothing_is_written(run, tmp_path):
+    """A field of an --eval result of another type (a value that is no number) used to reach the
+    command as a bare ValueError; the card now refuses the file as malformed before writing."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(run / "final", model_dir)
+    bad = tmp_path / "eval.json"
+    bad.write_text(json.dumps({"schema": "moectl.eval.results/1", "tasks": {"ppl": {"metrics": {"loss": {"value": "x"}}}}}))
+    out = runner.invoke(app, ["card", str(model_dir), "--run", str(run), "--eval", str(bad)])
+    assert out.exit_code == 2, out.output
+    flat = " ".join(out.output.split())
+    assert flat.startswith("error:") and "--eval is missing or malformed" in flat and "Traceback" not in flat
+    assert not (model_dir / "README.md").exists() and not (model_dir / "training_log.jsonl").exists()

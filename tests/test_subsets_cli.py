@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import moectl
+from moectl.cli.common import MoectlGroup
 from moectl.cli.modularity import modularity_cmd
 from moectl.cli.subset import subset_app
 from moectl.models.load import load_model
@@ -117,7 +118,7 @@ def test_export_from_a_checkpoint_directory_reports_disk_size(tmp_path):
 
 
 def test_modularity_writes_heatmaps_and_similarity(tmp_path):
-    app = typer.Typer()
+    app = typer.Typer(cls=MoectlGroup)  # the group whose invoke turns a MoectlError into one line
     app.command("modularity")(modularity_cmd)
     app.command("noop")(lambda: None)  # two commands: typer then expects the verb name
     domains = tmp_path / "domains"
@@ -151,7 +152,7 @@ def test_modularity_groups_a_corpus_folder_by_domain(tmp_path):
     texts = corpus_texts_by_domain(sample_corpus_dir(), max_docs=2)
     assert len(texts) >= 2 and "validation" not in texts and "train" not in texts
     assert all(1 <= len(docs) <= 2 and all(isinstance(t, str) and t for t in docs) for docs in texts.values())
-    app = typer.Typer()
+    app = typer.Typer(cls=MoectlGroup)  # the group whose invoke turns a MoectlError into one line
     app.command("modularity")(modularity_cmd)
     app.command("noop")(lambda: None)
     result = runner.invoke(

@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from moectl.adapters import ModelInfo, UnsupportedModelError, inspect, self_test, supported_routers
+from moectl.errors import ConfigError, MoectlError, MoectlFileError
 from moectl.lm_eval import install as _install_lm_eval_backend
 from moectl.metrics.switch_rate import switch_rate
 from moectl.routing import (
@@ -45,11 +46,14 @@ _SUBPACKAGES = (
 
 __all__ = [
     "FAMILIES",
+    "ConfigError",
     "DocumentPool",
     "ExpertMask",
     "GumbelTopK",
     "Loaded",
     "ModelInfo",
+    "MoectlError",
+    "MoectlFileError",
     "PolicyConfig",
     "RoEConfig",
     "RoutingTrace",

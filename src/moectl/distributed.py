@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
+
 BUCKET_ELEMENTS = 1 << 25  # gradients all-reduced in flat buckets of at most 32 Mi elements
 
 
@@ -170,7 +172,7 @@ def check_divides(n: int, world: int, what: str, flag: str = "--batch-size") -> 
     evenly over ``world`` processes."""
     if world > 1 and n % world:
         lower = max(world, n - n % world)
-        raise ValueError(
+        raise ConfigError(
             f"{flag} {n} does not split over {world} processes: give a multiple of {world} "
             f"(e.g. {lower} or {lower + world}) or launch a number of processes that divides {n}"
         )
@@ -201,7 +203,7 @@ def process_device(device: str, ranks: Ranks) -> str:
     if not ranks.distributed:
         return device
     if device in ("auto", "balanced"):
-        raise ValueError(
+        raise ConfigError(
             f"--device-map {device} with {ranks.world} processes: each process would spread the model over "
             "every GPU; give --device cuda (one GPU per process), or run one process with --device-map"
         )

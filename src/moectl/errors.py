@@ -3,8 +3,8 @@
 Every error a user can cause — a bad flag value, a file that is not what it claims, a model moectl
 cannot re-route, a budget memory cannot hold — derives from :class:`MoectlError`, so a program
 catches them all with one ``except MoectlError`` and the command line prints them with one handler
-(``cli/__init__.py``: ``error: MESSAGE``, exit code 2) instead of a traceback. An error that is not a
-``MoectlError`` is a bug in moectl and keeps its traceback.
+(``MoectlGroup`` in ``cli/common.py``: ``error: MESSAGE``, exit code 2) instead of a traceback. An
+error that is not a ``MoectlError`` is a bug in moectl and keeps its traceback.
 
 Each error also derives from the built-in exception a caller would have caught before this base
 existed (``ValueError``, ``FileNotFoundError``, ``RuntimeError``, ``OSError``), so code written
@@ -32,3 +32,27 @@ class FetchError(MoectlError, RuntimeError):
 
 class UnsupportedModelError(MoectlError, ValueError):
     """The model has no router moectl can re-route, or something bypasses the routers."""
+
+
+class FileFormatError(MoectlError, ValueError):
+    """A file is not what it claims: truncated, malformed, or another format (the message names it)."""
+
+
+class OutputExistsError(MoectlError, FileExistsError):
+    """An output file or folder exists already and replacing it was not asked for (``--overwrite``)."""
+
+
+class OutputIsFolderError(MoectlError, IsADirectoryError):
+    """An output that must be a file names a folder (the message suggests a file path)."""
+
+
+class UnavailableError(MoectlError, OSError):
+    """What the machine must provide is not there: room on the disk, a port to listen on."""
+
+
+class MemoryLimitError(MoectlError, MemoryError):
+    """What was asked for cannot fit the memory there is (the message names the limit and what fits)."""
+
+
+class NoSuchLayerError(MoectlError, IndexError):
+    """A MoE layer index the model does not have (the message names the valid range)."""

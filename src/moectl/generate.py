@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.data.jsonl import read_jsonl_rows
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 
 DEFAULT_PROMPTS = [
     {"prompt": "The quick brown fox jumps over the lazy dog because", "category": "chat"},
@@ -42,13 +43,13 @@ def load_prompts(path: str | Path | None) -> list[Prompt]:
         return [Prompt(p["prompt"], p["category"]) for p in DEFAULT_PROMPTS]
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
+        raise MoectlFileError(f"prompts file {path} does not exist")
     prompts = [
         Prompt(row.get("prompt", row.get("text")), str(row.get("category", "all")))
         for row in read_jsonl_rows(path, ("prompt", "text"))
     ]
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise FileFormatError(f"{path} holds no prompts")
     return prompts
 
 
@@ -75,7 +76,7 @@ def generate_completions(
     from moectl.routing.session import sessions_on
 
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     params = SamplingParams(max_new_tokens, temperature, top_p, seed=seed, ignore_eos=ignore_eos)
     inside_session = sessions_on(model) > 0
     config = EngineConfig(max_batch=1 if inside_session else batch_size, max_queue=batch_size, record=record)

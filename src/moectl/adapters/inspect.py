@@ -10,7 +10,7 @@ from torch import nn
 from moectl.adapters.linear_gate import gate_router
 from moectl.adapters.registry import Adapter, gate_families, registry, supported_routers
 from moectl.adapters.rules import RouterRule
-from moectl.errors import UnsupportedModelError
+from moectl.errors import NoSuchLayerError, UnsupportedModelError
 
 __all__ = ["MoELayer", "ModelInfo", "UnsupportedModelError", "check_not_bypassed", "inspect"]
 
@@ -63,7 +63,7 @@ class ModelInfo:
 
     def layer(self, index: int) -> MoELayer:
         if not 0 <= index < len(self.layers):
-            raise IndexError(
+            raise NoSuchLayerError(
                 f"MoE layer {index} does not exist; the model has MoE layers 0..{len(self.layers) - 1}"
             )
         return self.layers[index]

@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
+
 RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_dense", "sparsemixer"]
 Renorm = Literal["pruned", "stock"]
 
@@ -158,19 +160,19 @@ class RouterRule:
         if allowed.dtype != torch.bool:
             raise TypeError(f"{where}: allowed-expert mask must be bool, got {allowed.dtype}")
         if allowed.shape[-1] != self.num_experts:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: last dimension is {allowed.shape[-1]}, the layer has {self.num_experts} experts"
             )
         counts = allowed.sum(-1)
         if bool((counts < self.top_k).any()):
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: allows only {int(counts.min())} experts for some token, fewer than top-k = "
                 f"{self.top_k}; a mask must allow at least top-k experts"
             )
         if self.grouped:
             worst = _worst_case_reachable(allowed, self.n_group, self.topk_group, self.group_topn)
             if bool((worst < self.top_k).any()):
-                raise ValueError(
+                raise ConfigError(
                     f"{where}: with {self.n_group} expert groups of which the router keeps "
                     f"{self.topk_group}, only {int(worst.min())} allowed experts are surely reachable, "
                     f"fewer than top-k = {self.top_k}; allow at least top-k experts within the "

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
 from moectl.adapters.linear_gate import GateRouter
+from moectl.errors import ConfigError
 
 # the config fields that hold the routed-expert count, across families
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -39,11 +40,11 @@ def check_keep(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> dict[int, 
     missing = [layer.index for layer in info.layers if layer.index not in keep]
     unknown = [k for k in keep if not 0 <= int(k) < info.num_moe_layers]
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"keep names MoE layers {unknown}; the model has MoE layers 0..{info.num_moe_layers - 1}"
         )
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"keep must list every MoE layer (the config has one expert count); missing layers {missing}"
         )
     clean: dict[int, list[int]] = {}
@@ -51,26 +52,26 @@ def check_keep(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> dict[int, 
         layer = info.layer(int(index))
         ids = sorted(int(i) for i in ids)
         if len(set(ids)) != len(ids):
-            raise ValueError(f"MoE layer {index}: duplicate experts in {ids}")
+            raise ConfigError(f"MoE layer {index}: duplicate experts in {ids}")
         if ids and not (ids[0] >= 0 and ids[-1] < layer.num_experts):
-            raise ValueError(
+            raise ConfigError(
                 f"MoE layer {index}: expert ids must lie in 0..{layer.num_experts - 1}, got {ids}"
             )
         if len(ids) < layer.top_k:
-            raise ValueError(f"MoE layer {index}: keeps {len(ids)} experts, fewer than top-k = {layer.top_k}")
+            raise ConfigError(f"MoE layer {index}: keeps {len(ids)} experts, fewer than top-k = {layer.top_k}")
         rule = layer.rule
         if rule.grouped or rule.n_group > 1:
             size = layer.num_experts // rule.n_group
             per_group = torch.bincount(torch.tensor(ids) // size, minlength=rule.n_group)
             if len(set(per_group.tolist())) != 1 or int(per_group[0]) < rule.group_topn:
-                raise ValueError(
+                raise ConfigError(
                     f"MoE layer {index}: a grouped router ({rule.n_group} groups) needs the same number of kept "
                     f"experts in every group, at least {rule.group_topn}; got {per_group.tolist()} per group"
                 )
         clean[int(index)] = ids
     counts = {len(v) for v in clean.values()}
     if len(counts) != 1:
-        raise ValueError(f"every MoE layer must keep the same number of experts; got counts {sorted(counts)}")
+        raise ConfigError(f"every MoE layer must keep the same number of experts; got counts {sorted(counts)}")
     return clean
 
 
@@ -112,7 +113,7 @@ def per_expert_tensors(model: nn.Module, info: ModelInfo | None = None) -> dict[
     found: dict[str, ExpertTensor] = {}
     for layer in info.layers:
         if isinstance(layer.router, GateRouter):
-            raise ValueError(
+            raise ConfigError(
                 f"MoE layer {layer.index} ({layer.adapter.family}): its experts are a list of modules, not "
                 "tensors with an expert dimension; writing experts back (merge) is not supported for it"
             )
@@ -200,7 +201,7 @@ def write_experts(
     counts = {layer.index: layer.num_experts for layer in inspect(subset_model).layers}
     wanted = {i: len(ids) for i, ids in keep.items()}
     if counts != wanted:
-        raise ValueError(f"the subset model has experts per MoE layer {counts}; the keep list needs {wanted}")
+        raise ConfigError(f"the subset model has experts per MoE layer {counts}; the keep list needs {wanted}")
     changes: dict[str, float] = {}
     for name, entry in per_expert_tensors(model, info).items():
         if entry.part not in parts:
@@ -208,13 +209,13 @@ def write_experts(
         try:
             source = get_tensor(subset_model, name)
         except AttributeError:
-            raise ValueError(f"the subset model has no tensor {name}") from None
+            raise ConfigError(f"the subset model has no tensor {name}") from None
         target = get_tensor(model, name)
         ids = torch.tensor(keep[entry.layer], dtype=torch.long, device=target.device)
         shape = list(target.shape)
         shape[entry.dim] = len(ids)
         if list(source.shape) != shape:
-            raise ValueError(f"{name}: the subset model's tensor is {list(source.shape)}, expected {shape}")
+            raise ConfigError(f"{name}: the subset model's tensor is {list(source.shape)}, expected {shape}")
         source = source.detach().to(target.device, target.dtype)
         changes[name] = (
             float((source - target.index_select(entry.dim, ids)).abs().max()) if source.numel() else 0.0

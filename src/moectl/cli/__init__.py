@@ -3,6 +3,10 @@
 Every verb module imports only typer, rich and :mod:`moectl.cli.common` at its top; what the verb
 needs (transformers, lm-eval, optuna, peft, matplotlib, accelerate) loads inside the command, so
 ``moectl --help`` and ``moectl VERB --help`` stay fast.
+
+Errors: a :class:`moectl.errors.MoectlError` escaping any command (input or state moectl refuses) is
+printed by :class:`~moectl.cli.common.MoectlGroup` as one line, ``error: MESSAGE``, with exit code 2; any other
+exception is a bug and keeps its traceback; Ctrl-C is left to each verb (``common.interrupted``).
 """
 
 from __future__ import annotations

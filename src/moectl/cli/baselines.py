@@ -28,12 +28,10 @@ from moectl.cli.common import (
     ModelArg,
     check_out_file,
     console,
-    fail,
     load,
     write_json,
 )
 
-_ERRORS = (ValueError, OSError, KeyError)
 PROMPT_CHARS = 400  # with --generate, a corpus document's prompt is its start (``options.prompt_data``)
 
 
@@ -75,46 +73,44 @@ def baselines_command(
 ) -> None:
     """Per-layer expert masks of TE-MoE's pruning baselines (frequency, reconstruction, random, wanda)."""
     from moectl.adapters import inspect
+    from moectl.errors import ConfigError
     from moectl.options.baselines import baseline_keep, baseline_name, calibration_batch
     from moectl.options.prompt_data import read_prompts
     from moectl.options.random_options import check_k_hat
     from moectl.subsets.files import save_subset
 
-    try:
-        method = baseline_name(method)
-        for name, value, low in (("--num-prompts", num_prompts, 1), ("--generate", generate_tokens, 0),
-                                 ("--max-length", max_length, 1)):  # fmt: skip
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        if method == "random" and out is not None:
-            raise ValueError(
-                "--out: the random baseline redraws k-hat experts at every token and has no fixed mask "
-                "to write; use --json for its report"
-            )
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        info = inspect(lm)
-        check_k_hat(info, k_hat)
-        keep: dict[int, list[int]] | None = None
-        calibration: dict[str, Any] = {}
-        if method != "random":
-            chars = PROMPT_CHARS if generate_tokens else sys.maxsize
-            texts = read_prompts(calib, "validation", num_prompts, chars)
-            batch = calibration_batch(
-                lm, tokenizer, texts, max_length, generate_tokens, temperature, seed, progress=True
-            )
-            keep = baseline_keep(lm, batch, method, k_hat, seed, info, layerwise)
-            calibration = {
-                "data": str(calib) if calib is not None else "sample corpus",
-                "documents": len(texts),
-                "tokens": int(batch["attention_mask"].sum()),
-                "max_length": max_length,
-                "generate": generate_tokens,
-                "temperature": temperature,
-                "layerwise": layerwise,
-                "seed": seed,
-            }
-    except _ERRORS as err:
-        fail(err)
+    method = baseline_name(method)
+    for name, value, low in (("--num-prompts", num_prompts, 1), ("--generate", generate_tokens, 0),
+                             ("--max-length", max_length, 1)):  # fmt: skip
+        if value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
+    if method == "random" and out is not None:
+        raise ConfigError(
+            "--out: the random baseline redraws k-hat experts at every token and has no fixed mask "
+            "to write; use --json for its report"
+        )
+    lm, tokenizer = load(model, device, dtype, seed=seed)
+    info = inspect(lm)
+    check_k_hat(info, k_hat)
+    keep: dict[int, list[int]] | None = None
+    calibration: dict[str, Any] = {}
+    if method != "random":
+        chars = PROMPT_CHARS if generate_tokens else sys.maxsize
+        texts = read_prompts(calib, "validation", num_prompts, chars)
+        batch = calibration_batch(
+            lm, tokenizer, texts, max_length, generate_tokens, temperature, seed, progress=True
+        )
+        keep = baseline_keep(lm, batch, method, k_hat, seed, info, layerwise)
+        calibration = {
+            "data": str(calib) if calib is not None else "sample corpus",
+            "documents": len(texts),
+            "tokens": int(batch["attention_mask"].sum()),
+            "max_length": max_length,
+            "generate": generate_tokens,
+            "temperature": temperature,
+            "layerwise": layerwise,
+            "seed": seed,
+        }
     _print_table(info, method, k_hat, keep)
     if out is not None and keep is not None:
         save_subset(out, keep, model=model, method=method, calibration=calibration)

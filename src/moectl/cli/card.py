@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from moectl.cli.common import JsonOpt, console, fail, write_json
+from moectl.cli.common import JsonOpt, console, fail, output_problem, write_json
 
 
 def card_command(
@@ -44,17 +44,18 @@ def card_command(
     json_path: JsonOpt = None,
 ) -> None:
     """Write MODEL_DIR/README.md (Hugging Face model card) and copy the training log and curves beside it."""
-    from moectl.reporting.model_card import write_card
+    from moectl.errors import MoectlFileError
+    from moectl.reporting.model_card import CARD, write_card
 
-    try:
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"{model_dir}: no such model folder")
-        result = write_card(
-            model_dir, run, effective_experts=effective_experts, effective_plot=effective_plot,
-            evals=list(evals or []), corpus=corpus, name=name, license=license,
-        )  # fmt: skip
-    except (ValueError, OSError, KeyError) as err:
-        fail(err)
+    if not model_dir.is_dir():
+        raise MoectlFileError(f"{model_dir}: no such model folder")
+    problem = output_problem(model_dir / CARD)  # the card is written into MODEL_DIR: writable?
+    if problem:
+        fail(problem)
+    result = write_card(
+        model_dir, run, effective_experts=effective_experts, effective_plot=effective_plot,
+        evals=list(evals or []), corpus=corpus, name=name, license=license,
+    )  # fmt: skip
     for path in result["written"]:
         console.print(f"[dim]wrote {path}[/dim]")
     for m in result["metrics"]:

@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, check_out_folder, console, fail, write_json
+from moectl.cli.common import JsonOpt, MoectlGroup, check_out_folder, console, write_json
 
 checkpoint_app = typer.Typer(
+    cls=MoectlGroup,
     help="Write checkpoints of real models' shapes (random weights).", no_args_is_help=True
 )
 
@@ -40,18 +41,14 @@ def make_cmd(
     json_path: JsonOpt = None,
 ) -> None:
     """Write SPEC as a sharded safetensors checkpoint with random weights and print its summary."""
-    from moectl.models.shapes import known_shapes, make_checkpoint, parse_shape_spec
+    from moectl.errors import ConfigError
 
-    try:
-        if max_shard_gb <= 0:
-            raise ValueError(f"--max-shard-gb must be > 0, got {max_shard_gb}")
-        parse_shape_spec(spec)  # a bad spec names the known shapes before any work
-    except ValueError as err:
-        fail(err if "known shapes" in str(err) else f"{err}; known shapes: {', '.join(known_shapes())}")
-    try:
-        summary = make_checkpoint(spec, out, int(max_shard_gb * 1e9), seed=seed, overwrite=overwrite)
-    except (ValueError, OSError) as err:
-        fail(err)
+    if max_shard_gb <= 0:
+        raise ConfigError(f"--max-shard-gb must be > 0, got {max_shard_gb}")
+    from moectl.models.shapes import make_checkpoint, parse_shape_spec
+
+    parse_shape_spec(spec)  # a bad spec names the known shapes before any work
+    summary = make_checkpoint(spec, out, int(max_shard_gb * 1e9), seed=seed, overwrite=overwrite)
     params = summary["parameters"]
     table = Table(title=f"moectl checkpoint make {summary['spec']} → {summary['path']}", show_header=False)
     rows = [

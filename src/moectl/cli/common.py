@@ -15,10 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
+from moectl.errors import MoectlError
 from moectl.io.atomic import write_text_atomic
 
 console = Console(width=None if Console().is_terminal else 160)
@@ -219,6 +222,20 @@ def write_or_fail(option: str, write, *args, **kwargs):
         return write(*args, **kwargs)
     except OSError as err:
         fail(f"{option} {err}" if err.strerror is None else f"{option} {err.filename or ''}: {err.strerror}")
+
+
+class MoectlGroup(TyperGroup):
+    """The command line's one error handler, the class of ``moectl`` and of every verb group: each
+    command runs inside :meth:`invoke`, so a ``MoectlError`` from anywhere below it (the library
+    refusing its input) ends as ``error: MESSAGE`` and exit code 2, the line :func:`fail` prints, under
+    the console script and under ``CliRunner().invoke(app or a group's app, ...)`` alike. Any other
+    exception is a bug and keeps its traceback; Ctrl-C is each verb's (:func:`interrupted`)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except MoectlError as err:
+            fail(err)
 
 
 def fail(err: Exception | str) -> NoReturn:

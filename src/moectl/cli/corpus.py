@@ -12,12 +12,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.common import check_out_folder, err_console, write_json
+from moectl.cli.common import MoectlGroup, check_out_folder, write_json
 from moectl.data.sources import DOMAINS, SOURCES
 
 __all__ = ["corpus_app"]
 
-corpus_app = typer.Typer(help="Build the offline multi-domain text corpus.", no_args_is_help=True)
+corpus_app = typer.Typer(cls=MoectlGroup, help="Build the offline multi-domain text corpus.", no_args_is_help=True)
 _console = Console()
 
 
@@ -75,14 +75,9 @@ def build_command(
 ) -> None:
     """Fetch the sources, strip markup, de-duplicate, split by document id, write JSONL and stats.json."""
     from moectl.data.build import build_corpus
-    from moectl.errors import FetchError
 
     chosen = _parse_domains(domains)
-    try:
-        stats = build_corpus(out, cache, chosen, max_docs_per_source, progress=progress, sources=SOURCES)
-    except FetchError as exc:
-        err_console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from exc
+    stats = build_corpus(out, cache, chosen, max_docs_per_source, progress=progress, sources=SOURCES)
     _console.print(corpus_table(stats))
     _console.print(f"corpus written to {out} (stats in {out / 'stats.json'})")
     write_json(json_path, stats, ensure_ascii=False)

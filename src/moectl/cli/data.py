@@ -14,11 +14,19 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import EvalsCacheOpt, check_out_file, console, fail, split_list, write_json
+from moectl.cli.common import (
+    EvalsCacheOpt,
+    MoectlGroup,
+    check_out_file,
+    console,
+    fail,
+    split_list,
+    write_json,
+)
 
 __all__ = ["data_app"]
 
-data_app = typer.Typer(help="Offline evaluation sets.", no_args_is_help=True)
+data_app = typer.Typer(cls=MoectlGroup, help="Offline evaluation sets.", no_args_is_help=True)
 
 
 @data_app.command("fetch-evals")

@@ -15,7 +15,6 @@ from moectl.cli.common import (
     JsonOpt,
     check_out_folder,
     console,
-    fail,
     load,
     write_json,
 )
@@ -36,12 +35,9 @@ def demo_cmd(
     """The routing core end to end on a built-in tiny model: inspect, switch rate, mask, Gumbel, pool."""
     from moectl.demo import run_demo
 
-    try:
-        spec = f"tiny:{family}"
-        model, tokenizer = load(spec, device, dtype)
-        result = run_demo(model, tokenizer, spec, max_new_tokens, str(out))
-    except (ValueError, OSError) as err:
-        fail(err)
+    spec = f"tiny:{family}"
+    model, tokenizer = load(spec, device, dtype)
+    result = run_demo(model, tokenizer, spec, max_new_tokens, str(out))
     table = Table(title=f"moectl demo on {result['model']}", show_header=False)
     table.add_row("self-test", "PASS" if result["self_test_passed"] else "FAIL")
     for name, value in result["switch_rate"].items():

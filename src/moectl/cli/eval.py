@@ -19,6 +19,7 @@ from moectl.cli.common import (
     DtypeOpt,
     EvalsCacheOpt,
     ModelArg,
+    MoectlGroup,
     check_out_file,
     console,
     handle_moectl_errors,
@@ -29,7 +30,7 @@ from moectl.cli.common import (
 
 __all__ = ["eval_app"]
 
-eval_app = typer.Typer(help="Evaluate a (routed) model on benchmarks or a corpus.")
+eval_app = typer.Typer(cls=MoectlGroup, help="Evaluate a (routed) model on benchmarks or a corpus.")
 
 
 def _write_json(path: Path | None, data: Any) -> None:

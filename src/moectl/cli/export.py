@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, check_out_file, console, fail, write_json
+from moectl.cli.common import JsonOpt, MoectlGroup, check_out_file, console, write_json
 
 export_app = typer.Typer(
+    cls=MoectlGroup,
     help="Write a model in another engine's format (GGUF for llama.cpp).", no_args_is_help=True
 )
 
@@ -48,10 +49,7 @@ def gguf_cmd(
     """Write MODEL as one GGUF file llama.cpp loads (tied embeddings untied where llama.cpp needs it)."""
     from moectl.export.to_gguf import write_gguf
 
-    try:
-        report = write_gguf(model, out, subset, outtype, tokenizer, overwrite)
-    except (ValueError, OSError, KeyError) as err:
-        fail(err)
+    report = write_gguf(model, out, subset, outtype, tokenizer, overwrite)
     table = Table(title=f"wrote {out}: llama.cpp {report['arch']}, {report['outtype']}")
     table.add_column("")
     table.add_column("", justify="right")

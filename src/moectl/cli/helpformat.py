@@ -13,7 +13,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperCommand
+
+from moectl.cli.common import MoectlGroup
 
 
 @contextmanager
@@ -39,8 +41,9 @@ class FlagCommand(TyperCommand):
             super().format_help(ctx, formatter)
 
 
-class FlagGroup(TyperGroup):
-    """A verb group whose ``--help`` shows flags without a type."""
+class FlagGroup(MoectlGroup):
+    """A verb group whose ``--help`` shows flags without a type (and, as every group of moectl, the
+    CLI's one error handler: :class:`~moectl.cli.common.MoectlGroup`)."""
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         with _no_flag_types(self.get_params(ctx)):

@@ -12,7 +12,6 @@ from moectl.cli.common import (
     OptionalModelArg,
     TinyOpt,
     console,
-    fail,
     load,
     model_spec,
     write_json,
@@ -32,12 +31,9 @@ def inspect_cmd(
     """Family, MoE layers, experts per layer, top-k, shared experts, router rule, adapter self-test."""
     from moectl.reports import inspect_report
 
-    try:
-        spec = model_spec(model, tiny)
-        lm, _ = load(spec, device, dtype, with_tokenizer=False)
-        info = inspect_report(lm, spec)
-    except (ValueError, OSError) as err:
-        fail(err)
+    spec = model_spec(model, tiny)
+    lm, _ = load(spec, device, dtype, with_tokenizer=False)
+    info = inspect_report(lm, spec)
     table = Table(title=f"moectl inspect {info['model']}", show_header=False)
     for key in _ROWS:
         table.add_row(key, str(info[key]))

@@ -21,12 +21,11 @@ from moectl.cli.common import (
     ModelArg,
     check_out_folder,
     console,
-    fail,
     load,
     write_json,
     write_or_fail,
 )
-from moectl.cli.subset import _ERRORS, DataOpt, MaxDocsOpt, MaxLengthOpt, SeedOpt
+from moectl.cli.subset import DataOpt, MaxDocsOpt, MaxLengthOpt, SeedOpt
 from moectl.io.atomic import write_text_atomic
 
 __all__ = ["modularity_cmd"]
@@ -53,12 +52,9 @@ def modularity_cmd(
     from moectl.data.domains import texts_by_domain
     from moectl.subsets.similarity import modularity_report
 
-    try:
-        texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        report = modularity_report(lm, tokenizer, texts, out, inspect(lm), max_length, progress=True)
-    except _ERRORS as err:
-        fail(err)
+    texts = texts_by_domain(data, "validation", max_docs, min_domains=2)
+    lm, tokenizer = load(model, device, dtype, seed=seed)
+    report = modularity_report(lm, tokenizer, texts, out, inspect(lm), max_length, progress=True)
     table = Table(title=f"domain similarity of expert use ({len(report['domains'])} domains)")
     for column in ("MoE layer", "mean off-diagonal", "min", "max"):
         table.add_column(column, justify="right")

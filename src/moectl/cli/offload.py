@@ -9,18 +9,20 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, console, fail, write_json
+from moectl.cli.common import JsonOpt, MoectlGroup, console, write_json, write_or_fail
 
-offload_app = typer.Typer(help="Expert offloading: which experts to keep resident.", no_args_is_help=True)
+offload_app = typer.Typer(cls=MoectlGroup, help="Expert offloading: which experts to keep resident.", no_args_is_help=True)
 
 
 def _expert_bytes(expert_bytes: int | None, checkpoint: Path | None, layers: int) -> tuple[int, ...] | None:
     """Bytes of one expert per MoE layer: ``--expert-bytes`` for every layer, or a checkpoint's."""
+    from moectl.errors import ConfigError
+
     if expert_bytes is not None and checkpoint is not None:
-        raise ValueError("give --expert-bytes or --checkpoint, not both")
+        raise ConfigError("give --expert-bytes or --checkpoint, not both")
     if expert_bytes is not None:
         if expert_bytes < 1:
-            raise ValueError(f"--expert-bytes must be a positive number of bytes, got {expert_bytes}")
+            raise ConfigError(f"--expert-bytes must be a positive number of bytes, got {expert_bytes}")
         return (expert_bytes,) * layers
     if checkpoint is None:
         return None
@@ -28,7 +30,7 @@ def _expert_bytes(expert_bytes: int | None, checkpoint: Path | None, layers: int
 
     per_layer = _meta_expert_bytes(build_meta(load_config(checkpoint)))  # shapes and dtypes, no weights
     if len(per_layer) != layers:
-        raise ValueError(f"--checkpoint {checkpoint} has {len(per_layer)} MoE layers, the trace {layers}")
+        raise ConfigError(f"--checkpoint {checkpoint} has {len(per_layer)} MoE layers, the trace {layers}")
     return tuple(per_layer)
 
 
@@ -93,6 +95,7 @@ def simulate_command(
     json_path: JsonOpt = None,
 ) -> None:
     """Hit rate, misses and bytes per token, and the gap to Belady's optimum, per policy and budget."""
+    from moectl.errors import ConfigError
     from moectl.residency.simulate import (
         SimConfig,
         check_budgets,
@@ -103,28 +106,25 @@ def simulate_command(
     )
     from moectl.residency.trace_input import read_accesses
 
-    try:
-        names = parse_policies(policies)
-        budgets = None if budget is None else parse_budgets(budget)
-        if num_experts is not None and num_experts < 1:
-            raise ValueError(f"--num-experts must be at least 1, got {num_experts}")
-        acc = read_accesses(list(traces), num_experts)
-        if budgets is None:
-            budgets = tuple(sorted({min(m * acc.top_k, acc.num_experts) for m in (1, 2, 4)}))
-        check_budgets(budgets, acc.top_k, acc.num_experts)
-        config = SimConfig(acc, budgets, names, _expert_bytes(expert_bytes, checkpoint, acc.layers))
-        rows = run(config)
-        doc = report(config, rows, routing)
-        if plot is not None:
-            from moectl.reporting.residency_plots import plot_hit_rate
+    names = parse_policies(policies)
+    budgets = None if budget is None else parse_budgets(budget)
+    if num_experts is not None and num_experts < 1:
+        raise ConfigError(f"--num-experts must be at least 1, got {num_experts}")
+    acc = read_accesses(list(traces), num_experts)
+    if budgets is None:
+        budgets = tuple(sorted({min(m * acc.top_k, acc.num_experts) for m in (1, 2, 4)}))
+    check_budgets(budgets, acc.top_k, acc.num_experts)
+    config = SimConfig(acc, budgets, names, _expert_bytes(expert_bytes, checkpoint, acc.layers))
+    rows = run(config)
+    doc = report(config, rows, routing)
+    if plot is not None:
+        from moectl.reporting.residency_plots import plot_hit_rate
 
-            title = (
-                f"hit rate vs budget: {acc.tokens} tokens × {acc.layers} layers × top-{acc.top_k} of "
-                f"{acc.num_experts}\nrouting: {routing}"
-            )
-            doc["plot"] = str(plot_hit_rate(rows, plot, title))
-    except (ValueError, OSError) as err:
-        fail(err)
+        title = (
+            f"hit rate vs budget: {acc.tokens} tokens × {acc.layers} layers × top-{acc.top_k} of "
+            f"{acc.num_experts}\nrouting: {routing}"
+        )
+        doc["plot"] = str(write_or_fail("--plot", plot_hit_rate, rows, plot, title))
     overlap = doc["trace"]["previous_token_overlap"]
     table = Table(
         title=f"offload simulate: {acc.tokens} tokens × {acc.layers} layers × top-{acc.top_k} of "

@@ -15,6 +15,7 @@ from moectl.cli.common import (
     JsonOpt,
     MaxNewTokensOpt,
     ModelArg,
+    MoectlGroup,
     check_out_file,
     check_out_folder,
     console,
@@ -23,7 +24,7 @@ from moectl.cli.common import (
     write_json,
 )
 
-options_app = typer.Typer(no_args_is_help=True, help="Learn and use per-layer option controllers (TE-MoE).")
+options_app = typer.Typer(cls=MoectlGroup, no_args_is_help=True, help="Learn and use per-layer option controllers (TE-MoE).")
 
 ControllerOpt = Annotated[
     Path, typer.Option("--controller", help="Folder written by `moectl options train` (its final/).")

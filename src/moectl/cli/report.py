@@ -11,11 +11,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import check_out_file, console, fail, split_list, write_json
+from moectl.cli.common import MoectlGroup, check_out_file, console, fail, split_list, write_json
 
 __all__ = ["report_app"]
 
-report_app = typer.Typer(help="Render results files as the papers' tables and a plot.")
+report_app = typer.Typer(cls=MoectlGroup, help="Render results files as the papers' tables and a plot.")
 
 
 @report_app.callback(invoke_without_command=True, context_settings={"allow_interspersed_args": True})

@@ -24,6 +24,7 @@ from moectl.cli.common import (
     DtypeOpt,
     JsonOpt,
     MaxNewTokensOpt,
+    MoectlGroup,
     OptionalModelArg,
     RoEAggregationOpt,
     RoECacheOpt,
@@ -42,7 +43,7 @@ from moectl.cli.common import (
     write_json,
 )
 
-roe_app = typer.Typer(help="Roster of Experts: K-sample routing ensembles with a clean KV cache (RoE §2).",
+roe_app = typer.Typer(cls=MoectlGroup, help="Roster of Experts: K-sample routing ensembles with a clean KV cache (RoE §2).",
                       no_args_is_help=True)  # fmt: skip
 
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")]

@@ -27,18 +27,20 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def parse_routings(items: list[str]) -> dict[str, str]:
-    """``NAME=SPEC`` items as a dict; ``ValueError`` for a malformed or repeated name."""
+    """``NAME=SPEC`` items as a dict; ``ConfigError`` for a malformed or repeated name."""
+    from moectl.errors import ConfigError
+
     out: dict[str, str] = {}
     for item in items:
         match = ROUTING.match(item)
         if not match:
-            raise ValueError(
+            raise ConfigError(
                 f"--routing {item!r}: give NAME=SPEC, e.g. math=math.subset.json, opt8=option:8 or "
                 "ctl=controller:DIR"
             )
         name, spec = match.group(1).strip(), match.group(2).strip()
         if name in out:
-            raise ValueError(f"--routing {name!r} is given twice: one spec per name")
+            raise ConfigError(f"--routing {name!r} is given twice: one spec per name")
         out[name] = spec
     return out
 
@@ -50,20 +52,23 @@ def served_name(spec: str) -> str:
 
 
 def check_port(host: str, port: int) -> None:
-    """Refuse a port that cannot be bound before the model loads (``OSError`` naming it)."""
+    """Refuse a port that cannot be bound before the model loads (``ConfigError`` for a bad port or
+    host, ``UnavailableError``, an ``OSError``, for one in use)."""
+    from moectl.errors import ConfigError, UnavailableError
+
     if not 1 <= port <= 65535:
-        raise ValueError(f"--port must be in 1..65535, got {port}")
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
-        raise ValueError(f"--host {host!r} is not an address this machine can bind: {err.strerror}") from err
+        raise ConfigError(f"--host {host!r} is not an address this machine can bind: {err.strerror}") from err
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
         except OSError as err:
-            raise OSError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
+            raise UnavailableError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
 
 
 def serve_command(
@@ -118,20 +123,19 @@ def serve_command(
         spec = model_spec(model, tiny)
     except typer.BadParameter as err:
         fail(str(err))
-    try:
-        routings = parse_routings(routing or [])
-        if max_batch < 1:
-            raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
-        if max_queue < 1:
-            raise ValueError(f"--max-queue must be at least 1, got {max_queue}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {threads}")
-        if log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-        offload = _offload_config(budget, residency, slot_dtype, store)
-        check_port(host, port)
-    except (ValueError, OSError) as err:
-        fail(err)
+    from moectl.errors import ConfigError
+
+    routings = parse_routings(routing or [])
+    if max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {max_batch}")
+    if max_queue < 1:
+        raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {threads}")
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    offload = _offload_config(budget, residency, slot_dtype, store)
+    check_port(host, port)
 
     from moectl.engine import Engine, EngineConfig
     from moectl.server.app import create_app
@@ -177,24 +181,26 @@ def serve_command(
 
 def _offload_config(budget: str | None, residency: str | None, slot_dtype: str | None, store: str | None):
     """The offload settings, or None when --budget is not given (the others need it)."""
+    from moectl.errors import ConfigError
+
     if budget is None:
         given = [
             f"--{n}" for n, v in (("residency", residency), ("slot-dtype", slot_dtype), ("store", store)) if v
         ]
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with --budget (offloaded experts)")
+            raise ConfigError(f"{', '.join(given)} only apply with --budget (offloaded experts)")
         return None
     from moectl.offload.int8 import SLOT_DTYPES
     from moectl.offload.offload_config import STORES, OffloadConfig
 
     if store is not None and store not in STORES:
-        raise ValueError(f"--store must be one of {', '.join(STORES)}, got {store!r}")
+        raise ConfigError(f"--store must be one of {', '.join(STORES)}, got {store!r}")
     if slot_dtype is not None and slot_dtype not in SLOT_DTYPES:
-        raise ValueError(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
+        raise ConfigError(f"--slot-dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     try:
         amount = float(budget) if any(c in budget for c in ".eE") else int(budget)
     except ValueError as err:
-        raise ValueError(f"--budget must be a fraction like 0.25 or a count like 4, got {budget!r}") from err
+        raise ConfigError(f"--budget must be a fraction like 0.25 or a count like 4, got {budget!r}") from err
     return OffloadConfig(
         budget=amount, policy=residency or "lru", slot_dtype=slot_dtype or "same", store=store or "disk"
     )

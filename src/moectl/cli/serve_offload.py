@@ -15,6 +15,7 @@ from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    MoectlGroup,
     OptionalModelArg,
     ThreadsOpt,
     TinyOpt,
@@ -26,7 +27,7 @@ from moectl.cli.common import (
     write_json,
 )
 
-serve_app = typer.Typer(help="Serve an MoE with offloaded experts.", no_args_is_help=True)
+serve_app = typer.Typer(cls=MoectlGroup, help="Serve an MoE with offloaded experts.", no_args_is_help=True)
 
 
 def parse_budget(text: str) -> float | int:

@@ -29,11 +29,11 @@ from moectl.cli.common import (
     DtypeOpt,
     JsonOpt,
     ModelArg,
+    MoectlGroup,
     check_out_file,
     check_out_folder,
     console,
     err_console,
-    fail,
     load,
     write_json,
     write_or_fail,
@@ -41,10 +41,10 @@ from moectl.cli.common import (
 from moectl.io.atomic import write_text_atomic
 
 subset_app = typer.Typer(
+    cls=MoectlGroup,
     help="Per-domain expert subsets: select, export, finetune, merge, gate, clusters (EMO §4.2, §5.2, §5.3, §6, C).",
     no_args_is_help=True,
 )
-_ERRORS = (ValueError, OSError, KeyError)
 
 
 DataOpt = Annotated[
@@ -84,17 +84,14 @@ def select_cmd(
     from moectl.subsets.files import save_subset
     from moectl.subsets.select import method_name, select_subset
 
-    try:
-        method = method_name(method)
-        texts = read_texts(data, max_docs)
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        info = inspect(lm)
-        batch = tokenize(tokenizer, texts, max_length)
-        kept = select_subset(
-            lm, batch["input_ids"], keep, method, batch["attention_mask"], layerwise, seed, info
-        )
-    except _ERRORS as err:
-        fail(err)
+    method = method_name(method)
+    texts = read_texts(data, max_docs)
+    lm, tokenizer = load(model, device, dtype, seed=seed)
+    info = inspect(lm)
+    batch = tokenize(tokenizer, texts, max_length)
+    kept = select_subset(
+        lm, batch["input_ids"], keep, method, batch["attention_mask"], layerwise, seed, info
+    )
     calibration = {
         "data": str(data),
         "documents": len(texts),
@@ -144,30 +141,24 @@ def export_cmd(
     from moectl.subsets.export import check_out_dir, export_subset
     from moectl.subsets.files import load_subset
 
-    try:  # before the model loads: an existing checkpoint (or MODEL itself) is never written into
-        check_out_dir(out)
-    except ValueError as err:
-        fail(f"--out {err}")
+    check_out_dir(out)  # before the model loads: an existing checkpoint (or MODEL itself) is never written into
     if stream is None:
         stream = is_checkpoint_folder(model) and dtype == "auto"
     if stream:
         _export_streamed(model, subset, out, json_path)
         return
     try:
-        try:
-            lm, tokenizer = load(model, device, dtype, seed=seed)
-        except (OSError, ValueError):  # a checkpoint without a (loadable) tokenizer: weights only
-            lm, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=False)
-            console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
-        info = inspect(lm)
-        chosen = load_subset(subset, info)
-        warn_mismatch(subset, chosen, model, info)
-        source = Path(model) if Path(model).is_dir() else None
-        metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
-                    "calibration": chosen.calibration}  # fmt: skip
-        report = export_subset(lm, chosen.keep, out, tokenizer, info, metadata, source, in_place=True)
-    except _ERRORS as err:
-        fail(err)
+        lm, tokenizer = load(model, device, dtype, seed=seed)
+    except (OSError, ValueError):  # a checkpoint without a (loadable) tokenizer: weights only
+        lm, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=False)
+        console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
+    info = inspect(lm)
+    chosen = load_subset(subset, info)
+    warn_mismatch(subset, chosen, model, info)
+    source = Path(model) if Path(model).is_dir() else None
+    metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
+                "calibration": chosen.calibration}  # fmt: skip
+    report = export_subset(lm, chosen.keep, out, tokenizer, info, metadata, source, in_place=True)
     _print_export(out, report)
     write_json(json_path, report)
 
@@ -203,22 +194,20 @@ def _print_export(out: Path, report: dict, how: str = "") -> None:
 def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None) -> None:
     """``subset export`` of a checkpoint folder, shard by shard (``moectl.subsets.export_stream``)."""
     from moectl.adapters import inspect
+    from moectl.errors import ConfigError
     from moectl.models.load_lazy import is_checkpoint_folder
     from moectl.models.meta_model import build_meta, load_config
     from moectl.subsets.export_stream import export_checkpoint_subset
     from moectl.subsets.files import load_subset
 
-    try:
-        if not is_checkpoint_folder(model):
-            raise ValueError(f"--stream needs a checkpoint folder with safetensors shards, got {model!r}")
-        meta_info = inspect(build_meta(load_config(model)))
-        chosen = load_subset(subset, meta_info)
-        warn_mismatch(subset, chosen, model, meta_info)
-        metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
-                    "calibration": chosen.calibration}  # fmt: skip
-        report = export_checkpoint_subset(model, chosen.keep, out, metadata)
-    except _ERRORS as err:
-        fail(err)
+    if not is_checkpoint_folder(model):
+        raise ConfigError(f"--stream needs a checkpoint folder with safetensors shards, got {model!r}")
+    meta_info = inspect(build_meta(load_config(model)))
+    chosen = load_subset(subset, meta_info)
+    warn_mismatch(subset, chosen, model, meta_info)
+    metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
+                "calibration": chosen.calibration}  # fmt: skip
+    report = export_checkpoint_subset(model, chosen.keep, out, metadata)
     _print_export(out, report, "streamed shard by shard")
     write_json(json_path, report)
 
@@ -245,16 +234,13 @@ def gate_cmd(
     from moectl.subsets.files import load_subset
     from moectl.subsets.gating import gate_report
 
-    try:
-        texts = texts_by_domain(data, "validation", max_docs)
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        info = inspect(lm)
-        chosen = load_subset(subset, info)
-        warn_mismatch(subset, chosen, model, info)
-        own = domain or Path(str(chosen.calibration.get("data", ""))).stem
-        report = gate_report(lm, tokenizer, texts, chosen.keep, info, own, max_length)
-    except _ERRORS as err:
-        fail(err)
+    texts = texts_by_domain(data, "validation", max_docs)
+    lm, tokenizer = load(model, device, dtype, seed=seed)
+    info = inspect(lm)
+    chosen = load_subset(subset, info)
+    warn_mismatch(subset, chosen, model, info)
+    own = domain or Path(str(chosen.calibration.get("data", ""))).stem
+    report = gate_report(lm, tokenizer, texts, chosen.keep, info, own, max_length)
     own, rows = report["domain"], report["domains"]
     table = Table(
         title=f"blocking {subset.name}: {report['blocked_experts']} of {info.num_experts} experts per MoE layer"
@@ -297,19 +283,17 @@ def clusters_cmd(
 ) -> None:
     """Cluster tokens by their routing (EMO §5.3, appendix D): frequent tokens, document purity."""
     from moectl.data.domains import texts_by_domain
+    from moectl.errors import ConfigError
     from moectl.subsets.clusters import cluster_report, cluster_tokens
 
-    try:
-        if not 0 < variance <= 1:
-            raise ValueError(f"--variance must lie in (0, 1], got {variance}")
-        if clusters < 1 or first < 1:
-            raise ValueError("--clusters and --first must be at least 1")
-        texts = texts_by_domain(data, "validation", max_docs)
-        docs = [(name, text) for name, bucket in texts.items() for text in bucket]
-        lm, tokenizer = load(model, device, dtype, seed=seed)
-        result = cluster_tokens(lm, tokenizer, [t for _, t in docs], clusters, first, variance, seed, top)
-    except _ERRORS as err:
-        fail(err)
+    if not 0 < variance <= 1:
+        raise ConfigError(f"--variance must lie in (0, 1], got {variance}")
+    if clusters < 1 or first < 1:
+        raise ConfigError("--clusters and --first must be at least 1")
+    texts = texts_by_domain(data, "validation", max_docs)
+    docs = [(name, text) for name, bucket in texts.items() for text in bucket]
+    lm, tokenizer = load(model, device, dtype, seed=seed)
+    result = cluster_tokens(lm, tokenizer, [t for _, t in docs], clusters, first, variance, seed, top)
     report = cluster_report(result, [name for name, _ in docs], tokenizer)
     table = Table(
         title=f"{len(report)} token clusters ({result.components} PCA dims); purity {result.purity:.3f}"

@@ -26,11 +26,10 @@ from moectl.cli.common import (
     ModelArg,
     check_out_folder,
     console,
-    fail,
     load,
     write_json,
 )
-from moectl.cli.subset import _ERRORS, subset_app, warn_mismatch
+from moectl.cli.subset import subset_app, warn_mismatch
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")]
 
@@ -91,29 +90,26 @@ def finetune_cmd(
     from moectl.subsets.finetune import FinetuneConfig, finetune_subset, save_finetuned
     from moectl.subsets.finetune_data import read_examples
 
-    try:
-        check_out(out, overwrite)
-        config = FinetuneConfig(
-            epochs=epochs, lr=lr, batch_size=batch_size, micro_batch_size=micro_batch_size,
-            max_length=max_length, schedule=schedule, warmup_ratio=warmup_ratio,
-            weight_decay=weight_decay, lora=lora, max_steps=max_steps, seed=seed,
-            master_weights=not no_master_weights,
-        )  # fmt: skip
-        check_divides(batch_size, launched_world_size(), "examples per optimiser step")
-        examples = read_examples(data, max_examples)
-        processes = ranks()
-        source = Path(checkpoint) if Path(checkpoint).is_dir() else None
-        metadata = subset_metadata(source) if source else {}
-        model, _ = load(checkpoint, device, dtype, seed=seed, with_tokenizer=False)
-        tok, note = load_tokenizer(checkpoint, tokenizer, metadata)
-        if note and processes.is_main:
-            console.print(f"[dim]{note}[/dim]")
-        log = finetune_subset(model, tok, examples, config, progress=progress, processes=processes)
-        log.update(checkpoint=checkpoint, data=str(data), processes=processes.world)
-        path = save_finetuned(model, tok, out, log, source, overwrite=overwrite) if processes.is_main else out
-        processes.barrier()  # the others end once rank 0 has written the checkpoint
-    except _ERRORS as err:
-        fail(err)
+    check_out(out, overwrite)
+    config = FinetuneConfig(
+        epochs=epochs, lr=lr, batch_size=batch_size, micro_batch_size=micro_batch_size,
+        max_length=max_length, schedule=schedule, warmup_ratio=warmup_ratio,
+        weight_decay=weight_decay, lora=lora, max_steps=max_steps, seed=seed,
+        master_weights=not no_master_weights,
+    )  # fmt: skip
+    check_divides(batch_size, launched_world_size(), "examples per optimiser step")
+    examples = read_examples(data, max_examples)
+    processes = ranks()
+    source = Path(checkpoint) if Path(checkpoint).is_dir() else None
+    metadata = subset_metadata(source) if source else {}
+    model, _ = load(checkpoint, device, dtype, seed=seed, with_tokenizer=False)
+    tok, note = load_tokenizer(checkpoint, tokenizer, metadata)
+    if note and processes.is_main:
+        console.print(f"[dim]{note}[/dim]")
+    log = finetune_subset(model, tok, examples, config, progress=progress, processes=processes)
+    log.update(checkpoint=checkpoint, data=str(data), processes=processes.world)
+    path = save_finetuned(model, tok, out, log, source, overwrite=overwrite) if processes.is_main else out
+    processes.barrier()  # the others end once rank 0 has written the checkpoint
     if not processes.is_main:
         return
     steps = log["steps"]
@@ -155,40 +151,38 @@ def merge_cmd(
 ) -> None:
     """Write fine-tuned subset experts back into the full model at the kept indices (EMO §6)."""
     from moectl.adapters import inspect
+    from moectl.errors import ConfigError, MoectlFileError
     from moectl.subsets.checkpoint_files import check_out, has_tokenizer, subset_metadata
     from moectl.subsets.files import load_subset
     from moectl.subsets.merge import merge_subset, save_merged
 
-    try:
-        check_out(out, overwrite)
-        if not experts.is_dir():
-            raise FileNotFoundError(f"--experts {experts} is not a checkpoint directory")
-        local = Path(model).is_dir()
-        with_tokenizer = has_tokenizer(Path(model)) if local else not model.startswith("tiny:")
-        full, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=with_tokenizer)
-        info = inspect(full)
-        metadata = subset_metadata(experts)
-        recorded = metadata.get("keep")
-        if metadata.get("model") not in (None, model):
-            console.print(
-                f"[yellow]warning:[/yellow] {experts} was exported from {metadata['model']}, merging into {model}"
-            )
-        if subset is not None:
-            chosen = load_subset(subset, info)
-            warn_mismatch(subset, chosen, model, info)
-            keep = chosen.keep
-            if recorded is not None and {int(k): v for k, v in recorded.items()} != keep:
-                raise ValueError(f"{subset} keeps other experts than {experts} was exported with")
-        elif recorded is not None:
-            keep = {int(k): list(v) for k, v in recorded.items()}
-        else:
-            raise ValueError(f"{experts} records no kept experts (moectl_subset.json); pass --subset")
-        sub, _ = load(str(experts), device, "auto", with_tokenizer=False)
-        report = merge_subset(full, sub, keep, router=router, all_weights=all_weights, info=info)
-        meta = {"model": model, "experts": str(experts), "subset": str(subset) if subset else None, **report}
-        path = save_merged(full, out, tokenizer, meta, overwrite=overwrite)
-    except _ERRORS as err:
-        fail(err)
+    check_out(out, overwrite)
+    if not experts.is_dir():
+        raise MoectlFileError(f"--experts {experts} is not a checkpoint directory")
+    local = Path(model).is_dir()
+    with_tokenizer = has_tokenizer(Path(model)) if local else not model.startswith("tiny:")
+    full, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=with_tokenizer)
+    info = inspect(full)
+    metadata = subset_metadata(experts)
+    recorded = metadata.get("keep")
+    if metadata.get("model") not in (None, model):
+        console.print(
+            f"[yellow]warning:[/yellow] {experts} was exported from {metadata['model']}, merging into {model}"
+        )
+    if subset is not None:
+        chosen = load_subset(subset, info)
+        warn_mismatch(subset, chosen, model, info)
+        keep = chosen.keep
+        if recorded is not None and {int(k): v for k, v in recorded.items()} != keep:
+            raise ConfigError(f"{subset} keeps other experts than {experts} was exported with")
+    elif recorded is not None:
+        keep = {int(k): list(v) for k, v in recorded.items()}
+    else:
+        raise ConfigError(f"{experts} records no kept experts (moectl_subset.json); pass --subset")
+    sub, _ = load(str(experts), device, "auto", with_tokenizer=False)
+    report = merge_subset(full, sub, keep, router=router, all_weights=all_weights, info=info)
+    meta = {"model": model, "experts": str(experts), "subset": str(subset) if subset else None, **report}
+    path = save_merged(full, out, tokenizer, meta, overwrite=overwrite)
     parts = "experts + router rows" if router else "experts"
     table = Table(title=f"merged {experts} into {model} → {path} ({parts})")
     for column in ("MoE layer", "experts written", "max |Δ|"):

@@ -17,7 +17,6 @@ from moectl.cli.common import (
     check_out_file,
     check_out_folder,
     console,
-    fail,
     interrupted,
     load,
     model_spec,
@@ -63,15 +62,12 @@ def switch_rate_cmd(
     """Generate, record routing and report the switch rate (TE-MoE §2.2, Table 1) per layer and category."""
     from moectl.reports import switch_rate_report
 
-    try:
-        spec = model_spec(model, tiny)
-        lm, tokenizer = load(spec, device, dtype, seed=seed)
-        result = switch_rate_report(
-            lm, tokenizer, spec, str(prompts) if prompts else None, k_hat, max_new_tokens, temperature,
-            batch_size, seed, str(plot) if plot else None, str(trace) if trace else None, policy=policy,
-        )  # fmt: skip
-    except (ValueError, OSError) as err:
-        fail(err)
+    spec = model_spec(model, tiny)
+    lm, tokenizer = load(spec, device, dtype, seed=seed)
+    result = switch_rate_report(
+        lm, tokenizer, spec, str(prompts) if prompts else None, k_hat, max_new_tokens, temperature,
+        batch_size, seed, str(plot) if plot else None, str(trace) if trace else None, policy=policy,
+    )  # fmt: skip
     cats = result["categories"]
     omega = "recorded mask" if result["source"] == "allowed" else f"k-hat = {result['k_hat']}"
     table = Table(title=f"Switch rate (mean ± std over prompts), {omega}, top-k = {result['top_k']}")

@@ -12,12 +12,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.common import check_out_folder, write_json
+from moectl.cli.common import MoectlGroup, check_out_folder, write_json
 from moectl.cli.corpus import millions
 
 __all__ = ["tokenizer_app"]
 
-tokenizer_app = typer.Typer(help="Train moectl's byte-level BPE tokenizer.", no_args_is_help=True)
+tokenizer_app = typer.Typer(cls=MoectlGroup, help="Train moectl's byte-level BPE tokenizer.", no_args_is_help=True)
 _console = Console()
 
 
@@ -44,10 +44,7 @@ def train_command(
                                  param_hint="CORPUS_DIR")
     if vocab < MIN_VOCAB:
         raise typer.BadParameter(f"vocabulary must be at least {MIN_VOCAB}, got {vocab}", param_hint="--vocab")
-    try:
-        summary = train_tokenizer(corpus_dir, vocab, out, max_chars_per_domain=max_chars_per_domain)
-    except (FileNotFoundError, ValueError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="CORPUS_DIR") from exc
+    summary = train_tokenizer(corpus_dir, vocab, out, max_chars_per_domain=max_chars_per_domain)
     table = Table(title=f"tokenizer: vocab {summary['vocab_size']:,} -> {out}")
     table.add_column("domain")
     table.add_column("train chars used", justify="right")

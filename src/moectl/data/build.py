@@ -35,6 +35,7 @@ from moectl.data.decoders import DECODERS
 from moectl.data.markup import normalise_whitespace, strip
 from moectl.data.sources import SOURCES, Source, select_sources
 from moectl.data.split import DEFAULT_FRACTIONS, SPLITS, content_key, split_of, unit_hash
+from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir, atomic_path, write_text_atomic
 
 __all__ = ["CHARS_PER_TOKEN", "PIPELINE_VERSION", "build_corpus", "source_documents"]
@@ -179,7 +180,7 @@ def build_corpus(
     cache = Path(cache_dir)
     chosen = select_sources(list(domains) if domains is not None else None, sources)
     if max_docs_per_source is not None and max_docs_per_source < 1:
-        raise ValueError("max_docs_per_source must be at least 1")
+        raise ConfigError("max_docs_per_source must be at least 1")
     seen: set[str] = set()
     domain_stats: dict[str, dict[str, Any]] = {}
     source_stats: dict[str, dict[str, Any]] = {}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moectl.data.jsonl import iter_jsonl_rows
 from moectl.data.sample import iter_documents, sample_corpus_dir
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 
 
 def read_texts(path: Path, limit: int | None = None) -> list[str]:
@@ -24,7 +25,7 @@ def read_texts(path: Path, limit: int | None = None) -> list[str]:
     rows = iter_jsonl_rows(path, "text")
     texts = list(islice((row["text"] for _, row in rows if row["text"].strip()), limit))
     if not texts:
-        raise ValueError(f"{path}: no documents")
+        raise FileFormatError(f"{path}: no documents")
     return texts
 
 
@@ -79,7 +80,7 @@ def texts_by_domain(
     """
     path = sample_corpus_dir() if path is None else Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: {_wanted(min_domains, split)}")
+        raise MoectlFileError(f"{path} does not exist: {_wanted(min_domains, split)}")
     groups: dict[str, list[str]] = {}
     if path.is_file():
         for domain, text in _file_rows(path, fields):
@@ -91,10 +92,10 @@ def texts_by_domain(
     else:
         files = sorted(path.glob("*.jsonl"))
         if len(files) < min_domains or not files:
-            raise ValueError(f"{path}: {_wanted(min_domains, split)}")
+            raise ConfigError(f"{path}: {_wanted(min_domains, split)}")
         groups = {f.stem: read_texts(f, max_docs) for f in files}
     if not groups:
-        raise ValueError(f"{path} holds no texts (split {split!r})")
+        raise FileFormatError(f"{path} holds no texts (split {split!r})")
     if len(groups) < min_domains:
-        raise ValueError(f"{path}: {len(groups)} domain(s), at least {min_domains} needed")
+        raise ConfigError(f"{path}: {len(groups)} domain(s), at least {min_domains} needed")
     return dict(sorted(groups.items()))

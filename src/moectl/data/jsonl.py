@@ -15,6 +15,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TextIO
 
+from moectl.errors import FileFormatError, MoectlFileError
+
 __all__ = ["iter_jsonl_rows", "open_text", "read_jsonl_rows"]
 
 
@@ -34,25 +36,39 @@ def iter_jsonl_rows(
     (non-empty unless ``allow_empty``).
     """
     fields = (required_field,) if isinstance(required_field, str) else tuple(required_field or ())
-    with open_text(path) as handle:
+    try:
+        handle = open_text(path)
+    except OSError as err:  # a folder, no permission, gone
+        raise MoectlFileError(f"{path} cannot be read: {err.strerror or err}") from None
+    with handle:
+        yield from _rows(path, handle, fields, allow_empty)
+
+
+def _rows(
+    path: str | Path, handle: TextIO, fields: tuple[str, ...], allow_empty: bool
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    number = 0
+    try:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
+                raise FileFormatError(
                     f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+                raise FileFormatError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
             if fields:
                 value = next((row[name] for name in fields if name in row), None)
                 if not isinstance(value, str) or not (allow_empty or value):
                     what = "string" if allow_empty else "non-empty string"
                     names = " or ".join(f'"{name}"' for name in fields)
-                    raise ValueError(f"{path}:{number}: each line needs a {what} {names} field")
+                    raise FileFormatError(f"{path}:{number}: each line needs a {what} {names} field")
             yield number, row
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as err:  # not text, or a cut-off .gz
+        raise FileFormatError(f"{path}:{number + 1}: not UTF-8 JSON lines ({err})") from None
 
 
 def read_jsonl_rows(

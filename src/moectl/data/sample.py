@@ -19,6 +19,7 @@ from typing import Any
 from moectl.data.build import CHARS_PER_TOKEN
 from moectl.data.jsonl import iter_jsonl_rows
 from moectl.data.split import SPLITS, unit_hash
+from moectl.errors import ConfigError, MoectlFileError
 from moectl.io.atomic import atomic_dir
 
 __all__ = [
@@ -44,16 +45,16 @@ def corpus_files(path: str | Path, split: str) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise FileNotFoundError(f"corpus {path} does not exist")
+        raise MoectlFileError(f"corpus {path} does not exist")
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        raise ConfigError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     for name in (f"{split}.jsonl", f"{split}.jsonl.gz"):
         if (path / name).is_file():
             return [path / name]
     shards = sorted(path.glob(f"*/{split}.jsonl")) + sorted(path.glob(f"*/{split}.jsonl.gz"))
     if shards:
         return shards
-    raise FileNotFoundError(f"corpus {path} has no {split}.jsonl or {split}.jsonl.gz")
+    raise MoectlFileError(f"corpus {path} has no {split}.jsonl or {split}.jsonl.gz")
 
 
 def iter_documents(

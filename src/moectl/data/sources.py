@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moectl.errors import ConfigError
+
 __all__ = ["DOMAINS", "SOURCES", "Source", "select_sources"]
 
 SourceKind = Literal["deb", "pypi", "local"]
@@ -265,6 +267,6 @@ def select_sources(
         return sources
     unknown = [d for d in domains if d not in known]
     if unknown:
-        raise ValueError(f"unknown domain(s) {', '.join(unknown)}; allowed: {', '.join(known)}")
+        raise ConfigError(f"unknown domain(s) {', '.join(unknown)}; allowed: {', '.join(known)}")
     wanted = set(domains)
     return tuple(s for s in sources if s.domain in wanted)

@@ -16,6 +16,7 @@ from typing import Any
 
 from moectl.data.sample import corpus_files, iter_documents
 from moectl.data.split import SPLITS
+from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir
 
 __all__ = [
@@ -81,7 +82,7 @@ def train_tokenizer(
 
     corpus = Path(corpus_dir)
     if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size must be at least {MIN_VOCAB} (256 bytes + special tokens), got {vocab_size}")
+        raise ConfigError(f"vocab_size must be at least {MIN_VOCAB} (256 bytes + special tokens), got {vocab_size}")
     corpus_files(corpus, "train")  # raises a clear error for a missing corpus or split
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -93,7 +94,7 @@ def train_tokenizer(
     used: dict[str, int] = {}
     tok.train_from_iterator(_texts(corpus, domains, max_chars_per_domain, used), trainer=trainer)
     if not used:
-        raise ValueError(f"corpus {corpus} has no training documents" + (f" in domains {domains}" if domains else ""))
+        raise ConfigError(f"corpus {corpus} has no training documents" + (f" in domains {domains}" if domains else ""))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=model_max_length,
     )

@@ -40,6 +40,7 @@ from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream
+from moectl.errors import ConfigError, MoectlError
 from moectl.progress import progress_bar
 from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
@@ -52,7 +53,7 @@ def encode(tokenizer, text: str) -> list[int]:
     return [int(t) for t in (ids.tolist() if isinstance(ids, Tensor) else ids)]
 
 
-class QueueFull(RuntimeError):
+class QueueFull(MoectlError, RuntimeError):
     """The engine's waiting queue holds ``max_queue`` requests already."""
 
 
@@ -60,7 +61,7 @@ class RequestFailed(RuntimeError):
     """A request of ``Engine.generate`` ended with an error (the engine's message)."""
 
 
-class EngineClosed(RuntimeError):
+class EngineClosed(MoectlError, RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 
 
@@ -82,7 +83,7 @@ class EngineConfig:
         for name in ("max_batch", "max_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass
@@ -276,12 +277,12 @@ class Engine:
         params = params or SamplingParams()
         ids = encode(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
+            raise ConfigError("the prompt is empty (no tokens)")
         if routing is not None and routing not in self.routings:
             names = ", ".join(sorted(self.routings)) or "none registered"
-            raise ValueError(f"unknown routing {routing!r}; registered routings: {names}")
+            raise ConfigError(f"unknown routing {routing!r}; registered routings: {names}")
         if self.max_context is not None and len(ids) + params.max_tokens > self.max_context:
-            raise ValueError(
+            raise ConfigError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens"
             )

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moectl.errors import MoectlError
 
-class UnbatchableCacheError(ValueError):
+
+class UnbatchableCacheError(MoectlError, ValueError):
     """The model's KV cache has layers that cannot be padded and re-batched."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig
 from moectl.routing.protocols import Policy, SequencePolicy, carries_weights, renorm_of
 
@@ -59,7 +60,7 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
     from moectl.routing.policy_files import routing_policies
 
     if not NAME.match(name):
-        raise ValueError(
+        raise ConfigError(
             f"routing name {name!r} must be 1-64 letters, digits, '_', '.', ':' or '-', starting with a "
             "letter or digit"
         )
@@ -71,7 +72,7 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
     policies = routing_policies([spec], model, info)
     renorms = {renorm_of(p) for p in policies}
     if len(renorms) > 1:
-        raise ValueError(f"routing {name!r} mixes renormalisation modes {sorted(renorms)}")
+        raise ConfigError(f"routing {name!r} mixes renormalisation modes {sorted(renorms)}")
     for policy in policies:
         policy.bind(info)
     label = spec if isinstance(spec, str) else type(spec).__name__
@@ -114,7 +115,7 @@ def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelIn
     specs = dict(specs or {})
     merging = [name for name, spec in specs.items() if _carries_weights(spec, info)]
     if merging and len(specs) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"routing {merging[0]!r} merges a controller's trained adapters and routers into the model, "
             "which every request would then run with; register it alone (requests without a routing then "
             "also run the merged weights), or serve its model separately"
@@ -122,7 +123,7 @@ def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelIn
     routings = {name: resolve(name, spec, model, info) for name, spec in specs.items()}
     renorms = {renorm_of(p) for r in routings.values() for p in r.policies}
     if len(renorms) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"the registered routings mix renormalisation modes {sorted(renorms)}; rows of one batch are "
             "selected with one mode: register routings of one mode"
         )

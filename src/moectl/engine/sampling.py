@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
 from moectl.routing.keyed_hash import M32, mix, uniforms
 
 MAX_STOP_STRINGS = 16
@@ -36,20 +37,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or (
             self.temperature < 0
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+            raise ConfigError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
 
     @property

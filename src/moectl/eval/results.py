@@ -46,6 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import MoectlError
 from moectl.io.atomic import write_text_atomic
 
 SCHEMA = "moectl.eval.results/1"
@@ -53,7 +54,7 @@ CI_METHODS = ("wilson", "bootstrap", "normal", "none")
 KINDS = ("multiple_choice", "generate", "loglikelihood", "perplexity")
 
 
-class ResultsFormatError(ValueError):
+class ResultsFormatError(MoectlError, ValueError):
     """A results file does not follow the schema; the message names the offending field."""
 
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from moectl.errors import MoectlError
+
 MODE_VAR = "MOECTL_SANDBOX"
 MODES = ("auto", "namespace", "basic")
 NOBODY = 65534
@@ -51,7 +53,7 @@ _STDERR_TAIL = 1000  # characters of stderr kept
 _GRACE_S = 5.0  # beyond the program's timeout, for the bootstrap to report before it is killed
 
 
-class SandboxUnavailableError(OSError):
+class SandboxUnavailableError(MoectlError, OSError):
     """``$MOECTL_SANDBOX=namespace`` was asked for and namespaces cannot be used here."""
 
 

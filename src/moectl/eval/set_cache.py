@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import MoectlError
 from moectl.eval.catalog import EvalSet, get_set, user_supplied
 
 FETCH_HINT = (
@@ -51,7 +52,7 @@ def refetch_hint(name: str) -> str:
     return f"run `moectl data fetch-evals --sets {name} --force`"
 
 
-class EvalSetMissingError(FileNotFoundError):
+class EvalSetMissingError(MoectlError, FileNotFoundError):
     """A converted evaluation set is not in the cache; the message says how to fetch it."""
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import gguf
 
+from moectl.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -78,12 +80,12 @@ def spec_for(config: Any) -> ArchSpec:
     model_type = _get(config, "model_type")
     spec = ARCHS.get(model_type)
     if spec is None:
-        raise ValueError(
+        raise ConfigError(
             f"architecture {model_type!r} cannot be written as GGUF by moectl; supported: {', '.join(ARCHS)}"
         )
     problems = _problems(config, spec)
     if problems:
-        raise ValueError(f"{model_type} -> llama.cpp {spec.name}: {problems[0]}")
+        raise ConfigError(f"{model_type} -> llama.cpp {spec.name}: {problems[0]}")
     return spec
 
 

@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 import torch
 
+from moectl.errors import ConfigError
 from moectl.export.gguf_arch import ArchSpec
 from moectl.io.shards import ShardReader
 
@@ -77,7 +78,7 @@ def resolve_outtype(outtype: str, reader: ShardReader) -> str:
     """``auto`` -> the dtype the checkpoint's matrices are stored in (float32 if another kind)."""
     if outtype != "auto":
         if outtype not in QTYPES:
-            raise ValueError(f"--outtype {outtype!r}; allowed: auto, {', '.join(QTYPES)}")
+            raise ConfigError(f"--outtype {outtype!r}; allowed: auto, {', '.join(QTYPES)}")
         return outtype
     dtypes = {s.dtype for s in reader.map.sources.values() if len(s.shape) >= 2}
     found = {_FROM_TORCH.get(d, "f32") for d in dtypes}
@@ -122,7 +123,7 @@ def plan(
             continue
         found = names.get_type_and_name(source, try_suffixes=(".weight", ".bias"))
         if found is None or found[0] not in allowed:
-            raise ValueError(f"{source}: no tensor of llama.cpp's {spec.name} takes it")
+            raise ConfigError(f"{source}: no tensor of llama.cpp's {spec.name} takes it")
         kind, name = found
         if not name.endswith((".weight", ".bias")):  # fused experts: "...experts.down_proj", no suffix
             name += ".weight"
@@ -144,7 +145,7 @@ def plan(
         out.append(Planned("output.weight", embed.shape, embed.qtype, embed.source))
     seen = [p.name for p in out]
     if len(set(seen)) != len(seen):
-        raise ValueError(
+        raise ConfigError(
             f"two model tensors map to the same GGUF tensor: {sorted(n for n in seen if seen.count(n) > 1)[0]}"
         )
     return out

@@ -36,6 +36,8 @@ from typing import Any
 
 import gguf
 
+from moectl.errors import ConfigError, FileFormatError
+
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -91,15 +93,15 @@ def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
         if regex in SPLIT_REGEXES and steps[0].get("behavior") == "Isolated":
             name, ignore_merges = SPLIT_REGEXES[regex]
     if name is None:
-        raise ValueError(
+        raise ConfigError(
             f"pre-tokenizer {json.dumps(pre)[:200]} has no llama.cpp equivalent; supported: {SUPPORTED}"
         )
     if bool(model.get("ignore_merges", False)) != ignore_merges:
-        raise ValueError(
+        raise ConfigError(
             f"ignore_merges={model.get('ignore_merges', False)}, llama.cpp's {name!r} uses {ignore_merges}"
         )
     if normalizer is not None and not (name == "qwen2" and normalizer.get("type") == "NFC"):
-        raise ValueError(
+        raise ConfigError(
             f"normalizer {normalizer.get('type')!r} is not applied by llama.cpp; only none (or NFC for qwen2)"
         )
     return name
@@ -108,18 +110,18 @@ def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
 def _tokenizer_json(folder: Path) -> dict[str, Any]:
     file = folder / "tokenizer.json"
     if not file.is_file():
-        raise ValueError(f"{folder} has no tokenizer.json; pass --tokenizer DIR (a folder with one)")
+        raise ConfigError(f"{folder} has no tokenizer.json; pass --tokenizer DIR (a folder with one)")
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
+        raise FileFormatError(f"{file}: not valid JSON ({err})") from None
     model = data.get("model") or {}
     if (
         model.get("type") != "BPE"
         or model.get("byte_fallback")
         or (data.get("decoder") or {}).get("type") != "ByteLevel"
     ):
-        raise ValueError(
+        raise ConfigError(
             f"{file}: not a byte-level BPE tokenizer (model {model.get('type')!r}); only those are written"
         )
     return data
@@ -152,7 +154,7 @@ def read_vocab(folder: str | Path, n_vocab: int) -> Vocab:
         kind = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
         by_id[int(added["id"])] = (added["content"], kind)
     if by_id and max(by_id) >= n_vocab:
-        raise ValueError(f"the tokenizer has token id {max(by_id)}, the model only {n_vocab} embedding rows")
+        raise ConfigError(f"the tokenizer has token id {max(by_id)}, the model only {n_vocab} embedding rows")
     tokens, types = [], []
     for i in range(n_vocab):
         text, kind = by_id.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED))
@@ -160,5 +162,5 @@ def read_vocab(folder: str | Path, n_vocab: int) -> Vocab:
         types.append(int(kind))
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
     if not special.merges:
-        raise ValueError(f"{folder / 'tokenizer.json'}: no BPE merges")
+        raise ConfigError(f"{folder / 'tokenizer.json'}: no BPE merges")
     return Vocab(tokens, types, pre, special, _added_ids(folder))

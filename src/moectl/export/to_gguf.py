@@ -15,6 +15,7 @@ from typing import Any
 
 import gguf
 
+from moectl.errors import FileFormatError, OutputExistsError, OutputIsFolderError
 from moectl.export.gguf_arch import spec_for, write_hparams
 from moectl.export.gguf_tensors import FILE_TYPES, arrays, plan, resolve_outtype
 from moectl.export.gguf_vocab import read_vocab
@@ -26,9 +27,9 @@ from moectl.models.meta_model import build_meta, load_config
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse a folder, or an existing file unless ``overwrite``."""
     if out.is_dir():
-        raise IsADirectoryError(f"--out {out} is a folder: give a file path, e.g. {out / 'model.gguf'}")
+        raise OutputIsFolderError(f"--out {out} is a folder: give a file path, e.g. {out / 'model.gguf'}")
     if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"--out {out} already exists; pass --overwrite to replace it")
 
 
 def _subset_keep(model: Any, subset: str | Path) -> dict[int, list[int]]:
@@ -60,7 +61,7 @@ def write_gguf(
     model_dir, out = Path(model_dir).expanduser(), Path(out).expanduser()
     check_out(out, overwrite)
     if not model_dir.is_dir():
-        raise ValueError(f"{model_dir} is not a checkpoint folder (config.json + *.safetensors)")
+        raise FileFormatError(f"{model_dir} is not a checkpoint folder (config.json + *.safetensors)")
     config = load_config(model_dir)
     spec = spec_for(config)
     model = build_meta(config, None)

@@ -41,6 +41,7 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
+from moectl.errors import FileFormatError
 from moectl.io.safetensors_index import CheckpointIndex, TensorEntry
 
 Index = tuple[int | slice, ...]
@@ -174,7 +175,7 @@ def _per_expert(
                 numbers = [int(m.group(1)) for m in matches]  # type: ignore[union-attr]
         if sorted(numbers) != list(range(num_experts)):
             absent = sorted(set(range(num_experts)) - set(numbers))
-            raise ValueError(
+            raise FileFormatError(
                 f"model tensor {name} needs {num_experts} checkpoint tensors matching {pattern!r}, found "
                 f"{len(keys)}" + (f" (expert {absent[0]} is missing)" if absent else "")
             )
@@ -182,7 +183,7 @@ def _per_expert(
         piece = shapes.most_common(1)[0][0]
         odd = next((key for key in keys if index[key].shape != piece), None)
         if odd is not None:
-            raise ValueError(
+            raise FileFormatError(
                 f"checkpoint tensor {odd} has shape {list(index[odd].shape)}, the other experts' {pattern!r} "
                 f"tensors {list(piece)} (model tensor {name})"
             )
@@ -195,7 +196,7 @@ def _per_expert(
             fits = fits and start + width <= slice_shape[dim]
         if not fits:
             along = "" if dim is None else f" (its sources concatenated along dimension {dim})"
-            raise ValueError(
+            raise FileFormatError(
                 f"checkpoint tensor {keys[0]} has shape {list(piece)}; model tensor {name} {list(shape)} takes "
                 f"{list(slice_shape)} per expert{along}"
             )
@@ -204,7 +205,7 @@ def _per_expert(
             experts[e].append((index[key], place))
         start += width
     if dim is not None and start != slice_shape[dim]:
-        raise ValueError(
+        raise FileFormatError(
             f"model tensor {name} {list(shape)}: its checkpoint tensors fill {start} of {slice_shape[dim]} "
             f"along dimension {dim + 1}"
         )
@@ -214,7 +215,7 @@ def _per_expert(
 def _check_dtype(name: str, tensor: torch.Tensor, entries: list[TensorEntry]) -> None:
     for entry in entries:
         if entry.dtype.is_floating_point != tensor.dtype.is_floating_point:
-            raise ValueError(
+            raise FileFormatError(
                 f"checkpoint tensor {entry.key} is {entry.dtype}; model tensor {name} is {tensor.dtype}, "
                 "which it cannot be cast to (a quantised or mismatched checkpoint?)"
             )
@@ -259,16 +260,16 @@ def map_checkpoint(model: nn.Module, index: CheckpointIndex) -> CheckpointMap:
             if len(keys) > 1 and name in keys:  # a tied weight saved under both names
                 keys = [name]
             if len(keys) > 1:
-                raise ValueError(f"model tensor {name} is given by several checkpoint tensors: {keys}")
+                raise FileFormatError(f"model tensor {name} is given by several checkpoint tensors: {keys}")
             entry = index[keys[0]]
             if entry.shape != shape:
-                raise ValueError(
+                raise FileFormatError(
                     f"checkpoint tensor {entry.key} has shape {list(entry.shape)}; model tensor {name} needs {list(shape)}"
                 )
             _check_dtype(name, tensor, [entry])
             source = TensorSource(name, shape, tensor.dtype, "whole", entry=entry)
         else:
-            raise ValueError(
+            raise FileFormatError(
                 f"model tensor {name} {list(shape)} is not in the checkpoint {index.root} (no tensor of that "
                 "name, nor one transformers' conversion mapping turns into it)"
             )

@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moectl.errors import ConfigError, MoectlError
+
 READ_METHODS = ("direct", "fadvise", "plain")
 DEFAULT_READ_METHOD = "direct"
 ALIGN = 4096
@@ -56,7 +58,7 @@ BOUNCE_BYTES = 16 * 2**20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
-class ShardError(ValueError):
+class ShardError(MoectlError, ValueError):
     """A shard no longer holds the bytes it was indexed with (truncated, or changed in place)."""
 
     def __init__(self, message: str, path: Path, start: int | None = None, size: int | None = None) -> None:
@@ -130,9 +132,9 @@ class RangeReader:
         """``identities``: each file's (size, mtime_ns, inode) when it was indexed; files not in it
         are pinned when first opened."""
         if method not in READ_METHODS:
-            raise ValueError(f"read method must be one of {', '.join(READ_METHODS)}, got {method!r}")
+            raise ConfigError(f"read method must be one of {', '.join(READ_METHODS)}, got {method!r}")
         if bounce_bytes < ALIGN or bounce_bytes % ALIGN:
-            raise ValueError(f"bounce_bytes must be a positive multiple of {ALIGN}, got {bounce_bytes}")
+            raise ConfigError(f"bounce_bytes must be a positive multiple of {ALIGN}, got {bounce_bytes}")
         self.method, self.bounce_bytes = method, bounce_bytes
         self.stats = ReadStats()
         self._fds: dict[Path, tuple[int, str]] = {}
@@ -157,7 +159,7 @@ class RangeReader:
                 if method != "direct":
                     fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError as err:
-                raise ValueError(f"{path}: shard is missing") from err
+                raise ShardError(f"{path}: shard is missing", path) from err
             if method == "fadvise":
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._identity.setdefault(path, file_identity(os.fstat(fd)))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from moectl.errors import FileFormatError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
@@ -66,13 +68,13 @@ def _entry(path: Path, data_start: int, key: str, info: object) -> TensorEntry:
         shape = tuple(int(s) for s in shape)
         begin, end = int(begin), int(end)
     except (TypeError, KeyError, ValueError) as err:
-        raise ValueError(f"{path}: malformed header entry for tensor {key} ({err!r})") from err
+        raise FileFormatError(f"{path}: malformed header entry for tensor {key} ({err!r})") from err
     dtype = DTYPES.get(dtype_name)
     if dtype is None:
-        raise ValueError(f"{path}: tensor {key} has dtype {dtype_name}, which moectl cannot read")
+        raise FileFormatError(f"{path}: tensor {key} has dtype {dtype_name}, which moectl cannot read")
     expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected or begin < 0:
-        raise ValueError(
+        raise FileFormatError(
             f"{path}: tensor {key} spans bytes {begin}..{end}, but {dtype_name} {list(shape)} needs {expected}"
         )
     return TensorEntry(key, path, data_start + begin, end - begin, dtype, shape)
@@ -86,23 +88,23 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: shard is missing")
+        raise FileFormatError(f"{path}: shard is missing")
     size = path.stat().st_size
     with open(path, "rb") as shard:
         head = shard.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: truncated ({size} bytes, no safetensors header)")
+            raise FileFormatError(f"{path}: truncated ({size} bytes, no safetensors header)")
         (length,) = struct.unpack("<Q", head)
         if length > MAX_HEADER_BYTES:
-            raise ValueError(f"{path}: not a safetensors file (header length {length})")
+            raise FileFormatError(f"{path}: not a safetensors file (header length {length})")
         if length > size - 8:
-            raise ValueError(f"{path}: truncated (header of {length} bytes, file of {size})")
+            raise FileFormatError(f"{path}: truncated (header of {length} bytes, file of {size})")
         try:
             header = json.loads(shard.read(length))
         except ValueError as err:
-            raise ValueError(f"{path}: unreadable safetensors header ({err})") from err
+            raise FileFormatError(f"{path}: unreadable safetensors header ({err})") from err
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: unreadable safetensors header (not a JSON object)")
+        raise FileFormatError(f"{path}: unreadable safetensors header (not a JSON object)")
     data_start = 8 + length
     entries = {
         key: _entry(path, data_start, key, info) for key, info in header.items() if key != "__metadata__"
@@ -110,7 +112,7 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
     expected = max((e.offset + e.nbytes for e in entries.values()), default=data_start)
     if size != expected:
         state = "truncated" if size < expected else "longer than its header says"
-        raise ValueError(f"{path}: {state} ({size} bytes, its header promises {expected})")
+        raise FileFormatError(f"{path}: {state} ({size} bytes, its header promises {expected})")
     return entries
 
 
@@ -133,7 +135,7 @@ class CheckpointIndex:
             try:
                 weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{index_path}: unreadable index ({err!r})") from err
+                raise FileFormatError(f"{index_path}: unreadable index ({err!r})") from err
             by_file: dict[str, set[str]] = {}
             for key, name in weight_map.items():
                 by_file.setdefault(name, set()).add(key)
@@ -143,7 +145,7 @@ class CheckpointIndex:
                 entries = self._read_header(file)
                 missing = sorted(wanted - set(entries))
                 if missing:
-                    raise ValueError(
+                    raise FileFormatError(
                         f"{file}: lacks {len(missing)} tensors {INDEX} puts in it, e.g. {missing[0]}"
                     )
                 self.entries.update(entries)
@@ -151,7 +153,7 @@ class CheckpointIndex:
             self.files = [root / SINGLE]
             self.entries = self._read_header(root / SINGLE)
         else:
-            raise ValueError(f"{root}: no {INDEX} and no {SINGLE}")
+            raise FileFormatError(f"{root}: no {INDEX} and no {SINGLE}")
 
     def _read_header(self, file: Path) -> dict[str, TensorEntry]:
         try:

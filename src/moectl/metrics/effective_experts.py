@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.routing.session import route
 from moectl.routing.trace import RoutingTrace
 
@@ -54,10 +55,10 @@ def document_distributions(
     """``{moe_layer: [B, E]}``: each row's (document's) routing distribution averaged over its real
     tokens (``valid`` [B, T], default the trace's own: padding excluded)."""
     if source not in SOURCES:
-        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+        raise ConfigError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     valid = (trace.valid if valid is None else valid).bool()
     if not bool(valid.any(1).all()):
-        raise ValueError("every document needs at least one real token")
+        raise ConfigError("every document needs at least one real token")
     out = {}
     for layer in trace.probs:
         if source == "probs":

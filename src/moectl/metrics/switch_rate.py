@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
 from moectl.routing.trace import RoutingTrace
 
 
@@ -60,10 +61,10 @@ def router_option_masks(probs: Tensor, chosen: Tensor, k_hat: int, start: Tensor
     """
     n, t, e = probs.shape
     if not 1 <= k_hat <= e:
-        raise ValueError(f"k-hat must be in 1..{e}, got {k_hat}")
+        raise ConfigError(f"k-hat must be in 1..{e}, got {k_hat}")
     k = int(chosen.sum(-1).max())
     if k_hat < k:
-        raise ValueError(
+        raise ConfigError(
             f"k-hat = {k_hat} is smaller than top-k = {k}: an option must hold the activated experts"
         )
     start = torch.zeros(n, dtype=torch.long) if start is None else start.long()
@@ -123,9 +124,9 @@ def switch_rate(
     region when the trace has generated tokens.
     """
     if region not in ("auto", "generated", "all"):
-        raise ValueError(f"region must be 'auto', 'generated' or 'all', got {region!r}")
+        raise ConfigError(f"region must be 'auto', 'generated' or 'all', got {region!r}")
     if source not in ("auto", "router", "allowed"):
-        raise ValueError(f"source must be 'auto', 'router' or 'allowed', got {source!r}")
+        raise ConfigError(f"source must be 'auto', 'router' or 'allowed', got {source!r}")
     if source == "auto":
         source = "allowed" if k_hat is None and masks_everywhere(trace) else "router"
     if region == "auto":
@@ -138,7 +139,7 @@ def switch_rate(
         valid = valid & (torch.arange(t)[None, :] >= start[:, None])
     layers = sorted(trace.chosen) if source == "router" else sorted(trace.allowed)
     if not layers:
-        raise ValueError("the trace holds no recorded masks (source='allowed' needs a policy that sets them)")
+        raise ConfigError("the trace holds no recorded masks (source='allowed' needs a policy that sets them)")
     if source == "router":
         k_hat = trace.top_k if k_hat is None else int(k_hat)
         probs = torch.stack([trace.probs[layer] for layer in layers]).reshape(-1, t, trace.num_experts)
@@ -152,7 +153,7 @@ def switch_rate(
     rows = has_steps.nonzero().flatten().tolist()
     rates = rates[:, has_steps]
     if rates.numel() == 0:
-        raise ValueError("no sequence in the trace has two consecutive measured positions")
+        raise ConfigError("no sequence in the trace has two consecutive measured positions")
     per_seq = rates.mean(0)
     return SwitchRateReport(
         k_hat=k_hat,

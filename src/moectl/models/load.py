@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.models.grouped_experts import prefer_on_cpu
 from moectl.models.shapes import MARKER, SPEC_PREFIX, build_shape, check_checkpoint, known_shapes
 from moectl.models.tiny import FAMILIES, tiny
@@ -60,9 +61,9 @@ def check_model_folder(folder: Path) -> None:
     before transformers reads it, naming the file (a truncated shard otherwise surfaces as a long
     traceback from deep inside the loader)."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is a file, not a model folder (a folder with config.json)")
+        raise MoectlFileError(f"{folder} is a file, not a model folder (a folder with config.json)")
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{folder} is not a model folder: it has no config.json (expected what "
             "save_pretrained writes: config.json and *.safetensors)"
         )
@@ -76,10 +77,23 @@ DEVICE_MAPS = ("auto", "balanced")
 def check_device_map(device_map: str | None) -> None:
     """``ValueError`` naming the allowed values for anything but None, auto or balanced."""
     if device_map is not None and device_map not in DEVICE_MAPS:
-        raise ValueError(
+        raise ConfigError(
             f"--device-map {device_map!r} is not known: give auto (fill the devices in order) or "
             "balanced (the same share on each), or leave it out for --device"
         )
+
+
+def check_dtype_device(dtype: str, device: str) -> None:
+    """``ConfigError`` naming the allowed values for a dtype torch does not know (``auto`` or a
+    torch dtype name) or a device string torch cannot parse, before any model is built."""
+    if dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise ConfigError(f"--dtype {dtype!r} is not known: give auto, float32, bfloat16 or float16")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"--device {device!r} is not a device: give cpu, cuda, cuda:1, ... (or auto / balanced)"
+        ) from None
 
 
 def place(model: PreTrainedModel, device: str, device_map: str | None) -> PreTrainedModel:
@@ -123,6 +137,7 @@ def load_model(
     if device in DEVICE_MAPS:
         device_map, device = device, "cpu"
     check_device_map(device_map)
+    check_dtype_device(dtype, device)
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
         model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size)
@@ -140,7 +155,7 @@ def load_model(
 
     local = Path(spec).expanduser()
     if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{spec!r} is neither a checkpoint directory nor a hub id (owner/name); for an offline "
             f"model use tiny:FAMILY with FAMILY one of {', '.join(FAMILIES)}, or shape:NAME with NAME "
             f"one of {', '.join(known_shapes())}"
@@ -167,9 +182,11 @@ def load_model(
             return model.eval(), None
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)
     except OSError as err:
-        raise OSError(
+        raise MoectlFileError(
             f"could not load {spec!r}: {err}. Without network, pass a local checkpoint directory."
         ) from err
+    except ValueError as err:  # transformers refusing the folder's config (an unknown model_type, ...)
+        raise FileFormatError(f"could not load {spec!r}: {err}") from err
     if getattr(tokenizer, "pad_token_id", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moectl.errors import MoectlFileError
 from moectl.io.range_read import DEFAULT_READ_METHOD
 from moectl.models.lazy import load_skeleton
 from moectl.models.load import byte_tokenizer, check_model_folder
@@ -50,10 +51,10 @@ def load_lazy(
     """
     folder = Path(spec).expanduser()
     if not folder.exists():
-        raise FileNotFoundError(f"{spec}: no such checkpoint folder")
+        raise MoectlFileError(f"{spec}: no such checkpoint folder")
     check_model_folder(folder)
     if not any(folder.glob("*.safetensors")):
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{folder} holds no *.safetensors weights: lazy loading reads safetensors shards"
         )
     model, reader = load_skeleton(

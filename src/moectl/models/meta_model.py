@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from moectl.errors import ConfigError, FileFormatError
+
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: PretrainedConfig) -> torch.dtype:
     """``None`` / ``"auto"``: the config's dtype (float32 when it has none); a name or a dtype."""
@@ -27,10 +29,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: PretrainedConfig) -> 
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r} (expected e.g. 'bfloat16', 'float32' or 'auto')")
+            raise ConfigError(f"unknown dtype {dtype!r} (expected e.g. 'bfloat16', 'float32' or 'auto')")
         dtype = resolved
     if not dtype.is_floating_point:
-        raise ValueError(f"a model dtype must be a floating-point type, got {dtype}")
+        raise ConfigError(f"a model dtype must be a floating-point type, got {dtype}")
     return dtype
 
 
@@ -38,8 +40,11 @@ def load_config(path: str | Path) -> PretrainedConfig:
     """The ``config.json`` of a checkpoint folder; ``ValueError`` naming the folder if absent."""
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder}: no config.json (expected a checkpoint folder as save_pretrained writes)")
-    return AutoConfig.from_pretrained(str(folder))
+        raise FileFormatError(f"{folder}: no config.json (expected a checkpoint folder as save_pretrained writes)")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as err:  # not JSON, an unknown model_type, ...
+        raise FileFormatError(f"{folder / 'config.json'}: {err}") from None
 
 
 def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from moectl.errors import ConfigError, MemoryLimitError
 from moectl.models.shape_layout import checkpoint_pieces
 from moectl.models.shape_presets import PRESETS
 from moectl.models.shape_values import fill_values
@@ -72,7 +73,7 @@ class ShapeSpec:
 def _known(name: str) -> str:
     key = name.lower()
     if key not in PRESETS:
-        raise ValueError(f"unknown shape {name!r}; known shapes: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown shape {name!r}; known shapes: {', '.join(PRESETS)}")
     return key
 
 
@@ -81,7 +82,7 @@ def parse_shape_spec(spec: str) -> ShapeSpec:
     body = spec[len(SPEC_PREFIX) :] if spec.startswith(SPEC_PREFIX) else spec
     match = _SPEC.fullmatch(body)
     if match is None:
-        raise ValueError(
+        raise ConfigError(
             f"bad shape spec {spec!r}: expected shape:NAME[@LAYERS][~wWIDTH], e.g. shape:olmoe-1b-7b@2~w64; "
             f"known shapes: {', '.join(PRESETS)}"
         )
@@ -92,7 +93,7 @@ def parse_shape_spec(spec: str) -> ShapeSpec:
 def _truncate(values: dict[str, Any], num_layers: int) -> None:
     """Keep ``num_layers`` decoder layers, the layer pattern, and at least one MoE layer."""
     if num_layers < 1:
-        raise ValueError(f"a shape needs at least one layer, got {num_layers}")
+        raise ConfigError(f"a shape needs at least one layer, got {num_layers}")
     values["num_hidden_layers"] = num_layers
     if values.get("layer_types"):
         pattern = values["layer_types"]
@@ -106,7 +107,7 @@ def _truncate(values: dict[str, Any], num_layers: int) -> None:
 def _narrow(values: dict[str, Any], width: int) -> None:
     """Set ``hidden_size = width`` and scale every other width by the same factor (multiples of 8)."""
     if width < 8 or width % 8:
-        raise ValueError(f"a reduced width must be a positive multiple of 8, got {width}")
+        raise ConfigError(f"a reduced width must be a positive multiple of 8, got {width}")
     factor = width / values["hidden_size"]
 
     def scaled(size: int) -> int:
@@ -119,7 +120,7 @@ def _narrow(values: dict[str, Any], width: int) -> None:
         and (width % heads or width // heads % 2)
     ):
         # head_dim is hidden_size / heads in these families (OLMoE's QK-norm spans hidden_size)
-        raise ValueError(
+        raise ConfigError(
             f"a reduced width must be an even multiple of the {heads} attention heads, got {width}"
         )
     for key in _WIDTH_KEYS:
@@ -153,7 +154,7 @@ def shape_config(
         config = AutoConfig.for_model(model_type, **values)
     except Exception as err:  # transformers validates shapes (e.g. hidden size vs heads)
         extra = f" with overrides {overrides}" if overrides else ""
-        raise ValueError(f"cannot configure {shape}{extra}: {err}") from err
+        raise ConfigError(f"cannot configure {shape}{extra}: {err}") from err
     config.moectl_shape = shape  # recorded in config.json; overrides show in the values themselves
     return config
 
@@ -204,7 +205,7 @@ def build_from_config(
     need = parameter_counts(_meta_model(config, dtype))["bytes"]
     available = _available_memory()
     if str(device) == "cpu" and available is not None and need > available:
-        raise MemoryError(
+        raise MemoryLimitError(
             f"{getattr(config, 'moectl_shape', config.model_type)} needs {need / 2**30:.1f} GiB of weights "
             f"but {available / 2**30:.1f} GiB is available; build it on device='meta', with fewer layers "
             f"(@LAYERS) or reduced width (~wWIDTH), or stream it to disk with write_shape_checkpoint"

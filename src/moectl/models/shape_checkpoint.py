@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from moectl.errors import ConfigError, OutputExistsError, UnavailableError
 from moectl.io.safetensors_index import DTYPES, INDEX, CheckpointIndex
 from moectl.models.shape_build import (
     build_from_config,
@@ -72,7 +73,7 @@ def plan_tensors(meta_model: torch.nn.Module) -> list[PlannedTensor]:
 def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
     """Consecutive tensors grouped into shards of at most ``max_shard_bytes`` (a bigger tensor alone)."""
     if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise ConfigError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for tensor in tensors:
@@ -128,7 +129,7 @@ def _place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished folder into place (replacing ``out`` only when ``overwrite``)."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+            raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
         tmp.rename(out)
@@ -195,7 +196,7 @@ def write_shape_checkpoint(
     started = time.perf_counter()
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     config = shape_config(spec)
     meta = build_from_config(config, dtype=dtype, device="meta")
     tensors = plan_tensors(meta)
@@ -204,7 +205,7 @@ def write_shape_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if tensor_bytes > free:
-        raise OSError(
+        raise UnavailableError(
             f"{config.moectl_shape} needs {tensor_bytes / 2**30:.2f} GiB but {out.parent} has "
             f"{free / 2**30:.2f} GiB free"
         )

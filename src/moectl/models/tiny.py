@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from moectl.errors import ConfigError
 from moectl.models.tiny_emo import TinyEmoConfig
 
 _COMMON: dict[str, Any] = {
@@ -192,7 +193,7 @@ def tiny_config(family: str, **overrides: Any):
     """The config of a tiny model of ``family`` (a transformers ``model_type``)."""
     family = _ALIASES.get(family, family)
     if family not in TINY_CONFIGS:
-        raise ValueError(f"no tiny config for family {family!r}; choose one of: {', '.join(FAMILIES)}")
+        raise ConfigError(f"no tiny config for family {family!r}; choose one of: {', '.join(FAMILIES)}")
     kwargs = {**_COMMON, **TINY_CONFIGS[family], **overrides}
     return AutoConfig.for_model(_MODEL_TYPES.get(family, family), **kwargs)
 

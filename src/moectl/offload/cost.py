@@ -21,6 +21,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from moectl.errors import ConfigError
+
 
 def measure_load_latency(store, layer: int = 0, experts: list[int] | None = None, repeats: int = 3) -> dict:
     """Median seconds to load one expert of ``layer`` from ``store`` into a fresh tensor.
@@ -57,7 +59,7 @@ def deliberation_cost(
 ) -> float:
     """η in reward units for one switch of one layer (see the module docstring)."""
     if load_s < 0 or token_s <= 0 or experts_loaded_per_switch < 0 or nats_per_token_delay < 0:
-        raise ValueError(
+        raise ConfigError(
             "need load_s >= 0, token_s > 0, experts_loaded_per_switch >= 0, nats_per_token_delay >= 0"
         )
     return nats_per_token_delay * experts_loaded_per_switch * load_s / token_s

@@ -19,8 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from moectl.errors import MoectlError
 
-class ExpertStoreError(RuntimeError):
+
+class ExpertStoreError(MoectlError, RuntimeError):
     """An expert could not be loaded exactly as it was stored."""
 
 

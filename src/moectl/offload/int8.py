@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moectl.errors import ConfigError
+
 SLOT_DTYPES = ("same", "int8")
 SCALE = "_scale"  # slot name suffix of a quantised weight's per-row scales
 KERNEL_MAX_ROWS = 16  # rows (tokens) up to which the int8 kernel beats a dequantised GEMM
@@ -78,7 +80,7 @@ def slot_templates(params: dict[str, Tensor], slot_dtype: str) -> dict[str, Tens
     """What a resident slot holds per expert parameter, as meta tensors [E, ...]: the parameter
     itself (``"same"``), or for ``"int8"`` each weight as int8 plus its float32 ``NAME_scale`` [E, rows]."""
     if slot_dtype not in SLOT_DTYPES:
-        raise ValueError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
+        raise ConfigError(f"slot dtype must be one of {', '.join(SLOT_DTYPES)}, got {slot_dtype!r}")
     out: dict[str, Tensor] = {}
     for name, p in params.items():
         if slot_dtype == "int8" and quantized(p):

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import ConfigError
+
 
 def controller_k_hat(policy: str) -> int | None:
     """k-hat of a ``controller:DIR`` policy (or a controller / run folder), None for other policies."""
@@ -55,7 +57,7 @@ def load_for_offload(
         preflight(spec, dtype, config.budget, policy, config.slot_dtype)
         return load_lazy(spec, dtype, device, method=config.read_method)
     if config.store == "checkpoint":
-        raise ValueError(
+        raise ConfigError(
             f"--store checkpoint needs a checkpoint folder with safetensors shards, got {spec!r}"
         )
     model, tokenizer = load_model(spec, dtype=dtype, device=device, seed=seed)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from moectl.adapters import inspect
+from moectl.errors import MemoryLimitError
 from moectl.io.cgroup import memory_limits
 from moectl.offload.int8 import expert_slot_bytes
 
@@ -107,7 +108,7 @@ def check_plan(plan: MemoryPlan) -> None:
     if limit is None or plan.planned_bytes <= limit:
         return
     if plan.minimum_bytes > limit:
-        raise MemoryError(
+        raise MemoryLimitError(
             f"the memory limit is {_gib(limit)}, but serving needs at least {_gib(plan.minimum_bytes)}: "
             f"{_gib(plan.non_expert_bytes)} of non-expert weights + the policy's minimum of "
             f"{plan.min_experts[0]} experts per MoE layer + {_gib(plan.headroom_bytes)} headroom"
@@ -117,7 +118,7 @@ def check_plan(plan: MemoryPlan) -> None:
         m + spare // max(e * len(plan.expert_bytes), 1)
         for m, e in zip(plan.min_experts, plan.expert_bytes, strict=True)
     ]
-    raise MemoryError(
+    raise MemoryLimitError(
         f"the memory limit is {_gib(limit)}, but a budget of {plan.budget_experts[0]} experts per MoE layer "
         f"needs {_gib(plan.planned_bytes)}; at most {min(fits)} experts per layer fit "
         f"(minimum {_gib(plan.minimum_bytes)} with {plan.min_experts[0]})"

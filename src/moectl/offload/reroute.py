@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.offload.residency import S3FIFOResidency
 from moectl.routing.policy_config import register_policy
 from moectl.routing.routing_state import RoutingState
@@ -61,7 +62,7 @@ class CacheAwareRouting:
         for layer in info.layers:
             rule = layer.rule
             if rule.grouped or rule.kind not in ("softmax_topk", "topk_softmax"):
-                raise ValueError(
+                raise ConfigError(
                     f"reroute: MoE layer {layer.index} has a {rule.kind} router"
                     f"{' with expert groups' if rule.grouped else ''}; rerouting supports ungrouped softmax "
                     "routers (softmax then top-k, or top-k then softmax)"
@@ -92,7 +93,7 @@ class RerouteResidency(S3FIFOResidency):
 
     def __init__(self, tol: float) -> None:
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 1:
-            raise ValueError(f"reroute needs a tolerance TOL in [0, 1] (router probability), got {tol!r}")
+            raise ConfigError(f"reroute needs a tolerance TOL in [0, 1] (router probability), got {tol!r}")
         super().__init__()
         self.tol = float(tol)
         self.name = f"reroute:{self.tol:g}"
@@ -122,5 +123,5 @@ def parse_reroute(spec: str) -> RerouteResidency:
     try:
         tol = float(spec.removeprefix("reroute:"))
     except ValueError:
-        raise ValueError(f"policy {spec!r}: reroute needs a tolerance, as reroute:0.05") from None
+        raise ConfigError(f"policy {spec!r}: reroute needs a tolerance, as reroute:0.05") from None
     return RerouteResidency(tol)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.metrics.switch_rate import option_of
 from moectl.offload.prefetch import HiddenTap, PrefetchConfig, controller_prediction, option_prediction
 from moectl.routing.mask import MASK_FORMS, expert_lists_of
@@ -136,7 +137,7 @@ class StaticPolicy(ResidencyPolicy):
         """From ``{"experts" | "keep": {layer: [ids]}}`` or ``{"everywhere": [ids]}`` (with the model)."""
         forms = [k for k in MASK_FORMS if k in data and k != "masks"]
         if len(forms) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "a static residency needs exactly one of 'experts' / 'keep' ({layer: [ids]}) or "
                 f"'everywhere' ([ids]); got {forms or 'none'}"
             )
@@ -144,7 +145,7 @@ class StaticPolicy(ResidencyPolicy):
             from moectl.routing.mask import ExpertMask
 
             if info is None:
-                raise ValueError(
+                raise ConfigError(
                     "a static residency with 'everywhere' needs the model: load_policy(spec, model)"
                 )
             return cls(ExpertMask.from_dict(data, info).expert_lists())
@@ -179,7 +180,7 @@ class OptionPolicy(ResidencyPolicy):
 
     def __init__(self, k_hat: int) -> None:
         if isinstance(k_hat, bool) or not isinstance(k_hat, int) or k_hat < 1:
-            raise ValueError(f"k-hat must be an integer >= 1, got {k_hat!r}")
+            raise ConfigError(f"k-hat must be an integer >= 1, got {k_hat!r}")
         self.k_hat = k_hat
         self.name = f"option:{k_hat}"
         self.option: dict[int, set[int]] = {}
@@ -196,7 +197,7 @@ class OptionPolicy(ResidencyPolicy):
 
     def min_budget(self, layer: int, top_k: int) -> int:
         if self.k_hat < top_k:
-            raise ValueError(f"k-hat = {self.k_hat} is smaller than top-k = {top_k}")
+            raise ConfigError(f"k-hat = {self.k_hat} is smaller than top-k = {top_k}")
         return self.k_hat
 
     def _take(self, layer: int, res, probs: Tensor, chosen: Tensor) -> None:
@@ -401,7 +402,7 @@ def residency_policy(policy: Any) -> ResidencyPolicy:
     if isinstance(policy, ControllerPolicy):
         return ControllerResidency(policy, seed=policy.seed)
     what = f"a list of {len(policy)} policies" if isinstance(policy, (list, tuple)) else type(policy).__name__
-    raise ValueError(f"serve-offload needs one residency policy ({RESIDENCY}); got {what}")
+    raise ConfigError(f"serve-offload needs one residency policy ({RESIDENCY}); got {what}")
 
 
 def parse_policy(spec: Any, model: nn.Module | None = None) -> ResidencyPolicy:

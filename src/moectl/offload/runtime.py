@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters import inspect
+from moectl.errors import MoectlError
 from moectl.offload.delta_store import DeltaStore, pending_delta
 from moectl.offload.expert_loader import Loader, make_loader
 from moectl.offload.expert_store import DiskStore, HostStore
@@ -38,7 +39,7 @@ from moectl.offload.slot_forward import slot_experts_forward
 from moectl.offload.slot_forward import supports as supports_slots
 
 
-class BudgetError(ValueError):
+class BudgetError(MoectlError, ValueError):
     """The resident budget cannot hold what a step needs."""
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.generate import Prompt, generate
 from moectl.options.random_options import RandomOptions, check_k_hat
 from moectl.routing import ExpertMask
@@ -38,7 +39,7 @@ def baseline_name(name: str) -> str:
     """Canonical baseline name (case-insensitive); ValueError naming the allowed values."""
     canonical = name.strip().lower()
     if canonical not in BASELINES:
-        raise ValueError(f"unknown baseline method {name!r}; choose one of: {', '.join(BASELINES)}")
+        raise ConfigError(f"unknown baseline method {name!r}; choose one of: {', '.join(BASELINES)}")
     return canonical
 
 
@@ -56,7 +57,7 @@ def calibration_batch(
     """Left-padded ``input_ids`` / ``attention_mask`` of the calibration texts (last ``max_length``
     tokens each), each followed by ``generate_tokens`` tokens the model generates (0: none)."""
     if generate_tokens < 0:
-        raise ValueError(f"generate_tokens must be >= 0, got {generate_tokens}")
+        raise ConfigError(f"generate_tokens must be >= 0, got {generate_tokens}")
     batch = tokenize(tokenizer, texts, max_length)
     if generate_tokens == 0:
         return batch
@@ -90,7 +91,7 @@ def baseline_keep(
     """``{moe_layer: k-hat kept expert ids}`` of a fixed baseline on a calibration batch."""
     method = baseline_name(method)
     if method == "random":
-        raise ValueError("the random baseline keeps no fixed set: it redraws k-hat experts at every token")
+        raise ConfigError("the random baseline keeps no fixed set: it redraws k-hat experts at every token")
     info = info or inspect(model)
     check_k_hat(info, k_hat)
     return select_subset(

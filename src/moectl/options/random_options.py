@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer
 from moectl.adapters.rules import Renorm
+from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, register_policy
 from moectl.routing.routing_state import RoutingState
 from moectl.subsets.scores import check_k
@@ -29,7 +30,7 @@ def check_k_hat(info: ModelInfo, k_hat: int) -> None:
     """Refuse a k-hat some MoE layer cannot keep (top-k <= k-hat <= E; balanced groups)."""
     for layer in info.layers:
         if not layer.top_k <= k_hat <= layer.num_experts:
-            raise ValueError(
+            raise ConfigError(
                 f"k-hat = {k_hat} is out of range: MoE layer {layer.index} has top-k = {layer.top_k} and "
                 f"{layer.num_experts} experts; allowed k-hat: {layer.top_k}..{layer.num_experts}"
             )
@@ -37,7 +38,7 @@ def check_k_hat(info: ModelInfo, k_hat: int) -> None:
             check_k(layer, k_hat)  # router groups: k-hat / n_group experts per group, at least 2
             layer.rule.check_allowed(balanced_mask(layer, k_hat), where=f"MoE layer {layer.index}")
         except ValueError as err:
-            raise ValueError(f"k-hat = {k_hat} does not fit the model: {err}") from None
+            raise ConfigError(f"k-hat = {k_hat} does not fit the model: {err}") from None
 
 
 def balanced_mask(layer: MoELayer, k_hat: int) -> Tensor:
@@ -66,9 +67,9 @@ class RandomOptions(PolicyConfig):
 
     def __init__(self, k_hat: int, seed: int = 0, renorm: Renorm = "pruned") -> None:
         if isinstance(k_hat, bool) or not isinstance(k_hat, int) or k_hat < 1:
-            raise ValueError(f"RandomOptions: k_hat must be a positive integer, got {k_hat!r}")
+            raise ConfigError(f"RandomOptions: k_hat must be a positive integer, got {k_hat!r}")
         if renorm not in ("pruned", "stock"):
-            raise ValueError(f"RandomOptions: renorm must be 'pruned' or 'stock', got {renorm!r}")
+            raise ConfigError(f"RandomOptions: renorm must be 'pruned' or 'stock', got {renorm!r}")
         self.k_hat = k_hat
         self.seed = int(seed)
         self.renorm: Renorm = renorm
@@ -84,7 +85,7 @@ class RandomOptions(PolicyConfig):
     ) -> RandomOptions:
         seed = data.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"random_options 'seed' must be an integer, got {seed!r}")
+            raise ConfigError(f"random_options 'seed' must be an integer, got {seed!r}")
         return cls(data.get("k_hat"), seed=seed, renorm=data.get("renorm", "pruned"))
 
     def draws(self) -> bool:

@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import ConfigError, FileFormatError, MoectlError, MoectlFileError
 from moectl.io.atomic import atomic_path, write_text_atomic
 
 CARD = "README.md"
@@ -68,7 +69,7 @@ def read_run(run: str | Path) -> Run:
     run = Path(run)
     for name in ("config.json", "log.jsonl"):
         if not (run / name).is_file():
-            raise FileNotFoundError(f"--run {run}: no {name} there (not a `moectl pretrain` run folder)")
+            raise MoectlFileError(f"--run {run}: no {name} there (not a `moectl pretrain` run folder)")
     config = _read_json(run / "config.json")
     rows = []
     for n, line in enumerate((run / "log.jsonl").read_text().splitlines(), 1):
@@ -76,16 +77,16 @@ def read_run(run: str | Path) -> Run:
             try:
                 rows.append(json.loads(line))
             except ValueError as err:
-                raise ValueError(f"{run / 'log.jsonl'}:{n}: not JSON ({err})") from None
+                raise FileFormatError(f"{run / 'log.jsonl'}:{n}: not JSON ({err})") from None
     final = next((r for r in reversed(rows) if r.get("final")), None)
     train = [r for r in rows if "ce" in r and "tokens" in r and not r.get("final")]
     if final is None or "val_loss" not in final:
-        raise ValueError(
+        raise ConfigError(
             f"--run {run}: log.jsonl has no final evaluation yet (a run logs one when it reaches "
             f"max_steps = {config.get('max_steps')}; last logged step {train[-1]['step'] if train else 'none'})"
         )
     if not train:
-        raise ValueError(f"--run {run}: log.jsonl has no training steps")
+        raise ConfigError(f"--run {run}: log.jsonl has no training steps")
     return Run(run, config, train, [r for r in train if "val_loss" in r], final)
 
 
@@ -112,11 +113,11 @@ def read_model(model_dir: str | Path) -> ModelFacts:
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json (give the folder of a saved model)")
-    config = json.loads((model_dir / "config.json").read_text())
+        raise MoectlFileError(f"{model_dir}: no config.json (give the folder of a saved model)")
+    config = _read_json(model_dir / "config.json")
     entries = CheckpointIndex(model_dir).entries
     if not entries:
-        raise ValueError(f"{model_dir}: no safetensors weights")
+        raise FileFormatError(f"{model_dir}: no safetensors weights")
     total = sum(math.prod(e.shape) for e in entries.values())
     experts = sum(math.prod(e.shape) for k, e in entries.items() if ".experts." in k)
     dtypes = sorted({str(e.dtype).removeprefix("torch.") for e in entries.values()})
@@ -133,11 +134,12 @@ def corpus_sources(corpus: str | Path | None) -> tuple[list[dict[str, Any]], str
     Rows: ``name, domain, packages, versions, licence, documents, approx_tokens`` (None where the
     files do not say)."""
     if corpus is None:
-        raise ValueError("the run's config.json names no corpus; give the corpus folder (--corpus)")
+        raise ConfigError("the run's config.json names no corpus; give the corpus folder (--corpus)")
     corpus = Path(corpus)
     stats = corpus / "stats.json"
     if stats.is_file():
-        sources = json.loads(stats.read_text()).get("sources") or {}
+        data = _read_json(stats)
+        sources = (data.get("sources") if isinstance(data, dict) else None) or {}
         if sources:
             rows = [
                 {"name": name, "domain": s.get("domain"), "packages": s.get("packages") or [],
@@ -156,7 +158,7 @@ def corpus_sources(corpus: str | Path | None) -> tuple[list[dict[str, Any]], str
                                          "licence": doc.get("licence"), "documents": 0, "approx_tokens": None})  # fmt: skip
             row["documents"] += 1
     except FileNotFoundError:
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{corpus}: neither a stats.json with sources nor a train split to read them from"
         ) from None
     return list(seen.values()), "the `source` and `licence` of every document of the corpus's train split"
@@ -167,7 +169,9 @@ def _read_json(path: str | Path) -> Any:
     try:
         return json.loads(Path(path).read_text())
     except ValueError as err:
-        raise ValueError(f"{path}: not JSON ({err})") from None
+        raise FileFormatError(f"{path}: not JSON ({err})") from None
+    except OSError as err:  # a folder, no permission
+        raise MoectlFileError(f"{path} cannot be read: {err.strerror or err}") from None
 
 
 def read_effective_experts(path: str | Path, model_dir: Path) -> dict[str, Any]:
@@ -176,13 +180,13 @@ def read_effective_experts(path: str | Path, model_dir: Path) -> dict[str, Any]:
     data = _read_json(path)
     results = data.get("results") or [] if isinstance(data, dict) else []
     if not results or "layers" not in results[0]:
-        raise ValueError(f"{path}: not an effective-experts result (benchmarks/effective_experts.py --json)")
+        raise FileFormatError(f"{path}: not an effective-experts result (benchmarks/effective_experts.py --json)")
     mine = [r for r in results if _same_path(r.get("model"), model_dir)]
     if len(results) == 1:
         mine = results
     if not mine:
         names = ", ".join(str(r.get("model")) for r in results)
-        raise ValueError(f"{path}: no result for {model_dir} (it has {names})")
+        raise ConfigError(f"{path}: no result for {model_dir} (it has {names})")
     return {**mine[0], "documents": data.get("documents")}
 
 
@@ -196,7 +200,7 @@ def _same_path(spec: Any, folder: Path) -> bool:
 def read_eval(path: str | Path) -> dict[str, Any]:
     data = _read_json(path)
     if not isinstance(data, dict) or data.get("schema") != EVAL_SCHEMA:
-        raise ValueError(f"{path}: not a `moectl eval --json` result (schema {EVAL_SCHEMA})")
+        raise FileFormatError(f"{path}: not a `moectl eval --json` result (schema {EVAL_SCHEMA})")
     return data
 
 
@@ -476,11 +480,19 @@ def write_card(
         copies["curve"] = (facts.path / "loss_curve.png", CURVE_NAME)
     if effective_plot is not None:
         if not Path(effective_plot).is_file():
-            raise FileNotFoundError(f"{effective_plot}: no such figure")
+            raise MoectlFileError(f"{effective_plot}: no such figure")
         copies["effective"] = (Path(effective_plot), EFFECTIVE_NAME)
     files = {key: target for key, (_, target) in copies.items()} if copy_files else {}
-    text = card_text(model_dir, facts, model, sources, effective, results, name or model_dir.name,
-                     license or package_license(), files)  # fmt: skip
+    try:  # the fields of the log and the results files, read here: a missing or mistyped one is theirs
+        text = card_text(model_dir, facts, model, sources, effective, results, name or model_dir.name,
+                         license or package_license(), files)  # fmt: skip
+        metrics = [m.__dict__ for m in metrics_of(facts, effective, results)]
+    except (KeyError, ValueError) as err:
+        if isinstance(err, MoectlError):
+            raise
+        raise FileFormatError(
+            f"a field of --run's log.jsonl, --effective-experts or --eval is missing or malformed: {err!r}"
+        ) from err
     written = []
     if copy_files:
         for source, target in copies.values():
@@ -491,6 +503,6 @@ def write_card(
     return {
         "card": str(model_dir / CARD),
         "written": written,
-        "metrics": [m.__dict__ for m in metrics_of(facts, effective, results)],
+        "metrics": metrics,
         "sources_from": sources[1],
     }

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure  # not pyplot: the process's backend stays the user's
 
+from moectl.errors import ConfigError
 from moectl.io.atomic import save_figure
 from moectl.metrics.switch_rate import router_option_masks
 from moectl.routing.trace import RoutingTrace
@@ -66,9 +67,9 @@ def plot_expert_activation(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if layer not in trace.chosen:
-        raise ValueError(f"MoE layer {layer} is not in the trace; recorded layers: {sorted(trace.chosen)}")
+        raise ConfigError(f"MoE layer {layer} is not in the trace; recorded layers: {sorted(trace.chosen)}")
     if not 0 <= row < trace.valid.shape[0]:
-        raise ValueError(f"row {row} out of range; the trace has {trace.valid.shape[0]} sequences")
+        raise ConfigError(f"row {row} out of range; the trace has {trace.valid.shape[0]} sequences")
     start = max(int(trace.prompt_len[row]) - 1, 0)
     valid = trace.valid[row]
     stop = int(valid.nonzero().max()) + 1 if bool(valid.any()) else start

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
+from moectl.errors import ConfigError
+
 
 class Cache:
     """One layer's resident experts under a replacement policy (see the module doc)."""
@@ -13,7 +15,7 @@ class Cache:
 
     def __init__(self, budget: int, num_experts: int) -> None:
         if budget < 1:
-            raise ValueError(f"a cache needs at least one slot, got budget {budget}")
+            raise ConfigError(f"a cache needs at least one slot, got budget {budget}")
         self.budget, self.num_experts = budget, num_experts
 
     @property

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moectl.errors import ConfigError, FileFormatError
 from moectl.residency.belady import BeladyCache
 from moectl.residency.caches import ONLINE, Cache, StaticCache
 from moectl.residency.trace_input import Accesses
@@ -41,14 +42,14 @@ def parse_policies(text: str) -> tuple[str, ...]:
     """``lru,arc,static:FILE,belady`` → names; ValueError naming what is allowed."""
     names = tuple(p.strip() for p in text.split(",") if p.strip())
     if not names:
-        raise ValueError(f"--policies is empty; choose from {', '.join(POLICIES)} (static:FILE for a subset)")
+        raise ConfigError(f"--policies is empty; choose from {', '.join(POLICIES)} (static:FILE for a subset)")
     for name in names:
         if name not in POLICIES and not name.startswith("static:"):
-            raise ValueError(
+            raise ConfigError(
                 f"unknown policy {name!r}; choose from {', '.join(POLICIES)} (static:FILE for a subset file)"
             )
     if len(set(names)) != len(names):
-        raise ValueError(f"--policies names a policy twice: {text}")
+        raise ConfigError(f"--policies names a policy twice: {text}")
     return names
 
 
@@ -57,21 +58,21 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     try:
         budgets = tuple(int(b) for b in text.split(",") if b.strip())
     except ValueError:
-        raise ValueError(f"--budget must be counts of experts per layer like 4 or 4,8,16, got {text!r}") from None
+        raise ConfigError(f"--budget must be counts of experts per layer like 4 or 4,8,16, got {text!r}") from None
     if not budgets:
-        raise ValueError("--budget is empty: give counts of experts per layer like 4,8,16")
+        raise ConfigError("--budget is empty: give counts of experts per layer like 4,8,16")
     return tuple(sorted(set(budgets)))
 
 
 def check_budgets(budgets: Sequence[int], top_k: int, num_experts: int) -> None:
     for b in budgets:
         if b < top_k:
-            raise ValueError(
+            raise ConfigError(
                 f"budget {b} is below top-k = {top_k}: a token's experts must be resident together; "
                 f"give budgets from {top_k} to {num_experts}"
             )
         if b > num_experts:
-            raise ValueError(f"budget {b} exceeds the {num_experts} experts per layer; give {top_k}..{num_experts}")
+            raise ConfigError(f"budget {b} exceeds the {num_experts} experts per layer; give {top_k}..{num_experts}")
 
 
 def static_subsets(spec: str, acc: Accesses, budget: int) -> list[list[int]]:
@@ -88,9 +89,9 @@ def static_subsets(spec: str, acc: Accesses, budget: int) -> list[list[int]]:
     for layer in range(acc.layers):
         pinned = subsets.get(layer, [])
         if any(not 0 <= e < acc.num_experts for e in pinned):
-            raise ValueError(f"{spec}: MoE layer {layer} names experts outside 0..{acc.num_experts - 1}")
+            raise ConfigError(f"{spec}: MoE layer {layer} names experts outside 0..{acc.num_experts - 1}")
         if len(pinned) + acc.top_k > budget:
-            raise ValueError(
+            raise ConfigError(
                 f"{spec} pins {len(pinned)} experts at MoE layer {layer} and static keeps top-k = {acc.top_k} "
                 f"slots for the others: budget {budget} is too small (give at least {len(pinned) + acc.top_k})"
             )
@@ -108,7 +109,7 @@ def read_subset_file(path: Path) -> dict[int, list[int]]:
     for form in ("experts", "keep"):
         if isinstance(data.get(form), dict):
             return expert_lists_of(data[form], form)
-    raise ValueError(f"{path}: static:FILE needs per-layer expert lists ({{'keep': {{layer: [ids]}}}})")
+    raise FileFormatError(f"{path}: static:FILE needs per-layer expert lists ({{'keep': {{layer: [ids]}}}})")
 
 
 def make_caches(spec: str, acc: Accesses, budget: int) -> list[Cache]:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
+
 
 @dataclass(frozen=True)
 class Accesses:
@@ -56,14 +58,14 @@ def read_array(path: Path) -> tuple[np.ndarray, int | None]:
     try:
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable .npy array ({err})") from None
+        raise FileFormatError(f"{path}: not a readable .npy array ({err})") from None
     if array.ndim != 3:
-        raise ValueError(
+        raise FileFormatError(
             f"{path}: expected an array [tokens, layers, top_k] (vLLM/SGLang routed_experts), got rank "
             f"{array.ndim} with shape {list(array.shape)}"
         )
     if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{path}: expert ids must be integers, got dtype {array.dtype}")
+        raise FileFormatError(f"{path}: expert ids must be integers, got dtype {array.dtype}")
     return array.astype(np.int64, copy=False), None
 
 
@@ -71,14 +73,14 @@ def _trace_file(path: Path) -> Path:
     if path.is_dir():
         found = sorted(p for p in path.glob("*.safetensors") if p.with_suffix(".json").is_file())
         if len(found) != 1:
-            raise ValueError(
+            raise FileFormatError(
                 f"{path}: expected a folder holding one moectl trace (NAME.safetensors + NAME.json, as "
                 f"RoutingTrace.save writes), found {len(found)}"
             )
         return found[0]
     file = path.with_suffix(".safetensors")
     if not (file.is_file() and file.with_suffix(".json").is_file()):
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{path}: no moectl trace there (NAME.safetensors + NAME.json) and not an .npy array"
         )
     return file
@@ -95,9 +97,9 @@ def read_trace(path: Path) -> tuple[np.ndarray, int]:
         layers = sorted(chosen)
         num_experts = trace.num_experts
     except (KeyError, ValueError, OSError, StopIteration) as err:
-        raise ValueError(f"{file}: not a readable moectl trace ({err})") from None
+        raise FileFormatError(f"{file}: not a readable moectl trace ({err})") from None
     if not layers or layers != list(range(len(layers))):
-        raise ValueError(f"{file}: the trace has no complete routing record (layers {layers})")
+        raise FileFormatError(f"{file}: the trace has no complete routing record (layers {layers})")
     stacked = np.stack([chosen[layer][valid].numpy() for layer in layers], axis=1)  # [T, L, k]
     return stacked.astype(np.int64), num_experts
 
@@ -105,34 +107,34 @@ def read_trace(path: Path) -> tuple[np.ndarray, int]:
 def read_accesses(paths: list[Path], num_experts: int | None = None) -> Accesses:
     """Every input concatenated along tokens; ``num_experts`` (required for .npy arrays) checked."""
     if not paths:
-        raise ValueError("give at least one trace (a moectl trace or an .npy array)")
+        raise ConfigError("give at least one trace (a moectl trace or an .npy array)")
     parts, found = [], None
     for path in paths:
         if path.suffix == ".npy":
             if not path.is_file():
-                raise FileNotFoundError(f"{path}: no such file")
+                raise MoectlFileError(f"{path}: no such file")
             array, experts = read_array(path)
         else:
             array, experts = read_trace(path)
         if experts is not None:
             if found is not None and experts != found:
-                raise ValueError(f"{path}: {experts} experts per layer, the other traces {found}")
+                raise ConfigError(f"{path}: {experts} experts per layer, the other traces {found}")
             found = experts
         if parts and array.shape[1:] != parts[0].shape[1:]:
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: [layers, top_k] = {list(array.shape[1:])}, the first trace "
                 f"{list(parts[0].shape[1:])}: traces of one model only"
             )
         parts.append(array)
     if num_experts is None:
         if found is None:
-            raise ValueError("--num-experts is required for an .npy array (it does not say how many experts)")
+            raise ConfigError("--num-experts is required for an .npy array (it does not say how many experts)")
         num_experts = found
     elif found is not None and found != num_experts:
-        raise ValueError(f"--num-experts {num_experts}, but the trace's router has {found} experts")
+        raise ConfigError(f"--num-experts {num_experts}, but the trace's router has {found} experts")
     chosen = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if chosen.shape[0] == 0 or chosen.shape[1] == 0 or chosen.shape[2] == 0:
-        raise ValueError(f"the trace is empty: [tokens, layers, top_k] = {list(chosen.shape)}")
+        raise FileFormatError(f"the trace is empty: [tokens, layers, top_k] = {list(chosen.shape)}")
     check_ids(chosen, num_experts)
     return Accesses(np.ascontiguousarray(chosen), num_experts, tuple(str(p) for p in paths))
 
@@ -143,7 +145,7 @@ def check_ids(chosen: np.ndarray, num_experts: int) -> None:
     if low < 0 or high >= num_experts:
         bad = high if high >= num_experts else low
         t, layer, _ = (int(i) for i in np.argwhere(chosen == bad)[0])
-        raise ValueError(
+        raise FileFormatError(
             f"expert id {bad} at token {t}, layer {layer} is outside 0..{num_experts - 1} "
             f"(--num-experts {num_experts})"
         )
@@ -151,4 +153,4 @@ def check_ids(chosen: np.ndarray, num_experts: int) -> None:
     dup = ordered[..., 1:] == ordered[..., :-1]
     if dup.any():
         t, layer, j = (int(i) for i in np.argwhere(dup)[0])
-        raise ValueError(f"token {t}, layer {layer} lists expert {int(ordered[t, layer, j])} twice")
+        raise FileFormatError(f"token {t}, layer {layer} lists expert {int(ordered[t, layer, j])} twice")

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, layer_key, register_policy
 from moectl.routing.routing_state import RoutingState
 
@@ -40,7 +41,7 @@ def check_tau(tau: object) -> None:
     elif isinstance(tau, Sequence) and not isinstance(tau, (str, bytes)):
         values = {f"MoE layer {i}": v for i, v in enumerate(tau)}
     else:
-        raise ValueError(f"GumbelTopK: tau must be a number, a list per MoE layer or {{layer: tau}}, got {tau!r}")
+        raise ConfigError(f"GumbelTopK: tau must be a number, a list per MoE layer or {{layer: tau}}, got {tau!r}")
     bad = {}
     for where, v in values.items():
         try:
@@ -50,7 +51,7 @@ def check_tau(tau: object) -> None:
         if not (math.isfinite(f) and f >= 0):
             bad[where] = v
     if bad:
-        raise ValueError(f"GumbelTopK: temperatures tau must be >= 0 and finite, got {bad}")
+        raise ConfigError(f"GumbelTopK: temperatures tau must be >= 0 and finite, got {bad}")
 
 
 @register_policy("gumbel")
@@ -98,15 +99,15 @@ class GumbelTopK(PolicyConfig):
         cls, data: Mapping[str, Any], info: ModelInfo | None = None, *, model: nn.Module | None = None
     ) -> GumbelTopK:
         if "tau" not in data:
-            raise ValueError("a gumbel policy needs 'tau' (a number, a list per MoE layer or {layer: tau})")
+            raise ConfigError("a gumbel policy needs 'tau' (a number, a list per MoE layer or {layer: tau})")
         tau = data["tau"]
         if isinstance(tau, Mapping):
             tau = {layer_key(k, "tau"): float(v) for k, v in tau.items()}
         elif isinstance(tau, bool) or not isinstance(tau, (int, float, list)):
-            raise ValueError(f"gumbel 'tau' must be a number, a list or {{layer: tau}}, got {tau!r}")
+            raise ConfigError(f"gumbel 'tau' must be a number, a list or {{layer: tau}}, got {tau!r}")
         seed = data.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"gumbel 'seed' must be an integer, got {seed!r}")
+            raise ConfigError(f"gumbel 'seed' must be an integer, got {seed!r}")
         row_scale = data.get("row_scale")
         return cls(tau, seed=seed, row_scale=None if row_scale is None else torch.tensor(row_scale))
 
@@ -125,7 +126,7 @@ class GumbelTopK(PolicyConfig):
         if isinstance(spec, Mapping):
             bad = [k for k in spec if not 0 <= int(k) < n]
             if bad:
-                raise ValueError(
+                raise ConfigError(
                     f"GumbelTopK: tau given for MoE layers {bad}; the model has MoE layers 0..{n - 1}"
                 )
             tau = {int(k): float(v) for k, v in spec.items()}
@@ -134,13 +135,13 @@ class GumbelTopK(PolicyConfig):
         else:
             values = [float(v) for v in spec]
             if len(values) != n:
-                raise ValueError(
+                raise ConfigError(
                     f"GumbelTopK: {len(values)} temperatures given, the model has {n} MoE layers"
                 )
             tau = dict(enumerate(values))
         negative = {k: v for k, v in tau.items() if not v >= 0}
         if negative:
-            raise ValueError(f"GumbelTopK: temperatures must be >= 0 (finite), got {negative}")
+            raise ConfigError(f"GumbelTopK: temperatures must be >= 0 (finite), got {negative}")
         self.tau = {k: v for k, v in tau.items() if v > 0}
         device = info.layers[0].router.weight.device if hasattr(info.layers[0].router, "weight") else "cpu"
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
@@ -154,7 +155,7 @@ class GumbelTopK(PolicyConfig):
         if self.row_scale is not None:
             scale = self.row_scale.to(noise)
             if scale.shape != (state.logits.shape[0],):
-                raise ValueError(
+                raise ConfigError(
                     f"GumbelTopK: row_scale has shape {tuple(scale.shape)}, batch is {state.logits.shape[0]}"
                 )
             noise = noise * scale[:, None, None]

@@ -19,13 +19,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import ConfigError
 from moectl.routing.policy_config import policy_types
 
 
 def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` with a ``"type"``: older files (no type) are recognised by their fields."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"each policy must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"each policy must be a JSON object, got {type(data).__name__}")
     if "type" in data:
         return dict(data)
     if "keep" in data:
@@ -38,7 +39,7 @@ def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
         return {"type": "expert_mask", "experts": data["subsets"]}
     if data and all(str(k).strip().isdigit() and isinstance(v, list) for k, v in data.items()):
         return {"type": "expert_mask", "experts": dict(data)}
-    raise ValueError(
+    raise ConfigError(
         f'a policy needs a "type" (one of {", ".join(policy_types())}); without one moectl reads older '
         'files: a subset file ({"keep": {layer: [ids]}}), a tau profile ({"tau": [...]}) or a '
         f'{{"moe_layer": [experts]}} mapping; got fields {sorted(data)}'
@@ -58,7 +59,7 @@ def check_subset_layers(data: Any, info, path: Path) -> None:
     listed = {int(k) for k in keep if str(k).lstrip("-").isdigit()}
     missing = [layer.index for layer in info.layers if layer.index not in listed]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"subset file {path} lists MoE layers {sorted(listed)} of 0..{info.num_moe_layers - 1}: a subset keeps "
             f"experts in every MoE layer (as `moectl subset export` requires; missing {missing}); for a policy "
             "on some layers only, name the lists 'experts' instead of 'keep'"

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import Renorm
+from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, layer_key, register_policy
 from moectl.routing.routing_state import RoutingState
 
@@ -57,18 +58,18 @@ class ExpertMask(PolicyConfig):
 
     def __post_init__(self) -> None:
         if self.renorm not in _RENORMS:
-            raise ValueError(f"renorm must be one of {_RENORMS}, got {self.renorm!r}")
+            raise ConfigError(f"renorm must be one of {_RENORMS}, got {self.renorm!r}")
         clean: dict[int, Tensor] = {}
         for layer, mask in self.masks.items():
             mask = torch.as_tensor(mask)
             if mask.dtype != torch.bool:
                 if not bool(((mask == 0) | (mask == 1)).all()):
-                    raise ValueError(
+                    raise ConfigError(
                         f"mask of MoE layer {layer} must be boolean or 0/1, got values outside {{0, 1}}"
                     )
                 mask = mask.bool()
             if mask.dim() not in (1, 2, 3):
-                raise ValueError(
+                raise ConfigError(
                     f"mask of MoE layer {layer} has shape {tuple(mask.shape)}; allowed shapes are [E], [B, E], [B, T, E]"
                 )
             clean[int(layer)] = mask
@@ -88,11 +89,11 @@ class ExpertMask(PolicyConfig):
             ids = [int(i) for i in ids]
             bad = [i for i in ids if not 0 <= i < n]
             if bad:
-                raise ValueError(
+                raise ConfigError(
                     f"MoE layer {layer}: expert ids {bad} out of range; valid ids are 0..{n - 1}"
                 )
             if len(set(ids)) != len(ids):
-                raise ValueError(f"MoE layer {layer}: duplicate expert ids in {ids}")
+                raise ConfigError(f"MoE layer {layer}: duplicate expert ids in {ids}")
             mask = torch.zeros(n, dtype=torch.bool)
             mask[ids] = True
             info.layer(int(layer)).rule.check_allowed(mask, where=f"ExpertMask, MoE layer {layer}")
@@ -111,7 +112,7 @@ class ExpertMask(PolicyConfig):
         out = {}
         for layer, mask in sorted(self.masks.items()):
             if mask.dim() != 1:
-                raise ValueError(
+                raise ConfigError(
                     f"ExpertMask, MoE layer {layer}: a {mask.dim()}-d mask is not one expert set per layer"
                 )
             out[layer] = mask.nonzero().flatten().tolist()
@@ -139,14 +140,14 @@ class ExpertMask(PolicyConfig):
         known = {"type", "format_version", "renorm", "num_experts", *MASK_FORMS}
         meta = {k: v for k, v in data.items() if k not in known}
         if len(forms) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "an expert_mask needs exactly one of 'experts' ({layer: [ids]}), 'keep' (the same, as subset "
                 f"files spell it), 'everywhere' ([ids] at every MoE layer) or 'masks' ({{layer: 0/1 lists}}); got {forms or 'none'}"
             )
         form = forms[0]
         if form == "masks":
             if not isinstance(data["masks"], Mapping):
-                raise ValueError("'masks' must map MoE layer indices to nested 0/1 lists")
+                raise ConfigError("'masks' must map MoE layer indices to nested 0/1 lists")
             masks = {layer_key(k): torch.tensor(v) for k, v in data["masks"].items()}
             mask = cls(masks, renorm=renorm, meta=meta)
             if info is not None:
@@ -155,7 +156,7 @@ class ExpertMask(PolicyConfig):
             return mask
         if form == "everywhere":
             if info is None:
-                raise ValueError("an expert_mask with 'everywhere' needs the model: load_policy(path, model)")
+                raise ConfigError("an expert_mask with 'everywhere' needs the model: load_policy(path, model)")
             mask = cls.everywhere(info, _id_list(data["everywhere"], "everywhere"), renorm=renorm)
             mask.meta = meta
             return mask
@@ -166,14 +167,14 @@ class ExpertMask(PolicyConfig):
             return mask
         n = data.get("num_experts")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(
+            raise ConfigError(
                 "this expert_mask does not record 'num_experts': pass the model, load_policy(path, model)"
             )
         masks = {}
         for layer, ids in lists.items():
             bad = [i for i in ids if not 0 <= i < n]
             if bad:
-                raise ValueError(f"MoE layer {layer}: expert ids {bad} out of range; valid ids are 0..{n - 1}")
+                raise ConfigError(f"MoE layer {layer}: expert ids {bad} out of range; valid ids are 0..{n - 1}")
             mask = torch.zeros(n, dtype=torch.bool)
             mask[ids] = True
             masks[layer] = mask
@@ -196,14 +197,14 @@ class ExpertMask(PolicyConfig):
             allowed = mask.view(1, 1, -1)
         elif mask.dim() == 2:
             if mask.shape[0] != b:
-                raise ValueError(
+                raise ConfigError(
                     f"ExpertMask, MoE layer {state.layer}: [B, E] mask has B={mask.shape[0]}, batch is {b}"
                 )
             allowed = mask[:, None, :]
         else:
             start, stop = state.ctx.offset, state.ctx.offset + t
             if mask.shape[0] != b or mask.shape[1] < stop:
-                raise ValueError(
+                raise ConfigError(
                     f"ExpertMask, MoE layer {state.layer}: [B, T, E] mask of shape {tuple(mask.shape)} does not "
                     f"cover batch {b}, positions {start}..{stop - 1}"
                 )
@@ -213,22 +214,22 @@ class ExpertMask(PolicyConfig):
 
 def _id_list(ids: Any, where: str) -> list[int]:
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{where} must be a list of integer expert ids, got {ids!r}")
+        raise ConfigError(f"{where} must be a list of integer expert ids, got {ids!r}")
     if any(i < 0 for i in ids):
-        raise ValueError(f"{where}: negative expert ids in {ids}")
+        raise ConfigError(f"{where}: negative expert ids in {ids}")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{where}: duplicate experts {sorted({i for i in ids if ids.count(i) > 1})}")
+        raise ConfigError(f"{where}: duplicate experts {sorted({i for i in ids if ids.count(i) > 1})}")
     return ids
 
 
 def expert_lists_of(value: Any, form: str = "experts") -> dict[int, list[int]]:
     """``{layer: [ids]}`` from a JSON ``{"0": [ids], ...}``; ValueError naming the layer otherwise."""
     if not isinstance(value, Mapping) or not value:
-        raise ValueError(f"'{form}' must be a non-empty object mapping MoE layer indices to lists of expert ids")
+        raise ConfigError(f"'{form}' must be a non-empty object mapping MoE layer indices to lists of expert ids")
     lists: dict[int, list[int]] = {}
     for key, ids in value.items():
         layer = layer_key(key, f"'{form}' layer")
         if layer in lists:
-            raise ValueError(f"MoE layer {layer} is listed twice in '{form}'")
+            raise ConfigError(f"MoE layer {layer} is listed twice in '{form}'")
         lists[layer] = _id_list(ids, f"MoE layer {layer}")
     return lists

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moectl.errors import ConfigError
 from moectl.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def policy_class(policy_type: Any) -> type[PolicyConfig]:
     if isinstance(policy_type, str) and policy_type not in _REGISTRY and policy_type in _PROVIDERS:
         importlib.import_module(_PROVIDERS[policy_type])
     if not isinstance(policy_type, str) or policy_type not in _REGISTRY:
-        raise ValueError(f"unknown policy type {policy_type!r}; allowed: {', '.join(policy_types())}")
+        raise ConfigError(f"unknown policy type {policy_type!r}; allowed: {', '.join(policy_types())}")
     return _REGISTRY[policy_type]
 
 
@@ -110,9 +111,9 @@ def check_version(data: Mapping[str, Any], cls: type[PolicyConfig]) -> None:
     """Refuse a ``format_version`` newer than this moectl reads (absent: written before versions existed)."""
     version = data.get("format_version", 1)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ValueError(f"format_version must be an integer >= 1, got {version!r}")
+        raise ConfigError(f"format_version must be an integer >= 1, got {version!r}")
     if version > cls.format_version:
-        raise ValueError(
+        raise ConfigError(
             f"a {cls.policy_type!r} policy of format_version {version} was written by a newer moectl; "
             f"this one reads format_version <= {cls.format_version}"
         )
@@ -121,11 +122,11 @@ def check_version(data: Mapping[str, Any], cls: type[PolicyConfig]) -> None:
 def layer_key(key: Any, what: str = "layer") -> int:
     """A MoE layer index from a JSON key ("0", 0); ValueError otherwise."""
     if isinstance(key, bool):
-        raise ValueError(f"{what} key {key!r} is not an integer MoE layer index")
+        raise ConfigError(f"{what} key {key!r} is not an integer MoE layer index")
     try:
         return int(key)
     except (TypeError, ValueError):
-        raise ValueError(f"{what} key {key!r} is not an integer MoE layer index") from None
+        raise ConfigError(f"{what} key {key!r} is not an integer MoE layer index") from None
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:

@@ -41,6 +41,7 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.routing.legacy import check_subset_layers, normalise
 from moectl.routing.policy_config import PolicyConfig, check_version, policy_class
 from moectl.routing.protocols import MergingPolicy, RoutingPolicy, RoutingSource
@@ -69,7 +70,7 @@ def routing_policies(
         if isinstance(item, (list, tuple)):
             out += routing_policies(item, model, info)
         elif isinstance(item, PolicyConfig) and item.policy_type == "roe":
-            raise ValueError(
+            raise ConfigError(
                 "a RoE config is an ensemble of K routings (RoE §2.3), not one routing policy: use "
                 "moectl.roe.score / moectl.roe.generate, or `moectl eval --roe`"
             )
@@ -104,7 +105,7 @@ def _target(model_or_info: Any) -> tuple[nn.Module | None, ModelInfo | None]:
 def _load(spec: Any, model, info, base: Path | None, where: str | None) -> Any:
     if isinstance(spec, (list, tuple)):
         if not spec:
-            raise ValueError(f"{where or 'policy'}: the policy list is empty")
+            raise ConfigError(f"{where or 'policy'}: the policy list is empty")
         return [_load(s, model, info, base, f"{where or 'policy'} [{i}]") for i, s in enumerate(spec)]
     if isinstance(spec, Mapping):
         return _from_dict(spec, model, info, base, where)
@@ -130,22 +131,22 @@ def _from_dict(data: Mapping[str, Any], model, info, base: Path | None, where: s
     except ValueError as err:
         if where is None:
             raise
-        raise ValueError(f"{where}: {err}") from None
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def read_policy_json(path: Path) -> Any:
     """The JSON value of the policy file ``path``; errors name the file (``FileNotFoundError`` /
     ``ValueError``)."""
     if not path.exists():
-        raise FileNotFoundError(f"policy file {path} does not exist")
+        raise MoectlFileError(f"policy file {path} does not exist")
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not valid JSON (not UTF-8 text)") from None
+        raise FileFormatError(f"{path}: not valid JSON (not UTF-8 text)") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise FileFormatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     except RecursionError:
-        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
+        raise FileFormatError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
 # what a malformed field raises deep inside a policy's reader (a wrong JSON type where a number,
@@ -155,20 +156,20 @@ _MALFORMED = (TypeError, KeyError, IndexError, AttributeError, OverflowError, Ru
 
 def _from_path(path: Path, model, info) -> Any:
     if not path.exists():
-        raise FileNotFoundError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
+        raise MoectlFileError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
     try:
         if path.is_dir():
             return _from_folder(path, model, info)
         data = read_policy_json(path)
         check_subset_layers(data, info, path)
         if not isinstance(data, (Mapping, list)):
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: a policy file holds a JSON object (or a list of them), got {json.dumps(data)[:40]}"
             )
         return _load(data, model, info, path.parent, str(path))
     except _MALFORMED as err:
         detail = " ".join(str(err).split()) or type(err).__name__
-        raise ValueError(
+        raise ConfigError(
             f"{path}: not a policy moectl can read ({type(err).__name__}: {detail[:200]}); "
             "see moectl.load_policy for the forms a policy file takes"
         ) from err
@@ -181,7 +182,7 @@ def _from_folder(path: Path, model, info) -> Any:
         return _from_dict({"type": "controller", "path": str(path)}, model, info, None, str(path))
     if (path / "moectl_subset.json").exists():
         return _from_path(path / "moectl_subset.json", model, info)
-    raise ValueError(
+    raise ConfigError(
         f"{path}: a folder with no policy in it; expected policy.json, a controller (controller.json, as "
         "`moectl options train` writes, in it or in its final/) or an exported subset's moectl_subset.json"
     )
@@ -195,19 +196,19 @@ def _from_string(spec: str, model, info) -> Any:
         try:
             k_hat = int(arg)
         except ValueError:
-            raise ValueError(f"policy {spec!r}: option needs an integer k-hat, as option:8") from None
+            raise ConfigError(f"policy {spec!r}: option needs an integer k-hat, as option:8") from None
         return policy_class("option").from_dict({"type": "option", "k_hat": k_hat}, info)
     if sep and kind == "static":
         path = Path(arg)
         if not path.is_file():
-            raise FileNotFoundError(f"policy {spec!r}: subset file {path} does not exist")
+            raise MoectlFileError(f"policy {spec!r}: subset file {path} does not exist")
         data = read_policy_json(path)
         if not isinstance(data, Mapping):
-            raise ValueError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
+            raise ConfigError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
         check_subset_layers(data, info, path)
         data = normalise(data)
         if data["type"] not in ("expert_mask", "static"):
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: static:FILE needs an expert mask (a subset file), got type {data['type']!r}"
             )
         return _from_dict({**data, "type": "static"}, model, info, path.parent, str(path))
@@ -216,7 +217,7 @@ def _from_string(spec: str, model, info) -> Any:
         found = folder.is_file() or any((folder / sub / "controller.json").exists() for sub in ("", "final"))
         policy = _from_path(folder, model, info) if found else None
         if not isinstance(policy, PolicyConfig) or policy.policy_type != "controller":
-            raise ValueError(
+            raise ConfigError(
                 f"policy {spec!r}: {arg} is not a controller folder (needs controller.json and "
                 "controller.safetensors, as `moectl options train` writes)"
             )
@@ -225,5 +226,5 @@ def _from_string(spec: str, model, info) -> Any:
     if path.exists():
         return _from_path(path, model, info)
     if path.suffix == ".json" or os.sep in spec:
-        raise FileNotFoundError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
-    raise ValueError(f"unknown policy {spec!r}: give a policy JSON file, a folder, or one of {SHORT_FORMS}")
+        raise MoectlFileError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
+    raise ConfigError(f"unknown policy {spec!r}: give a policy JSON file, a folder, or one of {SHORT_FORMS}")

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import RouterRule
+from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, register_policy
 from moectl.routing.routing_state import RoutingState
 
@@ -111,7 +112,7 @@ class DocumentPool(PolicyConfig):
         """``d`` is one pool size, or a [B, T] tensor of per-token sizes (constant within a document,
         as EMO §3.3 samples d ~ U{k, ..., n_r} per document: see ``sample_pool_sizes``)."""
         if mode not in ("causal", "full"):
-            raise ValueError(f"DocumentPool mode must be 'causal' or 'full', got {mode!r}")
+            raise ConfigError(f"DocumentPool mode must be 'causal' or 'full', got {mode!r}")
         self.d = d if isinstance(d, Tensor) else int(d)
         self.mode: PoolMode = mode
         self.doc_ids = doc_ids
@@ -124,7 +125,7 @@ class DocumentPool(PolicyConfig):
     # -- config -------------------------------------------------------------------------------
     def config_fields(self) -> dict[str, Any]:
         if isinstance(self.d, Tensor) or self.doc_ids is not None:
-            raise ValueError(
+            raise ConfigError(
                 "DocumentPool: a per-token d tensor or doc_ids describe one batch, not a policy file; "
                 "only DocumentPool(d: int, mode) is written"
             )
@@ -136,7 +137,7 @@ class DocumentPool(PolicyConfig):
     ) -> DocumentPool:
         d = data.get("d")
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise ValueError(f"a document_pool needs 'd', the pool size (an integer >= 1), got {d!r}")
+            raise ConfigError(f"a document_pool needs 'd', the pool size (an integer >= 1), got {d!r}")
         return cls(d, mode=data.get("mode", "causal"))
 
     # -- policy ---------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ class DocumentPool(PolicyConfig):
                 groups = (
                     f", the router keeps {rule.topk_group} of {rule.n_group} expert groups" if rule.grouped else ""
                 )
-                raise ValueError(
+                raise ConfigError(
                     f"DocumentPool: pool size d={self.d if lo == hi else f'{lo}..{hi}'} must satisfy {what}; "
                     f"MoE layer {layer.index} has top-k={layer.top_k}, E={layer.num_experts}{groups} "
                     f"(allowed d: {layer.top_k}..{top})"
@@ -169,11 +170,11 @@ class DocumentPool(PolicyConfig):
         doc_ids = self.doc_ids
         if doc_ids is not None:
             if ctx.offset > 0:
-                raise ValueError(
+                raise ConfigError(
                     "DocumentPool with doc_ids covers one forward over packed rows, not decoding steps"
                 )
             if doc_ids.shape != p.shape[:2]:
-                raise ValueError(
+                raise ConfigError(
                     f"DocumentPool: doc_ids shape {tuple(doc_ids.shape)} != batch shape {tuple(p.shape[:2])}"
                 )
             doc_ids = doc_ids.to(p.device)
@@ -191,7 +192,7 @@ class DocumentPool(PolicyConfig):
             mean = group_limited(mean, state.rule)
         if isinstance(self.d, Tensor):
             if self.d.shape != mean.shape[:2]:
-                raise ValueError(
+                raise ConfigError(
                     f"DocumentPool: per-token d has shape {tuple(self.d.shape)}, batch is {tuple(mean.shape[:2])}"
                 )
             rank = mean.argsort(-1, descending=True).argsort(-1)
@@ -206,6 +207,6 @@ class DocumentPool(PolicyConfig):
 def sample_pool_sizes(doc_ids: Tensor, k: int, n_r: int, generator: torch.Generator | None = None) -> Tensor:
     """Per-token pool sizes with d ~ U{k, ..., n_r} drawn once per document (EMO §3.3, A.2)."""
     if not 1 <= k <= n_r:
-        raise ValueError(f"pool sizes need 1 <= k <= n_r, got k={k}, n_r={n_r}")
+        raise ConfigError(f"pool sizes need 1 <= k <= n_r, got k={k}, n_r={n_r}")
     draws = torch.randint(k, n_r + 1, doc_ids.shape, generator=generator, device="cpu").to(doc_ids.device)
     return draws.gather(1, segment_starts(doc_ids))

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from moectl.errors import FileFormatError, MoectlFileError
 from moectl.io.atomic import atomic_path
 
 
@@ -214,21 +215,21 @@ class RoutingTrace:
         """Read a trace ``save`` wrote; a damaged one raises ``ValueError`` naming the file."""
         path = Path(path).with_suffix(".safetensors")
         if not path.exists():
-            raise FileNotFoundError(f"no trace at {path}")
+            raise MoectlFileError(f"no trace at {path}")
         meta_path = path.with_suffix(".json")
         if not meta_path.exists():
-            raise FileNotFoundError(f"no trace metadata at {meta_path} (a trace is a .safetensors and a .json)")
+            raise MoectlFileError(f"no trace metadata at {meta_path} (a trace is a .safetensors and a .json)")
         try:
             meta = json.loads(meta_path.read_bytes().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-            raise ValueError(f"{meta_path}: not valid JSON ({type(err).__name__})") from None
+            raise FileFormatError(f"{meta_path}: not valid JSON ({type(err).__name__})") from None
         n = meta.get("num_layers") if isinstance(meta, dict) else None
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{meta_path}: a trace's metadata needs 'num_layers', an integer >= 0")
+            raise FileFormatError(f"{meta_path}: a trace's metadata needs 'num_layers', an integer >= 0")
         try:
             tensors = load_file(str(path))
         except Exception as err:  # safetensors raises its own error types on a damaged file
-            raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(err).split())[:200]})") from None
+            raise FileFormatError(f"{path}: not a readable safetensors file ({' '.join(str(err).split())[:200]})") from None
         _check_trace_tensors(path, tensors, n)
         trace = cls(n, meta.get("meta"))
         cache: dict[str, Any] = {"valid": tensors["valid"], "prompt_len": tensors["prompt_len"]}
@@ -244,19 +245,19 @@ def _check_trace_tensors(path: Path, tensors: dict[str, Tensor], num_layers: int
     ``probs.L`` / ``chosen.L`` / ``allowed.L`` [B, T, ...] for MoE layers L < num_layers."""
     valid, prompt_len = tensors.get("valid"), tensors.get("prompt_len")
     if valid is None or prompt_len is None or valid.dim() != 2 or tuple(prompt_len.shape) != valid.shape[:1]:
-        raise ValueError(f"{path}: not a routing trace (needs 'valid' [B, T] and 'prompt_len' [B])")
+        raise FileFormatError(f"{path}: not a routing trace (needs 'valid' [B, T] and 'prompt_len' [B])")
     b, t = valid.shape
     for key, value in tensors.items():
         if key in ("valid", "prompt_len"):
             continue
         what, _, layer = key.partition(".")
         if what not in ("probs", "chosen", "allowed") or not layer.isdigit() or int(layer) >= num_layers:
-            raise ValueError(
+            raise FileFormatError(
                 f"{path}: unexpected tensor {key!r}; a trace holds valid, prompt_len and "
                 f"probs.L / chosen.L / allowed.L for MoE layers L in 0..{num_layers - 1}"
             )
         if value.dim() != 3 or tuple(value.shape[:2]) != (b, t):
-            raise ValueError(f"{path}: tensor {key} is {list(value.shape)}, expected [{b}, {t}, ...]")
+            raise FileFormatError(f"{path}: tensor {key} is {list(value.shape)}, expected [{b}, {t}, ...]")
 
 
 def _to_host(tensors: list[Tensor]) -> list[Tensor]:

@@ -14,6 +14,8 @@ import signal
 import threading
 from typing import Any
 
+from moectl.errors import UnavailableError
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -33,4 +35,4 @@ def serve(app: Any, host: str, port: int, log_level: str = "info") -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not server.started:
-        raise OSError(f"the server on {host}:{port} did not start (the log above says why)")
+        raise UnavailableError(f"the server on {host}:{port} did not start (the log above says why)")

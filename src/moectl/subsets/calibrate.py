@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.routing import ExpertMask, route
 from moectl.routing.routing_state import RoutingState
 from moectl.subsets.stats import LayerStats
@@ -35,7 +36,7 @@ from moectl.subsets.stats import LayerStats
 def tokenize(tokenizer, texts: Sequence[str], max_length: int | None = None) -> dict[str, Tensor]:
     """Left-padded ``input_ids`` and ``attention_mask`` for ``texts`` (truncated to ``max_length``)."""
     if not texts:
-        raise ValueError("the calibration set is empty: give at least one text")
+        raise ConfigError("the calibration set is empty: give at least one text")
     # verbose=False: documents longer than model_max_length are expected here (cut to max_length below)
     batch = tokenizer(list(texts), return_tensors="pt", padding=True, verbose=False)
     ids, mask = batch["input_ids"], batch["attention_mask"]

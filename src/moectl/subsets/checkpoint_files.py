@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import FileFormatError, MoectlFileError, OutputExistsError
 from moectl.subsets.export import METADATA
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -16,7 +17,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse an existing ``out`` unless ``overwrite``."""
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
 
 
 def subset_metadata(path: Path) -> dict:
@@ -27,7 +28,7 @@ def subset_metadata(path: Path) -> dict:
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
+        raise FileFormatError(f"{file}: not valid JSON ({err})") from None
 
 
 def has_tokenizer(path: Path) -> bool:
@@ -45,13 +46,13 @@ def load_tokenizer(spec: str, tokenizer: str | None, metadata: dict) -> tuple[An
     if tokenizer is None and Path(spec).is_dir() and not has_tokenizer(Path(spec)):
         if str(metadata.get("model", "")).startswith("tiny:"):
             return ByteTokenizer(), f"{spec} is an export of {metadata['model']}: using its byte tokenizer"
-        raise OSError(f"{spec} has no tokenizer files; pass --tokenizer PATH (or 'bytes' for tiny models)")
+        raise MoectlFileError(f"{spec} has no tokenizer files; pass --tokenizer PATH (or 'bytes' for tiny models)")
     from transformers import AutoTokenizer
 
     try:
         loaded = AutoTokenizer.from_pretrained(tokenizer or spec)
     except (OSError, ValueError) as err:
-        raise OSError(f"no tokenizer loads from {tokenizer or spec} ({err}); pass --tokenizer PATH") from None
+        raise MoectlFileError(f"no tokenizer loads from {tokenizer or spec} ({err}); pass --tokenizer PATH") from None
     if getattr(loaded, "pad_token_id", None) is None:
         loaded.pad_token = loaded.eos_token
     return loaded, None

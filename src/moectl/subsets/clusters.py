@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moectl.errors import ConfigError
 from moectl.routing import route
 
 
@@ -104,7 +105,7 @@ def cluster_tokens(
 ) -> TokenClusters:  # fmt: skip
     """EMO §5.3 token clustering of ``texts``."""
     if not texts:
-        raise ValueError("no documents to cluster")
+        raise ConfigError("no documents to cluster")
     features, doc_ids, token_ids = routing_features(model, tokenizer, texts, first)
     projected = pca(features, variance)
     labels = spherical_kmeans(projected, clusters, seed)

@@ -17,6 +17,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
+from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir
 from moectl.subsets.card import write_subset_card
 
@@ -109,5 +110,5 @@ def check_out_dir(out_dir: str | Path) -> Path:
     existing checkpoint (its shards would mix with the new ones) or into the folder it reads."""
     out_dir = Path(out_dir).expanduser()
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir} exists and is not an empty folder: give a new --out folder")
+        raise ConfigError(f"{out_dir} exists and is not an empty folder: give a new --out folder")
     return out_dir

@@ -39,6 +39,7 @@ from torch import Tensor
 from moectl.adapters.inspect import inspect
 from moectl.adapters.linear_gate import GateRouter
 from moectl.adapters.slicing import EXPERT_COUNT_KEYS, check_keep, per_expert_tensors
+from moectl.errors import FileFormatError
 from moectl.io.atomic import atomic_dir, default_mode
 from moectl.io.range_read import RangeReader
 from moectl.io.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
@@ -62,7 +63,7 @@ class _Action:
 def _renumber(key: str, old: int, new: int) -> str:
     pattern = re.compile(rf"(\.experts\.){old}(\.)")
     if not pattern.search(key):
-        raise ValueError(f"{key}: a per-expert tensor whose name does not hold '.experts.{old}.'")
+        raise FileFormatError(f"{key}: a per-expert tensor whose name does not hold '.experts.{old}.'")
     return pattern.sub(rf"\g<1>{new}\g<2>", key, count=1)
 
 
@@ -75,7 +76,7 @@ def plan_actions(
     info = inspect(meta)
     for layer in info.layers:
         if isinstance(layer.router, GateRouter):
-            raise ValueError(
+            raise FileFormatError(
                 f"MoE layer {layer.index} ({layer.adapter.family}) holds its experts as a list of modules: "
                 "export it from a loaded model (moectl subset export without streaming)"
             )
@@ -88,7 +89,7 @@ def plan_actions(
         if source.entry is not None:  # one checkpoint tensor holds every expert: slice it
             shape, n = source.entry.shape, info.layers[tensor.layer].num_experts
             if len(shape) <= tensor.dim or shape[tensor.dim] != n:
-                raise ValueError(
+                raise FileFormatError(
                     f"{source.entry.key}: {list(shape)} has no dimension {tensor.dim} of {n} experts"
                 )
             actions[source.entry.key] = _Action(source.entry.key, tensor.dim, tuple(ids))
@@ -126,7 +127,7 @@ def _config(folder: Path, out: Path, experts: int) -> None:
                 section[key] = experts
                 found = True
     if not found:
-        raise ValueError(f"{folder / 'config.json'} names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
+        raise FileFormatError(f"{folder / 'config.json'} names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.io.atomic import write_text_atomic
 from moectl.routing.policy_config import FORMAT_VERSION
 
@@ -76,45 +77,45 @@ def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"subset file {path} does not exist") from None
+        raise MoectlFileError(f"subset file {path} does not exist") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"subset file {path}: not valid JSON ({err})") from None
+        raise FileFormatError(f"subset file {path}: not valid JSON ({err})") from None
     if isinstance(data, dict) and data.get("type", "expert_mask") != "expert_mask":
-        raise ValueError(f"subset file {path}: a policy of type {data['type']!r}, not an expert_mask")
+        raise FileFormatError(f"subset file {path}: a policy of type {data['type']!r}, not an expert_mask")
     if isinstance(data, dict) and "keep" not in data and "experts" in data:  # a policy file's spelling
         data = {**data, "keep": data["experts"]}
     if isinstance(data, dict) and "keep" not in data and "everywhere" in data and info is not None:
         data = {**data, "keep": {str(layer.index): data["everywhere"] for layer in info.layers}}
     if not isinstance(data, dict) or not isinstance(data.get("keep"), dict) or not data["keep"]:
-        raise ValueError(f'subset file {path}: needs a "keep" object mapping MoE layer -> list of expert ids')
+        raise FileFormatError(f'subset file {path}: needs a "keep" object mapping MoE layer -> list of expert ids')
     keep: dict[int, list[int]] = {}
     for key, ids in data["keep"].items():
         try:
             layer = int(key)
         except ValueError:
-            raise ValueError(
+            raise FileFormatError(
                 f"subset file {path}: layer key {key!r} is not an integer MoE layer index"
             ) from None
         if layer in keep:
-            raise ValueError(f"subset file {path}: MoE layer {layer} is listed twice")
+            raise FileFormatError(f"subset file {path}: MoE layer {layer} is listed twice")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(
+            raise FileFormatError(
                 f"subset file {path}: MoE layer {layer}: keep must be a list of integer expert ids"
             )
         if len(set(ids)) != len(ids):
             dupes = sorted({i for i in ids if ids.count(i) > 1})
-            raise ValueError(f"subset file {path}: MoE layer {layer}: duplicate experts {dupes}")
+            raise FileFormatError(f"subset file {path}: MoE layer {layer}: duplicate experts {dupes}")
         if any(i < 0 for i in ids):
-            raise ValueError(f"subset file {path}: MoE layer {layer}: negative expert ids in {ids}")
+            raise FileFormatError(f"subset file {path}: MoE layer {layer}: negative expert ids in {ids}")
         keep[layer] = sorted(ids)
     if info is not None:
         try:
             keep = check_keep(info, keep)
         except ValueError as err:
-            raise ValueError(f"subset file {path} does not fit the model: {err}") from None
+            raise ConfigError(f"subset file {path} does not fit the model: {err}") from None
     calibration = data.get("calibration") or {}
     if not isinstance(calibration, dict):
-        raise ValueError(f'subset file {path}: "calibration" must be an object')
+        raise FileFormatError(f'subset file {path}: "calibration" must be an object')
     n = data.get("num_experts")
     return SubsetFile(
         keep, data.get("model"), data.get("method"), calibration, n if isinstance(n, int) else None

@@ -39,6 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from torch import Tensor, nn
 
 from moectl.distributed import Ranks, check_divides, ranks
+from moectl.errors import ConfigError
 from moectl.subsets.finetune_data import Example, as_example, collate, encode_example, targets
 from moectl.train.checkpoint import write_dir_atomic
 from moectl.train.master_weights import MasterWeights
@@ -68,23 +69,23 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
-            raise ValueError(f"epochs must be at least 1, got {self.epochs}")
+            raise ConfigError(f"epochs must be at least 1, got {self.epochs}")
         if not self.lr > 0:
-            raise ValueError(f"the learning rate must be positive, got {self.lr}")
+            raise ConfigError(f"the learning rate must be positive, got {self.lr}")
         if not 1 <= self.micro_batch_size <= self.batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"need 1 <= micro batch size <= batch size, got {self.micro_batch_size} and {self.batch_size}"
             )
         if self.max_length < 2:
-            raise ValueError(f"max length must be at least 2 tokens, got {self.max_length}")
+            raise ConfigError(f"max length must be at least 2 tokens, got {self.max_length}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup ratio must lie in [0, 1), got {self.warmup_ratio}")
+            raise ConfigError(f"warmup ratio must lie in [0, 1), got {self.warmup_ratio}")
         if self.lora is not None and self.lora < 1:
-            raise ValueError(f"LoRA rank must be at least 1, got {self.lora}")
+            raise ConfigError(f"LoRA rank must be at least 1, got {self.lora}")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max steps must be at least 1, got {self.max_steps}")
+            raise ConfigError(f"max steps must be at least 1, got {self.max_steps}")
 
 
 def finetune_subset(
@@ -112,7 +113,7 @@ def finetune_subset(
     encoded = [encode_example(tokenizer, ex, config.max_length) for ex in rows]
     usable = [e for e in encoded if targets(e[1]) > 0]
     if not usable:
-        raise ValueError("no example has an output token to train on (after the prompt, within max length)")
+        raise ConfigError("no example has an output token to train on (after the prompt, within max length)")
     pad_id = getattr(tokenizer, "pad_token_id", None)
     pad_id = int(getattr(tokenizer, "eos_token_id", None) or 0) if pad_id is None else int(pad_id)
     per_epoch = math.ceil(len(usable) / config.batch_size)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from moectl.data.jsonl import iter_jsonl_rows
+from moectl.errors import FileFormatError
 
 IGNORE = -100  # label of a position without loss (prompt, padding): PyTorch's cross-entropy default
 
@@ -38,23 +39,23 @@ def as_example(row: Example | Mapping | str, where: str = "example") -> Example:
     if isinstance(row, str):
         row = {"text": row}
     if not isinstance(row, Mapping):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise FileFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
     answers = [key for key in ("response", "completion") if key in row]
     if "prompt" in row or answers:
         if "text" in row:
-            raise ValueError(f'{where}: give either "text" or "prompt" + "response", not both')
+            raise FileFormatError(f'{where}: give either "text" or "prompt" + "response", not both')
         if len(answers) != 1:
-            raise ValueError(f'{where}: a "prompt" needs exactly one of "response" or "completion"')
+            raise FileFormatError(f'{where}: a "prompt" needs exactly one of "response" or "completion"')
         prompt, response = row.get("prompt"), row[answers[0]]
         if not isinstance(prompt, str) or not isinstance(response, str):
-            raise ValueError(f'{where}: "prompt" and "{answers[0]}" must both be strings')
+            raise FileFormatError(f'{where}: "prompt" and "{answers[0]}" must both be strings')
         if not response.strip():
-            raise ValueError(f'{where}: empty "{answers[0]}": nothing to train on')
+            raise FileFormatError(f'{where}: empty "{answers[0]}": nothing to train on')
         return Example(prompt, response)
     if not isinstance(row.get("text"), str):
-        raise ValueError(f'{where}: each line needs a string "text", or "prompt" and "response"/"completion"')
+        raise FileFormatError(f'{where}: each line needs a string "text", or "prompt" and "response"/"completion"')
     if not row["text"].strip():
-        raise ValueError(f'{where}: empty "text": nothing to train on')
+        raise FileFormatError(f'{where}: empty "text": nothing to train on')
     return Example("", row["text"])
 
 
@@ -64,7 +65,7 @@ def read_examples(path: str | Path, limit: int | None = None) -> list[Example]:
     rows = islice(iter_jsonl_rows(path), limit)
     examples = [as_example(row, f"{path}:{number}") for number, row in rows]
     if not examples:
-        raise ValueError(f"{path}: no examples")
+        raise FileFormatError(f"{path}: no examples")
     return examples
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.routing import ExpertMask, route
 from moectl.subsets.calibrate import tokenize
 
@@ -26,7 +27,7 @@ def block_mask(info: ModelInfo, keep: Mapping[int, Sequence[int]]) -> ExpertMask
         layer = info.layer(int(index))
         rest = [e for e in range(layer.num_experts) if e not in set(ids)]
         if len(rest) < layer.top_k:
-            raise ValueError(
+            raise ConfigError(
                 f"MoE layer {index}: blocking {len(ids)} experts leaves {len(rest)}, fewer than top-k = "
                 f"{layer.top_k}"
             )
@@ -44,7 +45,7 @@ def mean_loss(model: nn.Module, tokenizer, texts: Sequence[str], policies=(), ma
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
     targets = mask[:, :-1].bool() & mask[:, 1:].bool()
     if not bool(targets.any()):
-        raise ValueError("no text has two or more tokens: nothing to predict")
+        raise ConfigError("no text has two or more tokens: nothing to predict")
     nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
     return float(nll[targets].mean())
 

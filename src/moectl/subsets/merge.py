@@ -25,6 +25,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, per_expert_tensors, write_experts
+from moectl.errors import ConfigError
 from moectl.train.checkpoint import write_dir_atomic
 
 METADATA = "moectl_merge.json"
@@ -76,10 +77,10 @@ def _copy_shared(model: nn.Module, subset_model: nn.Module, expert_names: set[st
         if name in expert_names:
             continue
         if name not in source:
-            raise ValueError(f"--all-weights: the subset model has no tensor {name}")
+            raise ConfigError(f"--all-weights: the subset model has no tensor {name}")
         value = source[name].to(target.device, target.dtype)
         if value.shape != target.shape:
-            raise ValueError(
+            raise ConfigError(
                 f"--all-weights: {name} is {list(value.shape)} in the subset model, {list(target.shape)} "
                 "in the full model"
             )

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from moectl.adapters.inspect import MoELayer
+from moectl.errors import ConfigError
 from moectl.subsets.experts import expert_output, routed_output, router_logits, select
 
 
@@ -143,7 +144,7 @@ def _input_projection(layer: MoELayer, hidden: int) -> Tensor:
         )
     dim = 1 if _transposed(layer) else 2
     if not isinstance(weight, Tensor) or weight.dim() != 3 or weight.shape[dim] != hidden:
-        raise ValueError(
+        raise ConfigError(
             f"MoE layer {layer.index}: wanda needs 3-D fused expert weights gate_up_proj [E, ., {hidden}]; "
             f"{type(experts).__name__} has none"
         )

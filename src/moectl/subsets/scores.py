@@ -10,18 +10,19 @@ import torch
 from torch import Tensor
 
 from moectl.adapters.inspect import MoELayer
+from moectl.errors import ConfigError
 
 
 def check_k(layer: MoELayer, k: int) -> None:
     """Refuse a subset size the layer cannot keep, naming the constraint."""
     if not layer.top_k <= k <= layer.num_experts:
-        raise ValueError(
+        raise ConfigError(
             f"MoE layer {layer.index}: cannot keep {k} experts; choose top-k = {layer.top_k} <= k <= "
             f"{layer.num_experts} experts"
         )
     groups = layer.rule.n_group
     if groups > 1 and (k % groups or k // groups < 2):
-        raise ValueError(
+        raise ConfigError(
             f"MoE layer {layer.index}: the router has {groups} expert groups; k must be a multiple of "
             f"{groups} with at least 2 experts per group, got k = {k}"
         )

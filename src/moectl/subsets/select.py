@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
+from moectl.errors import ConfigError
 from moectl.subsets import methods
 from moectl.subsets.calibrate import LayerInputs, collect
 from moectl.subsets.reconstruction import reconstruction_keep
@@ -38,7 +39,7 @@ def method_name(name: str) -> str:
     """Canonical method name (``easy-ep`` → ``easy_ep``); ValueError listing the choices."""
     canonical = name.strip().lower().replace("-", "_")
     if canonical not in METHODS:
-        raise ValueError(f"unknown selection method {name!r}; choose one of: {', '.join(METHODS)}")
+        raise ConfigError(f"unknown selection method {name!r}; choose one of: {', '.join(METHODS)}")
     return canonical
 
 
@@ -83,7 +84,7 @@ def select_subset(
     for layer in info.layers:
         check_k(layer, k)
     if attention_mask is not None and not bool(attention_mask.bool().any()):
-        raise ValueError("the calibration batch has no real tokens (attention_mask is all zero)")
+        raise ConfigError("the calibration batch has no real tokens (attention_mask is all zero)")
     needs = NEEDS[method]
     options = {"batch_size": batch_size, "max_tokens": max_tokens, "seed": seed}
     keep: dict[int, list[int]] = {}

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.metrics.effective_experts import effective_number
 from moectl.progress import progress_bar
 from moectl.routing import route
@@ -48,7 +49,7 @@ def document_vectors_by_source(
     """:func:`document_vectors` for several ``sources`` from one forward pass per batch of
     ``batch_size`` documents: ``{source: {moe_layer: [[docs, E] per domain]}}``."""
     if unknown := [s for s in sources if s not in SOURCES]:
-        raise ValueError(f"source must be 'probs' or 'chosen', got {unknown[0]!r}")
+        raise ConfigError(f"source must be 'probs' or 'chosen', got {unknown[0]!r}")
     info = info or inspect(model)
     with progress_bar("routing documents", progress) as bar:
         task = bar.add_task("routing documents", total=sum(len(docs) for docs in texts.values()))
