@@ -88,6 +88,18 @@ def test_default_mode_never_changes_the_umask():
         os.umask(old)
 
 
+def test_shape_checkpoint_temporary_folder_reads_the_umask_without_setting_it(tmp_path):
+    from moectl.models.shape_checkpoint import _temporary_folder_beside
+
+    old = os.umask(0o027)
+    try:
+        with mock.patch.object(os, "umask", side_effect=AssertionError("os.umask was called")):
+            tmp = _temporary_folder_beside(tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert tmp.parent == tmp_path and tmp.stat().st_mode & 0o777 == 0o750
+
+
 def test_importing_the_lm_eval_backend_leaves_hf_hub_offline_alone():
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     code = "import os, moectl.eval.lm_backend; print(os.environ.get('HF_HUB_OFFLINE'))"

@@ -29,6 +29,7 @@ import torch
 from transformers import PretrainedConfig
 
 from moectl.errors import ConfigError, OutputExistsError, UnavailableError
+from moectl.io.atomic import default_mode
 from moectl.io.safetensors_index import DTYPES, INDEX, CheckpointIndex
 from moectl.models.shape_build import (
     build_from_config,
@@ -174,9 +175,9 @@ def _summary(
 def _temporary_folder_beside(out: Path) -> Path:
     """An empty folder next to ``out`` (same file system, so the final rename is atomic)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the checkpoint gets the usual mode
+    # mkdtemp makes it private; the checkpoint gets the usual mode, the umask read without setting it
+    # (os.umask(0) for a moment would race with other threads creating files)
+    tmp.chmod(default_mode(directory=True))
     return tmp
 
 
