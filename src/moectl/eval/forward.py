@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.eval.request_noise import keyed_policies, set_request_codes
 from moectl.metrics.switch_rate import switch_rate
 from moectl.roe.roe_config import RoEConfig
@@ -71,9 +72,9 @@ class BatchRouting:
 
     def __post_init__(self) -> None:
         if int(self.repeats) < 1:
-            raise ValueError(f"BatchRouting.repeats must be >= 1, got {self.repeats}")
+            raise ConfigError(f"BatchRouting.repeats must be >= 1, got {self.repeats}")
         if self.roe is not None and int(self.repeats) != 1:
-            raise ValueError("BatchRouting: give `repeats` (independent copies) or `roe`, not both")
+            raise ConfigError("BatchRouting: give `repeats` (independent copies) or `roe`, not both")
 
 
 RoutingPlan = Callable[[RequestBatch], BatchRouting]

@@ -112,7 +112,7 @@ class MoectlLM(LM):
         self._rank, self._world_size = self.processes.rank, self.processes.world
         given = [name for name, v in (("routing", routing), ("policies", policies), ("plan", plan)) if v]
         if len(given) > 1 or (given and any(v is not None for v in (policy, roe, controller))):
-            raise ValueError("give one routing: policy/roe/controller, routing, policies or plan")
+            raise ConfigError("give one routing: policy/roe/controller, routing, policies or plan")
         if isinstance(pretrained, str):
             check_routing_args(roe, controller, seed)  # a wrong flag fails before the model loads
             from moectl.models.load import load_model
@@ -125,7 +125,7 @@ class MoectlLM(LM):
             self.spec = pretrained
         else:
             if tokenizer is None:
-                raise ValueError("MoectlLM over a live model needs its tokenizer")
+                raise ConfigError("MoectlLM over a live model needs its tokenizer")
             model = pretrained
             self.spec = type(model).__name__
         self.model, self.tokenizer = model, tokenizer
@@ -264,7 +264,7 @@ class MoectlLM(LM):
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.spec}: the tokenizer has no chat template (--apply_chat_template needs one)"
             )
         return self.tokenizer.apply_chat_template(

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from moectl.errors import ConfigError
 from moectl.eval.intervals import wilson_interval
 from moectl.eval.results import metric
 from moectl.eval.set_cache import EvalSetMissingError, evals_dir, refetch_hint, split_path
@@ -65,7 +66,7 @@ def resolve_tasks(names: Sequence[str]) -> list[str]:
     configs = task_configs()
     unknown = [n for n in names if n not in configs]
     if unknown or not names:
-        raise ValueError(
+        raise ConfigError(
             f"unknown task(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(sorted(configs))}"
         )
     return list(dict.fromkeys(names))

@@ -9,6 +9,8 @@ the table's *Train+Val* + *Test* (e.g. biology 320 + 182 = 454 test + 48 validat
 
 from __future__ import annotations
 
+from moectl.errors import ConfigError
+
 # subject -> EMO category (lower case, spaces as underscores so they can name tasks)
 MMLU_CATEGORY: dict[str, str] = {
     "abstract_algebra": "math",
@@ -102,7 +104,7 @@ def category_of(subject: str) -> str:
     try:
         return MMLU_CATEGORY[subject]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown MMLU subject {subject!r}; valid subjects: {', '.join(sorted(MMLU_CATEGORY))}"
         ) from None
 
@@ -110,5 +112,5 @@ def category_of(subject: str) -> str:
 def subjects_of(category: str) -> list[str]:
     """The MMLU subjects of an EMO category."""
     if category not in MMLU_CATEGORIES:
-        raise ValueError(f"unknown MMLU category {category!r}; valid: {', '.join(MMLU_CATEGORIES)}")
+        raise ConfigError(f"unknown MMLU category {category!r}; valid: {', '.join(MMLU_CATEGORIES)}")
     return sorted(s for s, c in MMLU_CATEGORY.items() if c == category)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from moectl.errors import ConfigError
+
 MODEL_ARGS: dict[str, str] = {
     "pretrained": "tiny:FAMILY, shape:NAME, a checkpoint folder or a hub id (moectl.load)",
     "policy": "a policy file or folder, or a short form such as option:8 (moectl.load_policy)",
@@ -40,7 +42,7 @@ def from_items(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
             continue
         if key not in MODEL_ARGS:
             hint = " (RoE keys belong after roe=, e.g. roe=K=16,tau=0.3)" if key in ROE_KEYS else ""
-            raise ValueError(
+            raise ConfigError(
                 f"lm_eval --model moectl: unknown model_args key {key!r}{hint}; allowed: {_allowed()}"
             )
         args[key] = value
@@ -57,7 +59,7 @@ def parse(arg_string: str | None) -> dict[str, Any]:
             continue
         key, sep, value = part.partition("=")
         if not sep:
-            raise ValueError(f"lm_eval --model moectl: model_args needs key=value pairs, got {part!r}")
+            raise ConfigError(f"lm_eval --model moectl: model_args needs key=value pairs, got {part!r}")
         items.append((key, value.strip()))
     return from_items(items)
 
@@ -67,7 +69,7 @@ def _integer(key: str, value: Any, minimum: int) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         extra = " ('auto' is not supported: give a number)" if key == "batch_size" else ""
-        raise ValueError(
+        raise ConfigError(
             f"lm_eval --model moectl: {key} must be an integer >= {minimum}, got {value!r}{extra}"
         )
     return value
@@ -79,14 +81,14 @@ def normalise(args: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
     out = dict(from_items((k, v) for k, v in (defaults or {}).items() if v is not None and k not in args))
     out.update(from_items(args.items()))
     if not isinstance(out.get("pretrained"), str) or not out["pretrained"]:
-        raise ValueError(f"lm_eval --model moectl: model_args needs pretrained=MODEL; allowed: {_allowed()}")
+        raise ConfigError(f"lm_eval --model moectl: model_args needs pretrained=MODEL; allowed: {_allowed()}")
     for key, minimum in (("batch_size", 1), ("max_length", 2), ("seed", 0)):
         if out.get(key) is not None:
             out[key] = _integer(key, out[key], minimum)
     out.pop("max_batch_size", None)
     dtype = out.get("dtype", "auto")
     if dtype not in DTYPES:
-        raise ValueError(f"lm_eval --model moectl: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"lm_eval --model moectl: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     for key in ("policy", "roe", "controller", "device"):
         if key in out and out[key] is not None:
             out[key] = str(out[key])

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.eval.forward import RoutingPlan, SwitchStats
 from moectl.eval.intervals import mean_interval, wilson_interval
 from moectl.eval.results import metric
@@ -62,7 +63,7 @@ def mc_items(
         manager = TaskManager(include_path=str(render_tasks(cache, Path(tmp))), include_defaults=False)
         for name, obj in manager.load([task])["tasks"].items():
             if obj.get_config("output_type") != "multiple_choice":
-                raise ValueError(f"task {name!r} is {obj.get_config('output_type')}, not multiple_choice")
+                raise ConfigError(f"task {name!r} is {obj.get_config('output_type')}, not multiple_choice")
             if num_fewshot is not None:
                 obj.set_config(key="num_fewshot", value=num_fewshot)
             elif obj.get_config("num_fewshot") is None:
@@ -113,7 +114,7 @@ def evaluate_multiple_choice(
 ) -> dict[str, Any]:
     """Score ``items``; returns a task entry of the results schema (``acc``, ``acc_norm``)."""
     if not items:
-        raise ValueError("no multiple-choice items to evaluate")
+        raise ConfigError("no multiple-choice items to evaluate")
     pairs = [pair for item in items for pair in item.requests]
     stats = SwitchStats() if switch else None
     scored = score_pairs(

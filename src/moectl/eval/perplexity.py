@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.eval.forward import RoutingPlan, SwitchStats
 from moectl.eval.intervals import DEFAULT_SEED, bootstrap_interval, perplexity_interval
 from moectl.eval.results import metric
@@ -53,34 +54,39 @@ def read_corpus(path: str | os.PathLike, split: str = "test", limit: int | None 
         candidates = [path / f"{split}.jsonl", path / f"{split}.jsonl.gz"]
         found = [c for c in candidates if c.exists()]
         if not found:
-            raise FileNotFoundError(
+            raise MoectlFileError(
                 f"corpus folder {path} has no {split}.jsonl or {split}.jsonl.gz; "
                 "pass a JSONL file or a folder with that split (--split)"
             )
         path = found[0]
     if not path.exists():
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"corpus {path} does not exist (expected a .jsonl/.jsonl.gz file or a corpus folder)"
         )
     opener = gzip.open if path.suffix == ".gz" else open
     docs = []
     taken: dict[str, int] = defaultdict(int)  # documents kept per domain
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for n, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f"{path}:{n}: each line needs a string field 'text' (and optional 'domain')")
-            domain = str(row.get("domain", "all"))
-            if row["text"] and (limit is None or taken[domain] < limit):
-                docs.append(Document(row["text"], domain))
-                taken[domain] += 1
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for n, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise FileFormatError(f"{path}:{n}: not valid JSON ({err.msg})") from err
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise FileFormatError(f"{path}:{n}: each line needs a string field 'text' (and optional 'domain')")
+                domain = str(row.get("domain", "all"))
+                if row["text"] and (limit is None or taken[domain] < limit):
+                    docs.append(Document(row["text"], domain))
+                    taken[domain] += 1
+    except UnicodeDecodeError as err:  # a binary file, or another encoding
+        raise FileFormatError(f"{path}: not UTF-8 text ({err.reason})") from err
+    except (EOFError, gzip.BadGzipFile) as err:  # a truncated or mislabelled .gz
+        raise FileFormatError(f"{path}: not a complete gzip file ({err})") from err
     if not docs:
-        raise ValueError(f"{path} holds no documents with text")
+        raise FileFormatError(f"{path} holds no documents with text")
     return docs
 
 
@@ -98,7 +104,7 @@ def document_nll(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Summed negative log-likelihood and scored-token count per document."""
     if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
+        raise ConfigError(f"max_length must be >= 2, got {max_length}")
     windows: list[Request] = []
     owner: list[int] = []
     for d, doc in enumerate(docs):

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.eval.forward import RoutingPlan, static_plan
 from moectl.roe.roe_config import RoEConfig, parse_roe_spec
 from moectl.routing import ExpertMask, load_policy
@@ -41,7 +42,7 @@ def policy_from_dict(spec: dict[str, Any], info: ModelInfo, where: str = "policy
     try:
         return load_policy(spec, info)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def load_policies(path: str | os.PathLike, info: ModelInfo) -> tuple[list[Policy], list[dict[str, Any]]]:
@@ -58,7 +59,7 @@ def bind_all(policies: list[Policy], info: ModelInfo, where: Any) -> list[Policy
         try:
             policy.bind(info)
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise ConfigError(f"{where}: {err}") from None
     return policies
 
 
@@ -77,7 +78,7 @@ def evaluation_routing(
         kind = policy.policy_type if isinstance(policy, PolicyConfig) else None
         if kind == "roe":
             if roe is not None:
-                raise ValueError(f"{where}: a RoE config is given twice (--roe and --policy); give one")
+                raise ConfigError(f"{where}: a RoE config is given twice (--roe and --policy); give one")
             roe = policy.with_(seed=seed)
             continue
         if kind == "controller":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import ConfigError
 from moectl.eval.results import load_results
 
 
@@ -131,7 +132,7 @@ def report(
 ) -> dict[str, Any]:
     """Read results files, write the Markdown table and the plot; return both and the rows."""
     if not paths:
-        raise ValueError("no results files given")
+        raise ConfigError("no results files given")
     docs = [load_results(p) for p in paths]
     table = markdown_table(docs, tasks)
     out: dict[str, Any] = {"markdown": table, "files": [str(p) for p in paths]}

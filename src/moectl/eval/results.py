@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from moectl.errors import MoectlError
+from moectl.errors import ConfigError, MoectlError, MoectlFileError
 from moectl.io.atomic import write_text_atomic
 
 SCHEMA = "moectl.eval.results/1"
@@ -63,7 +63,7 @@ def metric(
 ) -> dict[str, Any]:
     """One metric entry."""
     if method not in CI_METHODS:
-        raise ValueError(f"ci_method must be one of {CI_METHODS}, got {method!r}")
+        raise ConfigError(f"ci_method must be one of {CI_METHODS}, got {method!r}")
     return {
         "value": float(value),
         "ci95": None if ci95 is None else [float(ci95[0]), float(ci95[1])],
@@ -135,7 +135,7 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     """Read and validate a results file."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"results file {path} does not exist")
+        raise MoectlFileError(f"results file {path} does not exist")
     try:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as err:

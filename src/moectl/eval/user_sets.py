@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import MoectlFileError
 from moectl.eval.catalog import MMLU_PRO_CATEGORIES, EvalSet
 from moectl.eval.convert import ConversionError
 
@@ -98,7 +99,7 @@ def find_split_files(paths: Sequence[Path], splits: Sequence[str]) -> dict[str, 
                 )
             found[split].append(path)
         else:
-            raise FileNotFoundError(f"{path} does not exist")
+            raise MoectlFileError(f"{path} does not exist")
     for split, files in found.items():
         kinds = {f.suffix for f in files}
         if len(kinds) > 1:

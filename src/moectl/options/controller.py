@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError, UnsupportedModelError
 from moectl.io.atomic import default_mode
 
 
@@ -54,13 +55,13 @@ class ControllerConfig:
         if not isinstance(self.num_experts, list) or not self.num_experts or not all(map(count, self.num_experts)):
             bad.append("num_experts")
         if bad:
-            raise ValueError(
+            raise FileFormatError(
                 f"controller config: {', '.join(bad)} must be integers >= 1 (num_experts: one per MoE layer)"
             )
         if not isinstance(self.cross_layer, bool) or self.value_head not in ("mlp", "linear"):
-            raise ValueError("controller config: cross_layer must be true/false and value_head 'mlp' or 'linear'")
+            raise FileFormatError("controller config: cross_layer must be true/false and value_head 'mlp' or 'linear'")
         if not isinstance(self.family, str) or not isinstance(self.meta, dict):
-            raise ValueError("controller config: family must be a string and meta an object")
+            raise FileFormatError("controller config: family must be a string and meta an object")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +93,7 @@ class LayerController(nn.Module):
         self.termination = _mlp(hidden_size + d_h, d_h, 1, nn.ReLU())
         self.option_value = _mlp(hidden_size + d_h, d_h, 1, nn.ReLU())
         if value_head not in ("mlp", "linear"):
-            raise ValueError(f"value_head must be 'mlp' or 'linear', got {value_head!r}")
+            raise ConfigError(f"value_head must be 'mlp' or 'linear', got {value_head!r}")
         self.state_value = (
             nn.Linear(hidden_size, 1) if value_head == "linear" else _mlp(hidden_size, d_h, 1, nn.ReLU())
         )
@@ -199,7 +200,7 @@ class OptionController(nn.Module):
 
         path = Path(path)
         if not (path / "controller.json").exists():
-            raise FileNotFoundError(
+            raise MoectlFileError(
                 f"{path}: not a controller folder (needs controller.json and controller.safetensors, "
                 "as `moectl options train` writes)"
             )
@@ -207,30 +208,30 @@ class OptionController(nn.Module):
         try:
             data = json.loads(file.read_bytes().decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            raise ValueError(f"{file}: not valid JSON ({type(err).__name__})") from None
+            raise FileFormatError(f"{file}: not valid JSON ({type(err).__name__})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{file}: a controller config is a JSON object, got {type(data).__name__}")
+            raise FileFormatError(f"{file}: a controller config is a JSON object, got {type(data).__name__}")
         try:
             config = ControllerConfig(**data)
         except TypeError as err:  # a missing or unknown field
-            raise ValueError(f"{file}: {' '.join(str(err).split()).removeprefix('ControllerConfig.')}") from None
+            raise FileFormatError(f"{file}: {' '.join(str(err).split()).removeprefix('ControllerConfig.')}") from None
         except ValueError as err:
-            raise ValueError(f"{file}: {err}") from None
+            raise FileFormatError(f"{file}: {err}") from None
         controller = cls(config)
         weights = path / "controller.safetensors"
         try:
             controller.load_state_dict(load_file(str(weights)))
         except FileNotFoundError:
-            raise FileNotFoundError(f"{weights}: missing (a controller folder holds controller.json and it)") from None
+            raise MoectlFileError(f"{weights}: missing (a controller folder holds controller.json and it)") from None
         except Exception as err:  # safetensors' own errors, or tensors of other shapes than the config's
-            raise ValueError(f"{weights}: does not hold this controller ({' '.join(str(err).split())[:200]})") from None
+            raise FileFormatError(f"{weights}: does not hold this controller ({' '.join(str(err).split())[:200]})") from None
         return controller.to(device)
 
     def check(self, info: ModelInfo) -> None:
         """Raise ``ValueError`` if this controller does not fit the model."""
         got = [layer.num_experts for layer in info.layers]
         if got != list(self.config.num_experts) or hidden_size_of(info) != self.config.hidden_size:
-            raise ValueError(
+            raise ConfigError(
                 f"controller was built for hidden size {self.config.hidden_size} and experts per MoE layer "
                 f"{self.config.num_experts}; the model has {hidden_size_of(info)} and {got}"
             )
@@ -253,11 +254,11 @@ def build_controller(
     """A fresh controller for ``info``'s model; selection and value heads initialised from the routers."""
     sizes = [layer.num_experts for layer in info.layers]
     if not sizes:
-        raise ValueError("the model has no MoE layers")
+        raise UnsupportedModelError("the model has no MoE layers")
     if value_head not in ("mlp", "linear"):
-        raise ValueError(f"value_head must be 'mlp' or 'linear', got {value_head!r}")
+        raise ConfigError(f"value_head must be 'mlp' or 'linear', got {value_head!r}")
     if not info.top_k <= k_hat <= min(sizes):
-        raise ValueError(
+        raise ConfigError(
             f"k-hat must be between top-k ({info.top_k}) and the experts per layer ({min(sizes)}), got {k_hat}"
         )
     auto_e, auto_h = controller_sizes(hidden_size_of(info))

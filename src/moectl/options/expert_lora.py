@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError, UnsupportedModelError
 from moectl.models.grouped_mm import combine, cpu_pad, group_by_expert
 from moectl.models.grouped_mm import compute_dtype as _compute_dtype
 from moectl.models.grouped_mm import grouped_mm as _grouped_mm
@@ -102,9 +103,9 @@ class ExpertLoRA(nn.Module):
         super().__init__()
         reason = unsupported_reason(experts)
         if reason is not None:
-            raise ValueError(f"cannot put expert LoRA on this module: {reason}")
+            raise UnsupportedModelError(f"cannot put expert LoRA on this module: {reason}")
         if r < 1:
-            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+            raise ConfigError(f"LoRA rank r must be >= 1, got {r}")
         self.experts = experts
         self.r, self.alpha, self.scaling = int(r), alpha, alpha / r
         self.num_experts = int(experts.num_experts)
@@ -191,11 +192,11 @@ def add_expert_lora(
     not supported (see :func:`unsupported_reason`) or the model has no experts module."""
     found = experts_modules(model, info)
     if not found:
-        raise ValueError("found no MoE block with an `experts` module to put expert LoRA on")
+        raise UnsupportedModelError("found no MoE block with an `experts` module to put expert LoRA on")
     bad = {n: reason for n, m in found if (reason := unsupported_reason(m)) is not None}
     if bad:
         name, reason = next(iter(bad.items()))
-        raise ValueError(f"expert LoRA cannot wrap {name} ({reason}); use PEFT's target_parameters there")
+        raise UnsupportedModelError(f"expert LoRA cannot wrap {name} ({reason}); use PEFT's target_parameters there")
     root = _root(model)
     params: list[nn.Parameter] = []
     for name, experts in found:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import UnsupportedModelError
 from moectl.offload.cost import deliberation_cost
 from moectl.routing.kv_cache import cache_out, with_cache
 
@@ -26,7 +27,7 @@ def expert_tensors(info: ModelInfo, layer: int = 0, expert: int = 0) -> list[tor
     block = info.layers[layer].block
     experts = getattr(block, "experts", None)
     if experts is None:
-        raise ValueError("cannot find the routed experts of the MoE block")
+        raise UnsupportedModelError("cannot find the routed experts of the MoE block")
     if isinstance(experts, nn.ModuleList):
         return [p.detach() for p in experts[expert].parameters()]
     return [p.detach()[expert] for p in experts.parameters(recurse=False) if p.dim() == 3]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError, MoectlFileError
 from moectl.options.controller import OptionController
 from moectl.options.expert_lora import (
     add_expert_lora,
@@ -130,7 +131,7 @@ def check_controller_dir(path: str | Path) -> Path:
     """The controller folder for ``path`` (see :func:`controller_dir`); FileNotFoundError if it is none."""
     folder = controller_dir(path)
     if not (folder / "controller.json").exists():
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{path}: not a controller folder (needs controller.json and controller.safetensors, "
             "as `moectl options train` writes)"
         )
@@ -207,7 +208,7 @@ def attach_controller(
 
         policy = load_policy(controller, model)
         if not isinstance(policy, ControllerPolicy):
-            raise ValueError(f"--controller {controller}: not a controller (got {type(policy).__name__})")
+            raise ConfigError(f"--controller {controller}: not a controller (got {type(policy).__name__})")
         return model, policy.controller, policy.options, None
     model, ctrl, config, snapshot = load_controlled(model, controller, merge=False)
     model.eval()

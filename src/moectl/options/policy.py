@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.options.controller import OptionController
 from moectl.options.plackett_luce import mask_of
 from moectl.options.row_noise import OPTION, SWITCH, row_uniforms
@@ -87,9 +88,9 @@ class ControllerPolicy(PolicyConfig):
         options: dict[str, Any] | None = None,
     ) -> None:
         if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+            raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
         if renorm not in ("pruned", "stock"):
-            raise ValueError(f"renorm must be 'pruned' or 'stock', got {renorm!r}")
+            raise ConfigError(f"renorm must be 'pruned' or 'stock', got {renorm!r}")
         self.controller = controller
         self.mode, self.record, self.renorm = mode, record, renorm
         self.path = None if path is None else Path(path)  # the folder it was loaded from / saved to
@@ -142,19 +143,22 @@ class ControllerPolicy(PolicyConfig):
         from moectl.options.option_state import controller_dir
 
         if not isinstance(data.get("path"), str):
-            raise ValueError("a controller policy needs 'path', the folder `moectl options train` wrote")
+            raise FileFormatError("a controller policy needs 'path', the folder `moectl options train` wrote")
         seed = data.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"controller 'seed' must be an integer, got {seed!r}")
+            raise FileFormatError(f"controller 'seed' must be an integer, got {seed!r}")
         folder = controller_dir(data["path"])
         if not (folder / "controller.json").exists():
-            raise ValueError(
+            raise MoectlFileError(
                 f"{data['path']}: not a controller folder (needs controller.json and controller.safetensors, "
                 "as `moectl options train` writes)"
             )
         controller = _attach(folder, model) if model is not None else _alone(folder, info)
         options_file = folder / "options.json"
-        options = json.loads(options_file.read_text()) if options_file.exists() else {}
+        try:
+            options = json.loads(options_file.read_text()) if options_file.exists() else {}
+        except ValueError as err:  # not JSON, or not UTF-8
+            raise FileFormatError(f"{options_file}: not valid JSON ({type(err).__name__})") from None
         policy = cls(
             controller,
             mode=data.get("mode", "sample"),
@@ -197,7 +201,7 @@ class ControllerPolicy(PolicyConfig):
     def bind(self, info: ModelInfo) -> None:
         self.controller.check(info)
         if info.top_k > self.controller.k_hat:
-            raise ValueError(f"k-hat = {self.controller.k_hat} is below the model's top-k = {info.top_k}")
+            raise ConfigError(f"k-hat = {self.controller.k_hat} is below the model's top-k = {info.top_k}")
 
     def reset(self, seed: int | None = None) -> None:
         """Forget the options (new sequences) and the records; reseed if ``seed`` is given."""
@@ -341,7 +345,7 @@ def _attach(folder: Path, model: nn.Module) -> OptionController:
         _MERGED[model] = key
         return controller
     if applied != key:
-        raise ValueError(
+        raise ConfigError(
             f"the model already carries the adapters and routers of controller {applied}; load a fresh "
             f"model for {folder}"
         )

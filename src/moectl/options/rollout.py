@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.options.policy import ControllerPolicy, OptionRecord
 from moectl.options.row_noise import sample_tokens
 from moectl.options.teacher import teacher_mode
@@ -87,9 +88,9 @@ def rollout(
     options — by row, the same on any number of processes; without them the draws come from
     ``generator`` (tokens) and the policy's own generator."""
     if not 0.0 <= tau <= 1.0:
-        raise ValueError(f"tau (the teacher mixing ratio) must be in [0, 1], got {tau}")
+        raise ConfigError(f"tau (the teacher mixing ratio) must be in [0, 1], got {tau}")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
     policy.record = True
     policy.reset()
     policy.key_rows(codes)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
 from moectl.options.rollout import Rollout
 
 
@@ -30,7 +31,7 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[lis
         if ids:
             out.append(list(ids))
     if not out:
-        raise ValueError("no prompt produced any token")
+        raise ConfigError("no prompt produced any token")
     return out
 
 

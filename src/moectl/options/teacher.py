@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import UnsupportedModelError
 from moectl.options.expert_lora import (
     add_expert_lora,
     expert_lora_disabled,
@@ -66,7 +67,7 @@ def add_lora(
     )
     experts = expert_parameter_names(model, info) if experts else []
     if not attention and not experts:
-        raise ValueError("found no attention projections or stacked expert weights to put LoRA adapters on")
+        raise UnsupportedModelError("found no attention projections or stacked expert weights to put LoRA adapters on")
     found = experts_modules(model, info) if experts and cheap_experts else []
     cheap = bool(found) and all(unsupported_reason(m) is None for _, m in found)
     if cheap and not attention:

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import inspect
 from moectl.distributed import Ranks, check_divides, ranks
 from moectl.engine.batch import left_pad
+from moectl.errors import ConfigError
 from moectl.options.controller import OptionController, build_controller
 from moectl.options.option_losses import (
     controller_stats,
@@ -283,7 +284,7 @@ def check_resume(out: str | Path, config: OptionsConfig) -> Path | None:
     differ = sorted(k for k in mine if k not in IGNORED_ON_RESUME and saved.get(k) != mine[k])
     if differ:
         changes = ", ".join(f"{k} {saved.get(k)!r} → {mine[k]!r}" for k in differ)
-        raise ValueError(
+        raise ConfigError(
             f"{path} was trained with other settings ({changes}): resume with the checkpoint's "
             "settings, or give a new --out (or --no-resume) to start afresh"
         )
@@ -297,7 +298,7 @@ def check_controller_fits(path: Path, controller: OptionController) -> None:
     keys = ("hidden_size", "num_experts", "k_hat", "d_e", "d_h")
     if any(saved.get(k) != mine[k] for k in keys):
         shown = {k: saved.get(k) for k in keys}
-        raise ValueError(
+        raise ConfigError(
             f"{path} holds a controller for another model ({shown}, this model: "
             f"{ {k: mine[k] for k in keys} }): resume with the model it was trained on, or give a new --out"
         )

@@ -28,6 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import (
+    ConfigError,
+    FileFormatError,
+    MoectlFileError,
+    OutputExistsError,
+)
 from moectl.reporting.option_curves import CARD_LOG, CURVES, RESAMPLES, WINDOW, plot, read_log, summarise
 from moectl.train.checkpoint import complete_checkpoints
 
@@ -66,7 +72,7 @@ def parse_checkpoint(spec: str) -> str | int:
         return spec
     if spec.isdigit():
         return int(spec)
-    raise ValueError(f"--checkpoint {spec!r}: allowed are final, latest or a step number (e.g. 40)")
+    raise ConfigError(f"--checkpoint {spec!r}: allowed are final, latest or a step number (e.g. 40)")
 
 
 def _checkpoints(run: Path) -> dict[int, Path]:
@@ -91,7 +97,7 @@ def find_source(run: Path, checkpoint: str | int, last_logged: int | None = None
     if checkpoint == "final":
         folder = run / "final"
         if not (folder / "controller.json").is_file():
-            raise FileNotFoundError(
+            raise MoectlFileError(
                 f"--checkpoint final: {run} has no final/ (training has not finished); allowed: {_allowed(run)}"
             )
         step = last_logged if last_logged is not None else int(_read_json(folder / "options.json")["steps"])
@@ -99,14 +105,14 @@ def find_source(run: Path, checkpoint: str | int, last_logged: int | None = None
     found = _checkpoints(run)
     if checkpoint == "latest":
         if not found:
-            raise FileNotFoundError(
+            raise MoectlFileError(
                 f"--checkpoint latest: {run} has no checkpoints; allowed: {_allowed(run)}"
             )
         step = max(found)
     else:
         step = int(checkpoint)
         if step not in found:
-            raise FileNotFoundError(
+            raise MoectlFileError(
                 f"--checkpoint {step}: {run} has no checkpoints/step-{step:06d}; allowed: {_allowed(run)}"
             )
     return Source(found[step], found[step].name, step)
@@ -117,7 +123,7 @@ def check_source(source: Source) -> list[Path]:
     of the controller's files is missing."""
     missing = [name for name in REQUIRED if not (source.folder / name).is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{source.folder}: no {', '.join(missing)} (a controller folder of `moectl options train` holds "
             f"{', '.join(REQUIRED)})"
         )
@@ -128,15 +134,15 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
+        raise MoectlFileError(f"{path}: no such file") from None
     except ValueError as err:
-        raise ValueError(f"{path}: not JSON ({err})") from None
+        raise FileFormatError(f"{path}: not JSON ({err})") from None
 
 
 def read_base(base: Path) -> dict[str, Any]:
     """The base model's ``config.json``; ``FileNotFoundError`` if ``base`` is no model folder."""
     if not (Path(base) / "config.json").is_file():
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"--base {base}: no config.json there; give the folder of the base model (config.json + weights)"
         )
     return _read_json(Path(base) / "config.json")
@@ -161,7 +167,7 @@ def check_base(base: Path, config: dict[str, Any], controller: dict[str, Any]) -
     differ = [k for k in ours if ours[k] is not None and theirs[k] is not None and ours[k] != theirs[k]]
     if differ:
         shown = ", ".join(f"{k} {ours[k]} (controller: {theirs[k]})" for k in differ)
-        raise ValueError(f"--base {base}: {shown}; give the base model the run was trained on")
+        raise ConfigError(f"--base {base}: {shown}; give the base model the run was trained on")
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -175,11 +181,11 @@ def check_dest(dest: Path, run: Path, base: Path, overwrite: bool) -> None:
     ``overwrite``), or replacing it would remove RUN or the base model."""
     for what, folder in (("the run", run), ("the base model", base)):
         if _inside(folder, dest):
-            raise ValueError(f"--out {dest}: it is or holds {what} ({folder}); give a folder outside it")
+            raise ConfigError(f"--out {dest}: it is or holds {what} ({folder}); give a folder outside it")
     if dest.exists() and not dest.is_dir():
-        raise FileExistsError(f"--out {dest} is a file; give a folder path")
+        raise OutputExistsError(f"--out {dest} is a file; give a folder path")
     if dest.exists() and not overwrite:
-        raise FileExistsError(
+        raise OutputExistsError(
             f"--out {dest} already exists; pass --overwrite to replace it, or give a new folder"
         )
 
@@ -189,7 +195,7 @@ def rows_up_to(run: Path, rows: list[dict[str, Any]], step: int) -> list[dict[st
     rows = [r for r in rows if r["step"] <= step]
     if not rows or rows[-1]["step"] != step:
         last = rows[-1]["step"] if rows else "none"
-        raise ValueError(
+        raise ConfigError(
             f"{run / 'log.jsonl'}: no row for step {step} (rows up to it end at step {last}); "
             "the log does not belong to this checkpoint"
         )
@@ -407,7 +413,7 @@ def write_controller_card(
     run, base, dest = Path(run), Path(base), Path(dest)
     checkpoint = parse_checkpoint(str(checkpoint)) if not isinstance(checkpoint, int) else checkpoint
     if not run.is_dir():
-        raise FileNotFoundError(
+        raise MoectlFileError(
             f"{run}: no such run folder (give the --out folder of `moectl options train`)"
         )
     logged = read_log(run)  # no log, or a broken one: said before the checkpoint is looked for

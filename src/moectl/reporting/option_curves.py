@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moectl.errors import FileFormatError
 from moectl.io.atomic import save_figure
 
 __all__ = [
@@ -67,7 +68,7 @@ def read_log(run: Path) -> list[dict]:
     if not path.is_file() and (run / CARD_LOG).is_file():
         path = run / CARD_LOG
     if not path.is_file():
-        raise ValueError(
+        raise FileFormatError(
             f"{run}: no log.jsonl (a folder written by `moectl options train` or `moectl options card` is needed)"
         )
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
@@ -78,13 +79,13 @@ def read_log(run: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # the trainer appends while we read: drop a half-written last row
                 break
-            raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+            raise FileFormatError(f"{path}: line {i + 1} is not JSON") from None
         missing = [k for k in ("step", "reward", "switch_rate", "teacher_ppl") if k not in row]
         if missing:
-            raise ValueError(f"{path}: line {i + 1} lacks {', '.join(missing)} (not an options training log)")
+            raise FileFormatError(f"{path}: line {i + 1} lacks {', '.join(missing)} (not an options training log)")
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no rows yet")
+        raise FileFormatError(f"{path}: no rows yet")
     return sorted(rows, key=lambda r: r["step"])
 
 

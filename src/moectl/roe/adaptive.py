@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.roe.ensemble import Ensemble, StepOutput, aggregate
 from moectl.roe.roe_config import RoEConfig
 from moectl.roe.score import pad_left, scored_request, token_logprobs_stepwise
@@ -52,9 +53,9 @@ class AdaptiveEnsemble(Ensemble):
         policies: Sequence[Policy] = (),
     ) -> None:
         if config.cache != "clean":
-            raise ValueError(f"adaptive K runs on the clean cache; got cache={config.cache!r}")
+            raise ConfigError(f"adaptive K runs on the clean cache; got cache={config.cache!r}")
         if not threshold >= 0:
-            raise ValueError(f"adaptive K: the entropy threshold must be >= 0 nats, got {threshold}")
+            raise ConfigError(f"adaptive K: the entropy threshold must be >= 0 nats, got {threshold}")
         super().__init__(model, config, info=info, policies=policies)
         assert isinstance(self.variant, CleanCacheVariant)
         self.threshold = float(threshold)
@@ -162,7 +163,7 @@ def trade_off(
     """
     lm = [i for i in items if isinstance(i, LMItem)]
     if len(lm) != len(items):
-        raise ValueError(
+        raise ConfigError(
             "adaptive K trade-off needs language-modelling items ({'text'} or {'prompt', 'continuation'})"
         )
     rows = []

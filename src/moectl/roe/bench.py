@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.progress import progress_bar
 from moectl.roe.cache_size import cache_bytes
 from moectl.roe.ensemble import Ensemble, experts_implementation
@@ -142,13 +143,13 @@ def measure_overhead(
 ) -> dict:
     """Latency, peak memory and KV bytes for each (variant, K) as ratios to the plain model."""
     if new_tokens < 2:
-        raise ValueError(f"new_tokens must be >= 2 (latency is measured on decode steps), got {new_tokens}")
+        raise ConfigError(f"new_tokens must be >= 2 (latency is measured on decode steps), got {new_tokens}")
     bad = [k for k in Ks if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K]
     if bad:
-        raise ValueError(f"every K must be an integer >= 1 and <= {MAX_K}, got {bad}")
+        raise ConfigError(f"every K must be an integer >= 1 and <= {MAX_K}, got {bad}")
     unknown = [v for v in variants if v not in CACHE_MODES]
     if unknown:
-        raise ValueError(f"unknown cache variants {unknown}; choose from {', '.join(CACHE_MODES)}")
+        raise ConfigError(f"unknown cache variants {unknown}; choose from {', '.join(CACHE_MODES)}")
     info = info or inspect(model)
     device = ids.device
     runners: dict[tuple[str, int], Runner] = {("plain", 0): lambda: _plain_run(model, ids, mask, new_tokens)}

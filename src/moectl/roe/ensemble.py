@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.models.grouped_experts import pays_on_cpu
 from moectl.models.grouped_experts import register as register_grouped_experts
 from moectl.roe.noise import SampleGumbel
@@ -51,7 +52,7 @@ def aggregate(logits: Tensor, how: str = "prob_mean") -> Tensor:
         return torch.logsumexp(logp, dim=-2) - math.log(k)
     if how == "logprob_mean":
         return torch.log_softmax(logp.mean(dim=-2), dim=-1)
-    raise ValueError(f"aggregation must be 'prob_mean' or 'logprob_mean', got {how!r}")
+    raise ConfigError(f"aggregation must be 'prob_mean' or 'logprob_mean', got {how!r}")
 
 
 @contextmanager

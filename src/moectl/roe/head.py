@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from moectl.errors import UnsupportedModelError
+
 HEAD_BYTES = 1 << 27  # float32 logits (and their temporaries) of one head call
 
 Head = Callable[[Tensor], Tensor]
@@ -29,7 +31,7 @@ def output_head(model: nn.Module) -> Head:
     """
     lm_head = model.get_output_embeddings()
     if lm_head is None:
-        raise ValueError(f"{type(model).__name__} has no output embedding (LM head) to score with")
+        raise UnsupportedModelError(f"{type(model).__name__} has no output embedding (LM head) to score with")
     scaling = getattr(model.config, "logits_scaling", None)
     softcap = getattr(model.config, "final_logit_softcapping", None)
 

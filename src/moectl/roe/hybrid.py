@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from moectl.errors import NotSupportedError
 from moectl.roe.clean_cache import new_clean_cache
 
 
@@ -41,7 +42,7 @@ class _StateView:
 
     def _check(self, layer_idx: int, state_idx: int) -> None:
         if layer_idx != self.layer_idx or state_idx != 0:
-            raise NotImplementedError(
+            raise NotSupportedError(
                 f"RoE clean cache: recurrent layer {self.layer_idx} asked for state {state_idx} of layer "
                 f"{layer_idx}; only one conv + one recurrent state per layer is supported"
             )
@@ -161,7 +162,7 @@ class RecurrentUnfold:
                 mixers.setdefault(idx, module)
         missing = [i for i, t in enumerate(layer_types) if t in recurrent_types and i not in mixers]
         if missing:
-            raise NotImplementedError(
+            raise NotSupportedError(
                 f"RoE clean cache: cannot find the recurrent mixer (a module with layer_idx and a "
                 f"{' or '.join(f'`{a}`' for a in _CACHE_ARGS)} argument) of decoder layers {missing}; "
                 "use cache='separate' or cache='none' for this model"

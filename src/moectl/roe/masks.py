@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from moectl.errors import NotSupportedError
+
 _KINDS = {
     "full_attention": "full",
     "sliding_attention": "sliding",
@@ -50,7 +52,7 @@ def attention_kinds(config) -> tuple[list[AttentionKind], bool]:
             continue
         kind = _KINDS.get(layer_type)
         if kind is None:
-            raise NotImplementedError(
+            raise NotSupportedError(
                 f"RoE clean cache: layer type {layer_type!r} (decoder layer {i}) is not supported; supported "
                 f"layer types are {', '.join(_KINDS)}. Use cache='separate' or cache='none' for this model."
             )

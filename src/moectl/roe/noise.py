@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.errors import ConfigError
 from moectl.routing.keyed_hash import layer_word, mix, mix_int, seed_key, uniforms
 from moectl.routing.routing_state import RoutingState
 
@@ -129,12 +130,12 @@ class SampleGumbel:
 
     def bind(self, info: ModelInfo) -> None:
         if len(self.tau) != info.num_moe_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"SampleGumbel: {len(self.tau)} temperatures given, the model has {info.num_moe_layers} MoE layers"
             )
         bad = {i: t for i, t in enumerate(self.tau) if not t >= 0}
         if bad:
-            raise ValueError(f"SampleGumbel: temperatures must be >= 0 (finite), got {bad}")
+            raise ConfigError(f"SampleGumbel: temperatures must be >= 0 (finite), got {bad}")
         self.layout = None
 
     def noise(self, layer: int, logits: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from moectl.engine.batch import TokenScores
+from moectl.errors import ConfigError
 from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs, vocab_size
 from moectl.roe.roe_config import RoEConfig
 from moectl.roe.spans import RoEScoringInputs, is_attention_only, sample_spans
@@ -69,7 +70,7 @@ def _finish(acc: Tensor, config: RoEConfig) -> Tensor:
 
 def _check(config: RoEConfig) -> None:
     if config.aggregation not in ("prob_mean", "logprob_mean"):
-        raise ValueError(f"aggregation must be 'prob_mean' or 'logprob_mean', got {config.aggregation!r}")
+        raise ConfigError(f"aggregation must be 'prob_mean' or 'logprob_mean', got {config.aggregation!r}")
 
 
 def _distributions(inputs: RoEScoringInputs, positions: int, budget: Budget) -> Iterator[tuple[int, Tensor]]:

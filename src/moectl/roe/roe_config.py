@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.io.atomic import write_text_atomic
 from moectl.routing.policy_config import PolicyConfig, check_version, register_policy
 
@@ -57,7 +58,7 @@ MAX_K = 256
 def check_k(K: object, what: str = "K (routing samples per token)") -> int:
     """``K`` as an int in 1..MAX_K, else ValueError naming the allowed range."""
     if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= MAX_K:
-        raise ValueError(f"{what} must be an integer >= 1 and <= {MAX_K}, got {K!r}")
+        raise ConfigError(f"{what} must be an integer >= 1 and <= {MAX_K}, got {K!r}")
     return K
 
 
@@ -76,11 +77,11 @@ class RoEConfig(PolicyConfig):
     def __post_init__(self) -> None:
         check_k(self.K, "RoEConfig: K (routing samples per token)")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"RoEConfig: aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
             )
         if self.cache not in CACHE_MODES:
-            raise ValueError(f"RoEConfig: cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+            raise ConfigError(f"RoEConfig: cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
         _check_tau_values(self.tau)
 
     def taus(self, num_moe_layers: int) -> list[float]:
@@ -132,7 +133,7 @@ class RoEConfig(PolicyConfig):
 
 def _check_tau_values(spec: TauSpec) -> None:
     if isinstance(spec, bool):
-        raise ValueError(
+        raise ConfigError(
             f"RoEConfig: tau must be a number, a list or a {{moe_layer: tau}} mapping, got {spec!r}"
         )
     if isinstance(spec, (int, float)):
@@ -142,7 +143,7 @@ def _check_tau_values(spec: TauSpec) -> None:
     elif isinstance(spec, Sequence) and not isinstance(spec, str):
         values = {f"MoE layer {i}": v for i, v in enumerate(spec)}
     else:
-        raise ValueError(
+        raise ConfigError(
             f"RoEConfig: tau must be a number, a list (one per MoE layer) or a {{moe_layer: tau}} mapping, "
             f"got {type(spec).__name__}"
         )
@@ -156,7 +157,7 @@ def _check_tau_values(spec: TauSpec) -> None:
         if not (math.isfinite(f) and f >= 0):
             bad[where] = v
     if bad:
-        raise ValueError(f"RoEConfig: Gumbel temperatures tau must be finite and >= 0 (RoE §2.1), got {bad}")
+        raise ConfigError(f"RoEConfig: Gumbel temperatures tau must be finite and >= 0 (RoE §2.1), got {bad}")
 
 
 def resolve_tau(spec: TauSpec, num_moe_layers: int) -> list[float]:
@@ -168,7 +169,7 @@ def resolve_tau(spec: TauSpec, num_moe_layers: int) -> list[float]:
     if isinstance(spec, Mapping):
         bad = [k for k in spec if not (isinstance(k, int) or str(k).isdigit()) or not 0 <= int(k) < n]
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 f"RoEConfig: tau given for MoE layers {bad}; the model has MoE layers 0..{n - 1}"
             )
         out = [0.0] * n
@@ -177,7 +178,7 @@ def resolve_tau(spec: TauSpec, num_moe_layers: int) -> list[float]:
         return out
     values = [float(v) for v in spec]
     if len(values) != n:
-        raise ValueError(
+        raise ConfigError(
             f"RoEConfig: {len(values)} temperatures given, the model has {n} MoE layers "
             "(give one tau per MoE layer, one float for all, or a {moe_layer: tau} mapping)"
         )
@@ -196,33 +197,37 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     """Read and check a tau profile."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"tau profile {path} does not exist (write one with `moectl roe tune --out`)")
+        raise MoectlFileError(f"tau profile {path} does not exist (write one with `moectl roe tune --out`)")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not a JSON tau profile ({err.msg})") from err
+        raise FileFormatError(f"{path}: not a JSON tau profile ({err.msg})") from err
+    except UnicodeDecodeError as err:
+        raise FileFormatError(f"{path}: not a JSON tau profile (not UTF-8 text: {err.reason})") from err
+    except OSError as err:
+        raise MoectlFileError(f"tau profile {path} cannot be read: {err.strerror or err}") from err
     try:
         return check_profile(data)
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise FileFormatError(f"{path}: {err}") from None
 
 
 def check_profile(data: Any) -> dict[str, Any]:
     """A profile's object, checked, with a ``{layer: tau}`` mapping's keys as ints (a copy)."""
     if not isinstance(data, Mapping) or "tau" not in data:
-        raise ValueError("a tau profile is a JSON object with a 'tau' list (one value per MoE layer)")
+        raise FileFormatError("a tau profile is a JSON object with a 'tau' list (one value per MoE layer)")
     data = dict(data)
     if data.get("type", "roe") != "roe":
-        raise ValueError(f"not a tau profile: a policy of type {data['type']!r} (a profile has type 'roe')")
+        raise FileFormatError(f"not a tau profile: a policy of type {data['type']!r} (a profile has type 'roe')")
     if data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
-        raise ValueError(f"unknown profile format {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
+        raise FileFormatError(f"unknown profile format {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
     check_version(data, RoEConfig)
     tau = data["tau"]
     if isinstance(tau, Mapping):
         try:
             tau = {int(k): v for k, v in tau.items()}
         except (TypeError, ValueError):
-            raise ValueError(f"tau: layer keys must be MoE layer indices, got {sorted(tau)}") from None
+            raise FileFormatError(f"tau: layer keys must be MoE layer indices, got {sorted(tau)}") from None
     _check_tau_values(tau)
     data["tau"] = tau
     return data
@@ -238,7 +243,7 @@ def as_config(config: Any) -> RoEConfig:
 
     loaded = load_policy(config)
     if not isinstance(loaded, RoEConfig):
-        raise ValueError(
+        raise ConfigError(
             f"expected a RoE config (a tau profile, type 'roe'), got {type(loaded).__name__}; "
             "masks and pools go to `policies=`"
         )
@@ -274,7 +279,7 @@ def config_from_options(
     try:
         values = [float(v) for v in temperatures.split(",")]
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"--temperatures {temperatures!r} is neither a profile file nor numbers (e.g. 0.3 or 0,0.2,0.3,0)"
         ) from None
     tau: float | list[float] = values[0] if len(values) == 1 else values
@@ -294,7 +299,7 @@ def parse_roe_spec(spec: str, seed: int) -> RoEConfig:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in ("K", "tau", "aggregation", "cache", "seed"):
-            raise ValueError(
+            raise ConfigError(
                 f"--roe: cannot read {item!r}; give a tau profile path or K=…,tau=…[,aggregation=…,cache=…,seed=…]"
             )
         if key in ("K", "seed"):
@@ -306,7 +311,7 @@ def parse_roe_spec(spec: str, seed: int) -> RoEConfig:
             fields[key] = value
     if "=" not in head:
         if not Path(head).exists():
-            raise FileNotFoundError(
+            raise MoectlFileError(
                 f"--roe: {head!r} is neither a tau profile file nor K=…,tau=… (write a profile with `moectl roe tune`)"
             )
         return RoEConfig.from_profile(head, **fields)

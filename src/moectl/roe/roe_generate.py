@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import ConfigError
 from moectl.progress import progress_bar
 from moectl.roe.ensemble import Ensemble
 from moectl.roe.roe_config import RoEConfig, as_config
@@ -67,11 +68,11 @@ def choose_next(
 
 def check_decoding(max_new_tokens: int, temperature: float, top_p: float) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def _eos_ids(tokenizer) -> set[int]:
@@ -93,7 +94,7 @@ def encode_batch(tokenizer, texts: Sequence[str], device: torch.device) -> tuple
             tokenizer.padding_side = side
     ids, mask = enc["input_ids"], enc["attention_mask"]
     if ids.shape[1] == 0:
-        raise ValueError("the prompts encode to no tokens")
+        raise ConfigError("the prompts encode to no tokens")
     return ids.to(device), mask.to(device)
 
 
@@ -145,10 +146,10 @@ def generate(
     config = as_config(config)
     check_decoding(max_new_tokens, temperature, top_p)
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not texts:
-        raise ValueError("no prompts given")
+        raise ConfigError("no prompts given")
     stop = [s for s in stop if s]
     info = info or inspect(model)
     device = next(model.parameters()).device

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.batch import left_pad, scored_positions
+from moectl.errors import ConfigError
 from moectl.models.tokens import encode, request
 from moectl.progress import progress_bar
 from moectl.roe.ensemble import Ensemble
@@ -115,13 +116,13 @@ def token_logprobs(
     stepwise), ``parallel`` or ``stepwise``.
     """
     if method not in ("auto", "parallel", "stepwise"):
-        raise ValueError(f"method must be auto, parallel or stepwise, got {method!r}")
+        raise ConfigError(f"method must be auto, parallel or stepwise, got {method!r}")
     if method == "auto":
         recurrent = any(k.kind == "recurrent" for k in attention_kinds(model.config)[0])
         method = "parallel" if config.cache == "clean" and not recurrent else "stepwise"
     if method == "parallel":
         if config.cache != "clean":
-            raise ValueError(f"the parallel scoring path is the clean cache; got cache={config.cache!r}")
+            raise ConfigError(f"the parallel scoring path is the clean cache; got cache={config.cache!r}")
         lp = token_logprobs_parallel(model, ids, mask, config, info)
     else:
         lp = token_logprobs_stepwise(model, ids, mask, scored, config, info)
@@ -181,15 +182,15 @@ def score(
     """
     config = as_config(config)
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {max_length}")
+        raise ConfigError(f"max_length must be >= 2, got {max_length}")
     if isinstance(data, (str, Path)):
         items = load_items(data, limit)
     else:
         items = [LMItem("", x) if isinstance(x, str) else x for x in list(data)[:limit]]
     if not items:
-        raise ValueError("no items to score")
+        raise ConfigError("no items to score")
     kind = item_kind(items)
     info = info or inspect(model)
     start = time.perf_counter()

@@ -17,6 +17,7 @@ from itertools import islice
 from pathlib import Path
 
 from moectl.data.jsonl import iter_jsonl_rows
+from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 
 
 @dataclass
@@ -50,17 +51,17 @@ Item = LMItem | ChoiceItem | GenItem
 def parse_item(row: dict, where: str) -> Item:
     """One JSONL object to an item; errors name the line and the accepted shapes."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: each line must be a JSON object")
+        raise FileFormatError(f"{where}: each line must be a JSON object")
     context = row.get("context", row.get("prompt", row.get("question")))
     if "choices" in row:
         choices = row["choices"]
         if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"{where}: 'choices' must be a list of at least two strings")
+            raise FileFormatError(f"{where}: 'choices' must be a list of at least two strings")
         answer = row.get("answer", row.get("label"))
         if isinstance(answer, str) and answer in choices:
             answer = choices.index(answer)
         if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
-            raise ValueError(
+            raise FileFormatError(
                 f"{where}: 'answer' must be a choice index 0..{len(choices) - 1} or one of the choices"
             )
         return ChoiceItem(str(context or ""), choices, answer)
@@ -70,7 +71,7 @@ def parse_item(row: dict, where: str) -> Item:
         return LMItem("", row["text"])
     if isinstance(context, str) and isinstance(row.get("answer"), str):
         return GenItem(context, row["answer"])
-    raise ValueError(
+    raise FileFormatError(
         f"{where}: expected {{'text'}}, {{'prompt', 'continuation'}}, {{'context', 'choices', 'answer'}} "
         f"or {{'prompt', 'answer'}}; got fields {sorted(row)}"
     )
@@ -80,10 +81,10 @@ def load_items(path: str | Path, limit: int | None = None) -> list[Item]:
     """Read up to ``limit`` items from a JSONL(.gz) file."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise MoectlFileError(f"data file {path} does not exist")
     items = [parse_item(row, f"{path}:{n}") for n, row in islice(iter_jsonl_rows(path), limit)]
     if not items:
-        raise ValueError(f"{path} holds no items")
+        raise FileFormatError(f"{path} holds no items")
     return items
 
 
@@ -92,7 +93,10 @@ def item_kind(items: list[Item]) -> str:
     kinds = {type(i) for i in items}
     bad = sorted(k.__name__ for k in kinds - {LMItem, ChoiceItem, GenItem})
     if bad:
-        raise ValueError(f"items must be LMItem, ChoiceItem, GenItem (or plain strings: texts), got {bad}")
+        raise ConfigError(
+            f"items must be LMItem, ChoiceItem or GenItem (moectl.roe.score_data), got {bad}; "
+            "a text scored whole is LMItem('', text)"
+        )
     if len(kinds) != 1:
-        raise ValueError(f"data mixes item kinds {sorted(k.__name__ for k in kinds)}; use one kind per file")
+        raise ConfigError(f"data mixes item kinds {sorted(k.__name__ for k in kinds)}; use one kind per file")
     return {LMItem: "lm", ChoiceItem: "choice", GenItem: "gen"}[kinds.pop()]

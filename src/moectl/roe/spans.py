@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.errors import UnsupportedModelError
 from moectl.roe.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
 from moectl.roe.ensemble import experts_implementation
 from moectl.roe.masks import AttentionKind, attention_kinds, mask_dtype, teacher_forced_span_masks
@@ -58,7 +59,7 @@ def decoder_of(model: nn.Module) -> nn.Module:
     for candidate in (getattr(model, "model", None), getattr(model, "get_decoder", lambda: None)()):
         if isinstance(candidate, nn.Module) and candidate is not model:
             return candidate
-    raise ValueError(f"{type(model).__name__}: cannot find the decoder under the LM head")
+    raise UnsupportedModelError(f"{type(model).__name__}: cannot find the decoder under the LM head")
 
 
 def final_hidden(model: nn.Module, decoder: nn.Module, **inputs) -> Tensor:
@@ -147,7 +148,7 @@ def sample_spans(
     model, ids, mask, config, policies = inputs.model, inputs.ids, inputs.mask, inputs.config, inputs.policies
     info = inputs.info or inspect(model)
     if not is_attention_only(model):
-        raise ValueError("the parallel RoE path needs an attention-only model; use the stepwise path")
+        raise UnsupportedModelError("the parallel RoE path needs an attention-only model; use the stepwise path")
     b, length = ids.shape
     positions = length if positions is None else positions
     if positions <= 0:

@@ -89,7 +89,7 @@ def tuned_layers(num_moe_layers: int, skip_layers: int, uniform: bool) -> list[i
 def spread(items: list, n: int) -> list:
     """``n`` items evenly spaced over ``items`` (first and last included; all of them if fewer)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"max_docs (items in the fixed validation slice) must be an integer >= 1, got {n!r}")
+        raise ConfigError(f"max_docs (items in the fixed validation slice) must be an integer >= 1, got {n!r}")
     if n >= len(items):
         return list(items)
     return [items[round(i * (len(items) - 1) / max(n - 1, 1))] for i in range(n)]
@@ -98,11 +98,11 @@ def spread(items: list, n: int) -> list:
 def _evaluator(model, tokenizer, items, objective, K, aggregation, seed, batch_size, max_length, info):
     kind = item_kind(items)
     if objective == "ppl" and kind not in ("lm", "choice"):
-        raise ValueError(
+        raise ConfigError(
             "objective ppl needs language-modelling items ({'text'} or {'prompt', 'continuation'})"
         )
     if objective == "acc" and kind not in ("choice", "gen"):
-        raise ValueError(
+        raise ConfigError(
             "objective acc needs multiple-choice items ({'context', 'choices', 'answer'}) or {'prompt', 'answer'}"
         )
 
@@ -185,7 +185,7 @@ def tune(
     name = c.study_name or f"roe-{info.family}-K{K}-{objective}-{mode}"
     processes = processes if processes is not None else ranks()
     if processes.distributed and storage is None:
-        raise ValueError(
+        raise ConfigError(
             f"{processes.world} processes share one study through a file: give storage "
             "(--storage FILE.journal)"
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moectl.errors import UnsupportedModelError
 from moectl.roe.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
 from moectl.roe.masks import attention_kinds, mask_dtype, step_masks
 from moectl.roe.noise import NoiseLayout, SampleGumbel
@@ -31,7 +32,7 @@ _SUPPORTED_ATTN = ("eager", "sdpa")
 def _check_attention(model: nn.Module) -> None:
     impl = getattr(model.config, "_attn_implementation", "eager")
     if impl not in _SUPPORTED_ATTN:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"RoE clean cache passes explicit attention masks, which attn_implementation {impl!r} does not take; "
             f"load the model with attn_implementation in {_SUPPORTED_ATTN} (or use cache='separate')"
         )

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
+from moectl.errors import ConfigError
 from moectl.roe.noise import SampleGumbel
 from moectl.roe.variant_clean import CleanCacheVariant
 from moectl.roe.variant_nocache import NoCacheVariant
@@ -59,5 +60,5 @@ VARIANTS: dict[str, type] = {
 def make_variant(mode: str, model: nn.Module, K: int, noise: SampleGumbel) -> SampleVariant:
     """The sample runner for ``RoEConfig.cache``."""
     if mode not in VARIANTS:
-        raise ValueError(f"cache must be one of {', '.join(VARIANTS)}, got {mode!r}")
+        raise ConfigError(f"cache must be one of {', '.join(VARIANTS)}, got {mode!r}")
     return VARIANTS[mode](model, K, noise)

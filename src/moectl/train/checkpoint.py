@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir, crash_point, recover_dir, write_text_atomic
 
 
@@ -123,7 +124,7 @@ def check_nothing_to_resume(
     root = out / "checkpoints"
     left = sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
     if left:
-        raise ValueError(
+        raise ConfigError(
             f"cannot resume {out}: no complete checkpoint in {root} (found {', '.join(left)}; a complete "
             f"one holds trainer_state.pt): {fresh}"
         )

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moectl.errors import ConfigError
+
 
 class CountWindow:
     """Ring buffer of per-layer expert counts [W, L, E] and token counts [W] (float64, CPU)."""
@@ -45,7 +47,7 @@ class CountWindow:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if tuple(state["counts"].shape) != tuple(self.counts.shape):
-            raise ValueError(
+            raise ConfigError(
                 f"load-balancing window of shape {tuple(state['counts'].shape)} in the checkpoint, "
                 f"{tuple(self.counts.shape)} in this config"
             )

@@ -26,6 +26,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moectl.adapters.inspect import inspect
+from moectl.errors import OutputExistsError
 from moectl.models.grouped_experts import register as register_grouped_experts
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
@@ -99,7 +100,7 @@ class Trainer:
         corpus = config.corpus or str(_sample_dir())
         cache = self.out / "data"
         if not resume and not overwrite and (self.out / "config.json").exists():
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{self.out} already holds a run; continue it with --resume {self.out}, "
                 "or pass --overwrite to start it again from step 0"
             )

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from moectl.data.sample import corpus_files, iter_documents
+from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_path
 
 CACHE_VERSION = 1
@@ -52,14 +53,14 @@ def pack_documents(
 ) -> PackedSplit:
     """Join documents (each followed by EOS) and cut the stream into rows of ``seq_len``."""
     if not token_lists:
-        raise ValueError("no documents to pack")
+        raise ConfigError("no documents to pack")
     lengths = torch.tensor([len(t) + 1 for t in token_lists])
     stream = torch.cat([torch.tensor([*doc, eos_id], dtype=torch.long) for doc in token_lists])
     doc_index = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     domain = torch.repeat_interleave(torch.tensor(doc_domains, dtype=torch.int16), lengths)
     rows = stream.numel() // seq_len
     if rows == 0:
-        raise ValueError(f"only {stream.numel()} tokens: fewer than one row of seq_len={seq_len}")
+        raise ConfigError(f"only {stream.numel()} tokens: fewer than one row of seq_len={seq_len}")
     cut = rows * seq_len
     return PackedSplit(
         stream[:cut].view(rows, seq_len),
@@ -75,12 +76,12 @@ def tokenize_split(
     """Tokenise one split of a corpus folder and pack it; documents in file order."""
     docs = list(iter_documents(corpus, split))
     if not docs:
-        raise ValueError(f"corpus {corpus} has no documents in split {split!r}")
+        raise ConfigError(f"corpus {corpus} has no documents in split {split!r}")
     names = sorted({d["domain"] for d in docs}) if domains is None else list(domains)
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted({d["domain"] for d in docs} - set(index))
     if unknown:
-        raise ValueError(f"split {split!r} has domains {unknown} that the training split does not have")
+        raise ConfigError(f"split {split!r} has domains {unknown} that the training split does not have")
     # documents longer than the model are expected here: they are packed into rows (no warning)
     encoded = tokenizer([d["text"] for d in docs], add_special_tokens=False, verbose=False)["input_ids"]
     return pack_documents(encoded, [index[d["domain"]] for d in docs], seq_len, tokenizer.eos_token_id, names)

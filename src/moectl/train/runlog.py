@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from moectl.errors import FileFormatError
 from moectl.io.atomic import write_text_atomic
 
 
@@ -30,7 +31,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             if i == len(lines) - 1:
                 warnings.warn(f"{path}: dropped its last line {n}, cut short by a crash", stacklevel=2)
                 break
-            raise ValueError(f"{path} line {n} is not a JSON record ({err.msg}): the log is damaged") from err
+            raise FileFormatError(f"{path} line {n} is not a JSON record ({err.msg}): the log is damaged") from err
     return records
 
 
