@@ -172,3 +172,68 @@ def test_a_moectl_error_from_anywhere_below_a_verb_is_handled(monkeypatch):
     result = runner.invoke(app, ["inspect", "--tiny", "olmoe"])
     assert result.exit_code == 2
     assert _stderr_lines(result) == ["error: --knob must be 1..3, got 7"]
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["roe", "score", "--tiny", "olmoe", "--data", "none.jsonl"], "error: data file none.jsonl does not exist"),
+        (
+            ["roe", "score", "--tiny", "olmoe", "--data", "d.jsonl", "--temperatures", "none.json"],
+            "error: tau profile none.json does not exist (write one with `moectl roe tune --out`)",
+        ),
+        (
+            ["options", "train", "tiny:olmoe", "--out", "o", "--k-hat", "99", "--steps", "1"],
+            "error: k-hat must be between top-k (2) and the experts per layer (8), got 99",
+        ),
+        (
+            ["eval", "tiny:olmoe", "--perplexity", "bad.jsonl", "--limit", "2"],
+            "error: bad.jsonl:1: each line needs a string field 'text' (and optional 'domain')",
+        ),
+        (
+            ["pretrain", "--out", "run", "--preset", "tiny"],
+            "error: run already holds a run; continue it with --resume run, or pass --overwrite to start it "
+            "again from step 0",
+        ),
+    ],
+    ids=["roe-score-no-data", "roe-score-no-profile", "options-train-k-hat", "eval-bad-corpus", "pretrain-run-exists"],
+)
+def test_verbs_without_a_broad_catch_still_refuse_bad_input_in_one_line(tmp_path, monkeypatch, argv, line):
+    """roe, options, eval, pretrain, serve-offload once caught ValueError/OSError/RuntimeError around their
+    library calls; the library now raises a MoectlError for each refusal, printed by the one handler."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"text": "hello world"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert [x for x in _stderr_lines(result) if not x.startswith("moectl: training runs faster")] == [line]
+
+
+@pytest.mark.parametrize(
+    "target, argv",
+    [
+        ("moectl.roe.score_data.load_items", ["roe", "score", "--tiny", "olmoe", "--data", "d.jsonl"]),
+        ("moectl.eval.eval_run.evaluate", ["eval", "tiny:olmoe", "--perplexity", "d.jsonl"]),
+        ("moectl.reporting.controller_card.write_controller_card", ["options", "card", ".", "--base", ".", "--out", "c"]),
+        ("moectl.server.offload_batch.run", ["serve-offload", "--tiny", "olmoe"]),
+    ],
+    ids=["roe-score", "eval", "options-card", "serve-offload"],
+)
+def test_a_plain_value_error_below_these_verbs_keeps_its_traceback(tmp_path, monkeypatch, target, argv):
+    """Before: ``handle_moectl_errors(ValueError, OSError, ...)`` around the library call turned any
+    ValueError (a bug as often as not) into ``error: ...`` and exit 2; now only MoectlError is."""
+    error = ValueError("a plain ValueError is a bug")
+
+    def broken(*args, **kwargs):
+        raise error
+
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(importlib.import_module(module), name, broken)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"text": "hello world"}\n')
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 1, result.output
+    assert result.exception is error
+    assert "error:" not in result.output

@@ -203,8 +203,9 @@ def handle_moectl_errors(*legacy: type[Exception]) -> Iterator[None]:
     and exit code 2 (:func:`fail`), as do the built-in errors ``legacy`` the library still raises
     for bad input where it does not raise a ``MoectlError`` yet. A ``typer.Exit`` passes through.
 
-    Temporary: ``cli/__init__.py``'s one ``MoectlError`` handler replaces it, and each ``legacy``
-    type goes once the library raises ``MoectlError`` for it."""
+    Under ``moectl`` every verb already has this handler (:class:`MoectlGroup`); the block is for a
+    verb run outside the group (``python -m moectl.pretrain`` through ``typer.run``). No verb passes
+    ``legacy`` types any more: a built-in error is a bug and keeps its traceback."""
     from moectl.errors import MoectlError
 
     try:

@@ -22,7 +22,6 @@ from moectl.cli.common import (
     MoectlGroup,
     check_out_file,
     console,
-    handle_moectl_errors,
     interrupted,
     split_list,
     write_json,
@@ -92,32 +91,31 @@ def eval_command(
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
     from moectl.eval.eval_run import EvalConfig, evaluate
 
-    with handle_moectl_errors():
-        config = EvalConfig(
-            model,
-            tasks=split_list(tasks),
-            perplexity=perplexity,
-            by_domain=by_domain,
-            split=split,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            max_gen_toks=max_gen_toks,
-            policy=policy,
-            roe=roe,
-            controller=controller,
-            engine=engine,
-            batch_size=batch_size,
-            max_length=max_length,
-            seed=seed,
-            switch=switch_rate,
-            cache=cache,
-            device=device,
-            dtype=dtype,
-            label=label,
-            allow_code_exec=allow_code_exec,
-        )
+    config = EvalConfig(
+        model,
+        tasks=split_list(tasks),
+        perplexity=perplexity,
+        by_domain=by_domain,
+        split=split,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        max_gen_toks=max_gen_toks,
+        policy=policy,
+        roe=roe,
+        controller=controller,
+        engine=engine,
+        batch_size=batch_size,
+        max_length=max_length,
+        seed=seed,
+        switch=switch_rate,
+        cache=cache,
+        device=device,
+        dtype=dtype,
+        label=label,
+        allow_code_exec=allow_code_exec,
+    )
     kept = "no results were written (--out is written once every task has finished); run the command again"
-    with interrupted(kept), handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
+    with interrupted(kept):
         doc = evaluate(config)
     if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
         return

@@ -19,7 +19,6 @@ from moectl.cli.common import (
     check_out_file,
     check_out_folder,
     console,
-    handle_moectl_errors,
     load,
     write_json,
 )
@@ -110,32 +109,30 @@ def train_cmd(
     from moectl.options.train_run import OptionsConfig, OptionsRunConfig, run_train
     from moectl.stopping import TrainingInterrupted
 
-    with handle_moectl_errors():
-        options = OptionsConfig(
-            k_hat=k_hat,
-            eta=eta,
-            steps=steps,
-            batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            max_prompt_tokens=max_prompt_tokens,
-            tau=tau,
-            intra=not no_intra,
-            cross_layer=cross_layer,
-            lora_r=lora_r,
-            lora_alpha=lora_r,
-            lora_experts=not no_lora_experts,
-            save_every=save_every,
-            seed=seed,
-            lr_controller=lr_controller,
-            value_head=value_head,
-            critic_warmup=critic_warmup,
-        )
-        config = OptionsRunConfig(
-            model, out, options, data, eta_from_latency, resume=not no_resume, device=device, dtype=dtype
-        )
+    options = OptionsConfig(
+        k_hat=k_hat,
+        eta=eta,
+        steps=steps,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        tau=tau,
+        intra=not no_intra,
+        cross_layer=cross_layer,
+        lora_r=lora_r,
+        lora_alpha=lora_r,
+        lora_experts=not no_lora_experts,
+        save_every=save_every,
+        seed=seed,
+        lr_controller=lr_controller,
+        value_head=value_head,
+        critic_warmup=critic_warmup,
+    )
+    config = OptionsRunConfig(
+        model, out, options, data, eta_from_latency, resume=not no_resume, device=device, dtype=dtype
+    )
     try:
-        with handle_moectl_errors(ValueError, FileNotFoundError):  # not every one a MoectlError yet
-            result = run_train(config)
+        result = run_train(config)
     except TrainingInterrupted as stopped:
         if ranks().is_main:
             console.print(f"[yellow]{stopped}[/yellow]")
@@ -205,16 +202,15 @@ def generate_cmd(
     from moectl.options.policy import ControllerPolicy
     from moectl.routing import RoutingTrace
 
-    with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
-        lm, tokenizer, ctrl, _, _ = _load(model, controller, device, dtype, seed)
-        policy = ControllerPolicy(
-            ctrl, mode="greedy" if greedy_controller else "sample", seed=seed, record=True
-        )
-        prompts = [Prompt(p) for p in (prompt or ["The history of the"])]
-        done = generate_completions(
-            lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False,
-            policies=policy, record=True,
-        )  # fmt: skip
+    lm, tokenizer, ctrl, _, _ = _load(model, controller, device, dtype, seed)
+    policy = ControllerPolicy(
+        ctrl, mode="greedy" if greedy_controller else "sample", seed=seed, record=True
+    )
+    prompts = [Prompt(p) for p in (prompt or ["The history of the"])]
+    done = generate_completions(
+        lm, tokenizer, prompts, max_new_tokens, temperature, seed=seed, progress=False,
+        policies=policy, record=True,
+    )  # fmt: skip
     generated = [c.token_ids for c in done]
     trace = RoutingTrace.join([c.trace for c in done])  # each prompt routed by its own fork of the policy
     report = switch_rate(trace, source="allowed")
@@ -274,31 +270,30 @@ def eval_cmd(
     from moectl.options.prompt_data import texts_by_domain
     from moectl.options.teacher import teacher_mode
 
-    with handle_moectl_errors(ValueError, FileNotFoundError, RuntimeError):  # not every one a MoectlError yet
-        texts = texts_by_domain(data, "test", max_docs)
-        lm, tokenizer, ctrl, config, snapshot = _load(model, controller, device, dtype, seed, merge=False)
-        info = inspect(lm)
-        if ctrl is None:
-            policies = list
-            teacher = partial(lambda: teacher_mode(lm, info, None))
-            k = k_hat or info.top_k
-        else:
-            policies = lambda: [ControllerPolicy(ctrl, seed=seed)]  # noqa: E731
-            teacher = partial(teacher_mode, lm, info, snapshot)
-            k = ctrl.k_hat
-        quality = heldout_quality(lm, info, tokenizer, texts, policies, teacher, max_length, progress=True)
-        switching = generation_switch_rate(
-            lm,
-            info,
-            tokenizer,
-            load_prompts(prompts),
-            policies,
-            k,
-            max_new_tokens,
-            temperature,
-            seed=seed,
-            progress=True,
-        )
+    texts = texts_by_domain(data, "test", max_docs)
+    lm, tokenizer, ctrl, config, snapshot = _load(model, controller, device, dtype, seed, merge=False)
+    info = inspect(lm)
+    if ctrl is None:
+        policies = list
+        teacher = partial(lambda: teacher_mode(lm, info, None))
+        k = k_hat or info.top_k
+    else:
+        policies = lambda: [ControllerPolicy(ctrl, seed=seed)]  # noqa: E731
+        teacher = partial(teacher_mode, lm, info, snapshot)
+        k = ctrl.k_hat
+    quality = heldout_quality(lm, info, tokenizer, texts, policies, teacher, max_length, progress=True)
+    switching = generation_switch_rate(
+        lm,
+        info,
+        tokenizer,
+        load_prompts(prompts),
+        policies,
+        k,
+        max_new_tokens,
+        temperature,
+        seed=seed,
+        progress=True,
+    )
     table = Table(title=f"{'controller ' + str(controller) if controller else 'plain model'}, k̂={k}")
     for col in ("domain", "KL(teacher‖student)", "ppl", "teacher ppl", "docs"):
         table.add_column(col)
@@ -366,10 +361,9 @@ def card_cmd(
 
     from moectl.reporting.controller_card import write_controller_card
 
-    with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
-        result = write_controller_card(
-            run, base, out, checkpoint=checkpoint, name=name, license=license, overwrite=overwrite
-        )
+    result = write_controller_card(
+        run, base, out, checkpoint=checkpoint, name=name, license=license, overwrite=overwrite
+    )
     summary = result["summary"]
     n = min(summary["window"], summary["steps_logged"])
     where = f"{result['checkpoint']} (step {result['step']})"

@@ -125,7 +125,7 @@ def pretrain_command(
                 **overrides,
             )
     try:
-        with handle_moectl_errors(ValueError, OSError):  # not every one a MoectlError yet
+        with handle_moectl_errors():  # `python -m moectl.pretrain` runs outside MoectlGroup
             result = pretrain(config, resume=resume is not None, overwrite=overwrite)
     except TrainingInterrupted as stopped:
         console.print(f"[yellow]{stopped}[/yellow]")

@@ -36,12 +36,12 @@ from moectl.cli.common import (
     check_out_folder,
     console,
     fail,
-    handle_moectl_errors,
     interrupted,
     load,
     model_spec,
     write_json,
 )
+from moectl.errors import ConfigError
 
 roe_app = typer.Typer(cls=MoectlGroup, help="Roster of Experts: K-sample routing ensembles with a clean KV cache (RoE §2).",
                       no_args_is_help=True)  # fmt: skip
@@ -64,9 +64,6 @@ def _config(k: int | None, temperatures: str | None, cache: str, aggregation: st
         if not str(err).startswith("--temperatures"):
             raise
         raise typer.BadParameter(str(err)) from None
-
-
-_ERRORS = (ValueError, OSError, NotImplementedError)
 
 
 def _taus_text(taus: list[float]) -> str:
@@ -116,33 +113,32 @@ def generate_cmd(
     from moectl.roe.roe_config import config_dict
     from moectl.roe.roe_generate import GenerationStats, generate
 
-    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
-        spec = model_spec(model, tiny)
-        config = _config(k, temperatures, cache, aggregation, seed)
-        texts = list(prompt or [])
-        if prompts is not None:
-            texts += [p.text for p in load_prompts(str(prompts))]
-        if not texts:
-            raise ValueError("give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-        lm, tokenizer = load(spec, device, dtype)
-        info = inspect(lm)
-        taus = config.taus(info.num_moe_layers)
-        streaming = stream and len(texts) == 1
-        if streaming:
-            console.print(f"[bold]{texts[0]}[/bold]", end="")
+    spec = model_spec(model, tiny)
+    config = _config(k, temperatures, cache, aggregation, seed)
+    texts = list(prompt or [])
+    if prompts is not None:
+        texts += [p.text for p in load_prompts(str(prompts))]
+    if not texts:
+        raise ConfigError("give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    lm, tokenizer = load(spec, device, dtype)
+    info = inspect(lm)
+    taus = config.taus(info.num_moe_layers)
+    streaming = stream and len(texts) == 1
+    if streaming:
+        console.print(f"[bold]{texts[0]}[/bold]", end="")
 
-        def on_text(row: int, piece: str) -> None:
-            console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+    def on_text(row: int, piece: str) -> None:
+        console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
 
-        stats = GenerationStats()
-        outs = generate(
-            lm, tokenizer, texts, config, max_new_tokens=max_new_tokens, temperature=sampling_temperature,
-            top_p=top_p, stop=stop or (), ignore_eos=ignore_eos, batch_size=batch_size, sample_seed=seed,
-            on_text=on_text if streaming else None, progress=not streaming, info=info,
-            adaptive_threshold=adaptive, stats=stats,
-        )  # fmt: skip
-        if streaming:
-            console.print()
+    stats = GenerationStats()
+    outs = generate(
+        lm, tokenizer, texts, config, max_new_tokens=max_new_tokens, temperature=sampling_temperature,
+        top_p=top_p, stop=stop or (), ignore_eos=ignore_eos, batch_size=batch_size, sample_seed=seed,
+        on_text=on_text if streaming else None, progress=not streaming, info=info,
+        adaptive_threshold=adaptive, stats=stats,
+    )  # fmt: skip
+    if streaming:
+        console.print()
     table = Table(title=f"RoE generate {spec}: K={config.K}, tau=[{_taus_text(taus)}], cache={config.cache}")
     table.add_column("#", justify="right")
     table.add_column("prompt")
@@ -203,31 +199,33 @@ def score_cmd(
     from moectl.roe.score import score
     from moectl.roe.score_data import load_items
 
-    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
-        spec = model_spec(model, tiny)
-        if data is None:
-            raise ValueError("give --data FILE.jsonl (see `moectl.roe.score_data` for the accepted lines)")
-        config = _config(k, temperatures, cache, aggregation, seed)
-        items = load_items(data, limit)
-        lm, tokenizer = load(spec, device, dtype)
-        info = inspect(lm)
-        taus = config.taus(info.num_moe_layers)
-        runs = [("RoE", config)]
-        if baseline:
-            runs.insert(0, ("plain (K=1)", config.with_(K=1, tau=0.0)))
-        results = {}
-        for label, cfg in runs:
-            results[label] = score(
-                lm, tokenizer, items, cfg, batch_size=batch_size, max_length=max_length, method=method,
-                progress=True, info=info,
-            )  # fmt: skip
-        trade = None
-        if adaptive is not None:
-            from moectl.roe.adaptive import trade_off
+    spec = model_spec(model, tiny)
+    if data is None:
+        raise ConfigError("give --data FILE.jsonl (see `moectl.roe.score_data` for the accepted lines)")
+    config = _config(k, temperatures, cache, aggregation, seed)
+    items = load_items(data, limit)
+    lm, tokenizer = load(spec, device, dtype)
+    info = inspect(lm)
+    taus = config.taus(info.num_moe_layers)
+    runs = [("RoE", config)]
+    if baseline:
+        runs.insert(0, ("plain (K=1)", config.with_(K=1, tau=0.0)))
+    results = {}
+    for label, cfg in runs:
+        results[label] = score(
+            lm, tokenizer, items, cfg, batch_size=batch_size, max_length=max_length, method=method,
+            progress=True, info=info,
+        )  # fmt: skip
+    trade = None
+    if adaptive is not None:
+        from moectl.roe.adaptive import trade_off
 
+        try:
             thresholds = None if adaptive == "auto" else [float(x) for x in adaptive.split(",")]
-            trade = trade_off(lm, tokenizer, items, config, thresholds, batch_size=batch_size,
-                              max_length=max_length, info=info)  # fmt: skip
+        except ValueError:
+            raise ConfigError(f"--adaptive must be auto or a comma list of numbers (nats), got {adaptive!r}") from None
+        trade = trade_off(lm, tokenizer, items, config, thresholds, batch_size=batch_size,
+                          max_length=max_length, info=info)  # fmt: skip
     table = Table(title=f"RoE score {spec} on {data}: K={config.K}, tau=[{_taus_text(taus)}]")
     for col in ("run", "items", "tokens", "perplexity", "accuracy", "seconds"):
         table.add_column(col, justify="left" if col == "run" else "right")
@@ -316,17 +314,16 @@ def tune_cmd(
     from moectl.roe.tune import TuneConfig, run
 
     several = launched_world_size() > 1  # `accelerate launch -m moectl roe tune`: one shared study
-    with handle_moectl_errors():
-        config = TuneConfig(
-            model=model_spec(model, tiny), data=data, K=16 if k is None else k, objective=objective, trials=trials,
-            max_tau=max_tau, skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
-            uniform_step=uniform_step, storage=storage, study_name=study_name, out=out, plot_dir=plot_dir,
-            batch_size=batch_size, max_length=max_length, limit=limit, max_docs=max_docs, device=device, dtype=dtype,
-        )  # fmt: skip
+    config = TuneConfig(
+        model=model_spec(model, tiny), data=data, K=16 if k is None else k, objective=objective, trials=trials,
+        max_tau=max_tau, skip_layers=skip_layers, seed=seed, aggregation=aggregation, uniform=uniform,
+        uniform_step=uniform_step, storage=storage, study_name=study_name, out=out, plot_dir=plot_dir,
+        batch_size=batch_size, max_length=max_length, limit=limit, max_docs=max_docs, device=device, dtype=dtype,
+    )  # fmt: skip
     study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
     kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
     try:
-        with interrupted(kept), handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
+        with interrupted(kept):
             result = run(config)
     except ImportError as err:
         fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
@@ -389,23 +386,25 @@ def bench_cmd(
 
     from moectl.roe.bench import measure_overhead
 
-    with handle_moectl_errors(*_ERRORS):  # not every one a MoectlError yet
-        spec = model_spec(model, tiny)
+    spec = model_spec(model, tiny)
+    try:
         ks = [int(x) for x in k.split(",")]
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-        lm, tokenizer = load(spec, device, dtype)
-        vocab = int(getattr(tokenizer, "vocab_size", lm.config.vocab_size))
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(
-            3, max(4, min(vocab, lm.config.vocab_size)), (batch, prompt_tokens), generator=generator
-        )
-        ids = ids.to(lm.device)
-        result = measure_overhead(
-            lm, ids, torch.ones_like(ids), Ks=ks, variants=[v.strip() for v in variants.split(",")],
-            new_tokens=new_tokens, repeats=repeats, tau=tau, memory=memory,
-        )  # fmt: skip
+    except ValueError:
+        raise ConfigError(f"--k must be a comma list of integers (e.g. 1,2,4), got {k!r}") from None
+    if threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    lm, tokenizer = load(spec, device, dtype)
+    vocab = int(getattr(tokenizer, "vocab_size", lm.config.vocab_size))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        3, max(4, min(vocab, lm.config.vocab_size)), (batch, prompt_tokens), generator=generator
+    )
+    ids = ids.to(lm.device)
+    result = measure_overhead(
+        lm, ids, torch.ones_like(ids), Ks=ks, variants=[v.strip() for v in variants.split(",")],
+        new_tokens=new_tokens, repeats=repeats, tau=tau, memory=memory,
+    )  # fmt: skip
     table = Table(
         title=f"RoE overhead {spec}: B={batch}, prompt {prompt_tokens}, {new_tokens} new tokens, tau={tau}"
     )

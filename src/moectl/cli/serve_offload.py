@@ -201,7 +201,7 @@ def serve_offload_command(
             device=device,
             dtype=dtype,
         )
-    with handle_moectl_errors(ValueError, OSError, RuntimeError, MemoryError):  # not every one a MoectlError yet
+    with handle_moectl_errors():  # serve_app has one command: typer runs it without MoectlGroup
         result = run(config)
     table = Table(title=f"serve-offload: policy {result['policy']}, store {result['store']}")
     table.add_column("measure")
