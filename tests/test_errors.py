@@ -195,8 +195,23 @@ def test_a_moectl_error_from_anywhere_below_a_verb_is_handled(monkeypatch):
             "error: run already holds a run; continue it with --resume run, or pass --overwrite to start it "
             "again from step 0",
         ),
+        (
+            ["roe", "score", "--tiny", "olmoe", "--data", "d.jsonl", "--temperatures", "bin.json"],
+            "error: bin.json: not a JSON tau profile (not UTF-8 text: invalid start byte)",
+        ),
+        (
+            ["eval", "tiny:olmoe", "--perplexity", "bin.jsonl", "--limit", "2"],
+            "error: bin.jsonl: not UTF-8 text (invalid start byte)",
+        ),
+        (
+            ["roe", "bench", "--tiny", "olmoe", "--k", "1,x"],
+            "error: --k must be a comma list of integers (e.g. 1,2,4), got '1,x'",
+        ),
     ],
-    ids=["roe-score-no-data", "roe-score-no-profile", "options-train-k-hat", "eval-bad-corpus", "pretrain-run-exists"],
+    ids=[
+        "roe-score-no-data", "roe-score-no-profile", "options-train-k-hat", "eval-bad-corpus",
+        "pretrain-run-exists", "roe-profile-not-utf8", "eval-corpus-not-utf8", "roe-bench-k",
+    ],
 )
 def test_verbs_without_a_broad_catch_still_refuse_bad_input_in_one_line(tmp_path, monkeypatch, argv, line):
     """roe, options, eval, pretrain, serve-offload once caught ValueError/OSError/RuntimeError around their
@@ -204,6 +219,8 @@ def test_verbs_without_a_broad_catch_still_refuse_bad_input_in_one_line(tmp_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").write_text('{"text": "hello world"}\n')
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    (tmp_path / "bin.json").write_bytes(b"\x80")
+    (tmp_path / "bin.jsonl").write_bytes(b"\x80\n")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text("{}")
     result = runner.invoke(app, argv)

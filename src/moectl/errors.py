@@ -7,7 +7,7 @@ catches them all with one ``except MoectlError`` and the command line prints the
 error that is not a ``MoectlError`` is a bug in moectl and keeps its traceback.
 
 Each error also derives from the built-in exception a caller would have caught before this base
-existed (``ValueError``, ``FileNotFoundError``, ``RuntimeError``, ``OSError``), so code written
+existed (``ValueError``, ``FileNotFoundError``, ``RuntimeError``, ``NotImplementedError``, ``OSError``), so code written
 against those keeps working.
 """
 
