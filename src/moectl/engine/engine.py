@@ -1,15 +1,17 @@
 """The engine: the one place moectl runs a model forward for a set of sequences.
 
 Requests join and leave the running batch at step boundaries (continuous batching). A step admits
-waiting requests while the batch has room — each is prefilled alone, its first token sampled, and
-its KV cache joined to the batch's (``kv.join``) — then runs one decoding forward for every running
-row and samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
+waiting requests while the batch has room — prefilled together, left-padded, in as few forwards as
+``batch.prefill_groups`` allows (usually one), their first tokens sampled and their KV cache rows
+joined to the batch's (``kv.join``) — then runs one decoding forward for every running row and
+samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
 EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (``kv.keep``).
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
 or subset, a document pool, Gumbel noise, ``option:K`` or a controller with its own option state.
 The offload runtime (``moectl.serve.offload``) can sit underneath: the batch's rows then share one
-resident expert set, and an expert that any row needs is loaded once per step.
+resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
+the union of the rows' experts per layer against the budget (above it, a step must reload experts).
 
 Use it synchronously (``engine.generate(prompts, params)``, as the batch commands do) or as a
 server's back end (``engine.start()``; ``submit(..., on_event=...)`` from any thread; events are
@@ -195,6 +197,7 @@ class Engine:
             "errors": 0,
         }
         self.routing_stats: dict[str, dict[str, float]] = {}
+        self._union = [0.0, 0, 0]  # offloading: Σ mean union per layer, max union, decode steps
         self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -630,6 +633,11 @@ class Engine:
             self._between_steps()
         self._cache = self._cache if cache_out(out) is None else cache_out(out)
         self._valid = valid
+        if self.runtime is not None:  # what this step's rows needed together, per MoE layer (host ints)
+            unions = [m.union for m in self.runtime.modules]
+            self._union[0] += sum(unions) / len(unions)
+            self._union[1] = max(self._union[1], max(unions))
+            self._union[2] += 1
         for req in self._running:
             req.seen += 1
         tokens = self._choose(out.logits[:, -1], self._running)
@@ -773,5 +781,10 @@ class Engine:
                 "hit_rate": totals["hits"] / accesses if accesses else None,
                 "bytes_moved": totals["bytes_moved"],
                 "loads": totals["loads"],
+                # distinct experts a decoding step's rows need together per MoE layer (mean over steps
+                # and layers, max); above the budget per layer a step must reload experts
+                "union_mean": self._union[0] / self._union[2] if self._union[2] else None,
+                "union_max": self._union[1] if self._union[2] else None,
+                "budget_per_layer": max(r.budget for r in self.runtime.resident_sets),
             }
         return out
