@@ -56,9 +56,10 @@ def subsets(info, count: int, size: int, seed: int = 0) -> dict[str, dict]:
     return out
 
 
-def run(model, tok, args, batch: int, routings: dict[str, dict]) -> dict:
-    offload = OffloadConfig(budget=args.budget, policy=args.policy, store=args.store)
-    engine = Engine(model, tok, EngineConfig(max_batch=batch, offload=offload), routings=routings)
+def run(model, tok, reader, offload: OffloadConfig, args, batch: int, routings: dict[str, dict]) -> dict:
+    engine = Engine(
+        model, tok, EngineConfig(max_batch=batch, offload=offload), routings=routings, reader=reader
+    )
     names = sorted(routings) or [None]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -120,11 +121,16 @@ def main() -> None:
 
     threads = pick_threads(args.threads)
     torch.set_num_threads(threads)
-    model, tok, info = moectl.load(args.model, dtype="bfloat16")
+    from moectl.serve.loading import load_for_offload
+
+    offload = OffloadConfig(budget=args.budget, policy=args.policy, store=args.store)
+    # a checkpoint folder loads lazily (experts read from its shards, never all in memory), as `moectl serve`
+    model, tok, reader = load_for_offload(args.model, offload, "bfloat16")
+    info = moectl.inspect(model)
     if args.subsets and args.subset_size > min(layer.num_experts for layer in info.layers):
         fail(f"--subset-size {args.subset_size} exceeds the model's experts per layer")
     routings = subsets(info, args.subsets, args.subset_size) if args.subsets else {}
-    rows = [run(model, tok, args, b, routings) for b in batches]
+    rows = [run(model, tok, reader, offload, args, b, routings) for b in batches]
     load = os.getloadavg()[0]
     print(f"{args.model}, bf16, {threads} threads, {args.policy} @ {args.budget}, load average {load:.1f}")
     print(

@@ -19,6 +19,7 @@ import contextlib
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -120,8 +121,9 @@ class OffloadedExperts(nn.Module):
         runtime = self._runtime[0]
         self.res.begin_step(runtime.step)
         flat = chosen.reshape(-1).tolist()  # the one host sync of the forward's expert ids
-        needed = sorted(set(flat))
-        self.res.expect(needed)
+        uses = Counter(flat)
+        needed = sorted(uses)
+        self.res.expect(needed, [uses[e] for e in needed])
         self.union = len(needed)
         self.union_total += self.union
         self.union_forwards += 1

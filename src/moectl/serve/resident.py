@@ -7,8 +7,9 @@ and it waits for the expert's load (if one is still in flight) right before retu
 
 The victim is never pinned, and never an expert the current forward still needs when another will
 do (``expect`` names the forward's experts, which its loops visit in ascending order): the least
-recently used expert this forward does not need; else the least recently used one it has already
-computed with; else (all needed, none used yet: more distinct experts than the budget) the needed
+recently used expert this forward does not need; else, of those it has already computed with, the
+one the fewest of its tokens used (the least likely to be needed by the next step's rows; ties:
+least recently used); else (all needed, none used yet: more distinct experts than the budget) the needed
 one it visits last (Belady's choice: the furthest next use). Plain LRU order would evict a resident
 expert the forward needs but has not reached yet, then reload it moments later: with a batch
 whose union of experts exceeds the budget, LRU over an ascending visit hits nothing at all. ``ensure(e)`` makes ``e`` resident without waiting (a policy
@@ -67,6 +68,7 @@ class ResidentSet:
         self._touched: set[int] = set()
         self._loaded_now: set[int] = set()
         self._needed: frozenset[int] = frozenset()  # the current forward's experts (``expect``)
+        self._uses: dict[int, int] = {}  # tokens of the current forward using each of them
 
     # -- figures ----------------------------------------------------------------------------------
     @property
@@ -92,11 +94,14 @@ class ResidentSet:
         self._touched.clear()
         self._loaded_now.clear()
         self._needed = frozenset()
+        self._uses = {}
         self.settle()
 
-    def expect(self, experts: list[int]) -> None:
-        """The distinct experts the current forward will access (see the module doc on victims)."""
+    def expect(self, experts: list[int], uses: list[int] | None = None) -> None:
+        """The distinct experts the current forward will access and how many of its tokens use each
+        (see the module doc on victims)."""
         self._needed = frozenset(experts)
+        self._uses = dict(zip(experts, uses, strict=True)) if uses is not None else {}
 
     def _victim(self) -> int | None:
         """Which resident expert to evict for a miss (see the module doc), None if all are pinned."""
@@ -107,7 +112,8 @@ class ResidentSet:
             if e not in self._needed:
                 return e
             if e in self._touched:
-                done = e if done is None else done
+                if done is None or self._uses.get(e, 0) < self._uses.get(done, 0):
+                    done = e
             elif later is None or e > later:
                 later = e
         return done if done is not None else later
