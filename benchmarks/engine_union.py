@@ -2,7 +2,7 @@
 
 A decoding step of B rows needs, per MoE layer, the union of the rows' chosen experts; when that
 union exceeds the budget the step must reload experts. For each ``--batch`` size this runs greedy
-engine generation of B prompts (``--tokens`` each, prefill included) with the experts offloaded
+engine generation of B prompts (``--tokens`` each, prefill included; ``--requests N``: N prompts through a batch of at most B) with the experts offloaded
 (``--budget``, ``--policy``, ``--store``), and reports tokens/s, loads and bytes moved per generated
 token, the hit rate, and the union per layer of the decoding steps (mean and max) beside the budget.
 ``--subsets N`` registers N different random expert subsets (``--subset-size`` experts per layer,
@@ -62,7 +62,7 @@ def run(model, tok, reader, offload: OffloadConfig, args, batch: int, routings: 
     )
     names = sorted(routings) or [None]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests or batch)]
     with engine:
         engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         before = engine.stats()
@@ -80,6 +80,7 @@ def run(model, tok, reader, offload: OffloadConfig, args, batch: int, routings: 
     hits, misses = off["hits"] - off0["hits"], off["misses"] - off0["misses"]
     return {
         "batch": batch,
+        "requests": len(prompts),
         "routings": len(routings),
         "generated_tokens": made,
         "tokens_per_s": made / wall,
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--store", default="disk", choices=["disk", "host", "checkpoint"])
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=0, help="requests per run (default: the batch size)")
     ap.add_argument(
         "--subsets", type=int, default=0, help="N different random expert subsets, row i uses i mod N"
     )
@@ -113,8 +115,8 @@ def main() -> None:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         fail(f"--batch must be a comma list of integers, got {args.batch!r}")
-    if min(batches) < 1 or args.tokens < 2 or args.subsets < 0 or args.subset_size < 1:
-        fail("--batch sizes must be >= 1, --tokens >= 2, --subsets >= 0 and --subset-size >= 1")
+    if min(batches) < 1 or args.tokens < 2 or args.subsets < 0 or args.subset_size < 1 or args.requests < 0:
+        fail("--batch sizes must be >= 1, --tokens >= 2, --subsets and --requests >= 0, --subset-size >= 1")
     if not 0 < args.budget <= 1:
         fail(f"--budget is a fraction in (0, 1], got {args.budget}")
     from moectl.threads import pick_threads

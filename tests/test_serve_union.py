@@ -64,7 +64,9 @@ def test_engine_reports_the_union_of_its_rows_and_stays_exact():
     with engine:
         got = [c.token_ids for c in engine.generate(prompts, params)]
         stats = engine.stats()["offload"]
+        events = engine.runtime.events()
     assert got == plain
+    assert len(set(events)) == len(events)  # no expert loaded twice in one forward of one layer
     assert stats["budget_per_layer"] == 4
     assert 2 <= stats["union_mean"] <= stats["union_max"] <= 8
     assert stats["union_max"] > 4  # this batch needs more than the budget at some layer
