@@ -323,18 +323,21 @@ def test_a_request_that_fails_in_a_shared_prefill_fails_alone():
             raise ValueError("broken policy")
 
     model, tok, _ = _loaded("olmoe")
-    engine = Engine(model, tok, EngineConfig(max_batch=3), routings={"broken": Broken()})
+    engine = Engine(model, tok, EngineConfig(max_batch=3, log_forwards=True), routings={"broken": Broken()})
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    done = {}
+    finals: list = []
     with engine:
         ids = [
-            engine.submit(p, params, r, lambda e: e.finish_reason and done.__setitem__(e.request_id, e))
-            for p, r in zip(PROMPTS[:3], [None, "broken", None], strict=True)
+            engine.submit(p, params, r, lambda e: e.finish_reason and finals.append(e))
+            for p, r in zip(PROMPTS[:3], ["broken", None, None], strict=True)
         ]
-        while len(done) < 3:
+        while len(finals) < 3 or engine.stats()["running"]:
             engine.step()
-    assert done[ids[1]].finish_reason == "error" and "broken policy" in done[ids[1]].info["error"]
-    for i in (0, 2):
+    assert engine.forward_log[:4] == [("prefill", 3), ("prefill", 1), ("prefill", 1), ("prefill", 1)]
+    done = {e.request_id: e for e in finals}
+    assert len(finals) == 3 and len(done) == 3  # each request finished once
+    assert done[ids[0]].finish_reason == "error" and "broken policy" in done[ids[0]].info["error"]
+    for i in (1, 2):
         assert done[ids[i]].finish_reason == "length"
         assert done[ids[i]].usage["completion_tokens"] == 6
 

@@ -438,33 +438,41 @@ class Engine:
                 self._finish(req, "cancelled")
                 continue
             taken.append(req)
+        roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
-        for req in taken:
-            if req not in plain:
-                self._isolated(self._prefill_roe, req)
+        work: list[tuple[Callable[[Any], None], Any]] = [(self._prefill_roe, r) for r in roe]
         for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
             reqs = [plain[i] for i in group]
-            if len(reqs) == 1:
-                self._isolated(self._prefill, reqs)
-                continue
-            try:
-                self._prefill(reqs)
-            except Exception:  # the forward of several failed: each alone, so only the bad one fails
-                if any(r is q for r in self._running for q in reqs):
-                    raise  # failed after joining the batch: not a prefill to redo
-                for req in reqs:
-                    self._isolated(self._prefill, [req])
+            work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
+        for done, (prefill, arg) in enumerate(work):
+            err = self._isolated(prefill, arg)
+            if err is not None and self._cache is None:  # nothing runs: fail the step, the rest wait
+                later = [r for _, a in work[done + 1 :] for r in (a if isinstance(a, list) else [a])]
+                with self._lock:
+                    self._waiting.extendleft(reversed(later))
+                raise err
         return bool(taken)
 
-    def _isolated(self, prefill: Callable[[Any], None], arg) -> None:
-        """Run one request's prefill; an error finishes that request alone."""
+    def _prefill_shared(self, reqs: list[_Request]) -> None:
+        """Several requests in one forward; if it fails, each alone, so only a bad one fails."""
+        try:
+            self._prefill(reqs)
+        except Exception:
+            if any(r is q for r in self._running for q in reqs):
+                raise  # failed after joining the batch: not a prefill to redo
+            for req in reqs:
+                self._isolated(self._prefill, [req])
+
+    def _isolated(self, prefill: Callable[[Any], None], arg) -> Exception | None:
+        """Run a prefill; an error finishes its requests (those not finished yet) and is returned."""
         try:
             prefill(arg)
         except Exception as err:
             for req in arg if isinstance(arg, list) else [arg]:
-                self._finish(req, "error", error=f"{type(err).__name__}: {err}")
-            if self._cache is None:
-                raise
+                if not req.done.is_set():
+                    self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+            return err
+        return None
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """One forward over the prompts of ``reqs``, left-padded to the longest (each row with its own
