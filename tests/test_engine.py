@@ -275,3 +275,78 @@ def test_offloading_switches_to_eager_experts_and_back():
         got = engine.generate(["abc"], SamplingParams(max_tokens=4, ignore_eos=True))
     assert model.config._experts_implementation == "grouped_mm"
     assert got[0].finish_reason == "length"
+
+
+def test_requests_admitted_together_are_prefilled_in_one_forward():
+    """Five requests of different lengths and routings (a mask, Gumbel noise, a document pool, a
+    controller, none) admitted at one step: ONE prefill forward for all five (left-padded), then
+    each row equals its solo route() + model.generate run (float32)."""
+    model, tok, info = _loaded("olmoe")
+    controller = moectl.options.ControllerPolicy(moectl.options.build_controller(info, k_hat=4), seed=0)
+    specs = {
+        "mask": MASK,
+        "gumbel": {"type": "gumbel", "tau": 1.0, "seed": 5},
+        "pool": {"type": "document_pool", "d": 4},
+        "ctrl": controller,
+    }
+    engine = Engine(model, tok, EngineConfig(max_batch=5, log_forwards=True), routings=specs)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, seed=3)
+    order = ["gumbel", None, "ctrl", "mask", "pool"]
+    prompts = [*PROMPTS[:2], "2 + 2 = 4, and 3 + 3 = 6", *PROMPTS[3:]]  # 1 to 26 tokens: one small forward
+    assert len({len(tok([p])["input_ids"][0]) for p in prompts}) == 5  # lengths differ: padding
+    tokens: dict[str, list[int]] = {}
+    with engine:
+        ids = [
+            engine.submit(p, params, r, lambda e: tokens.setdefault(e.request_id, []).extend(e.token_ids))
+            for p, r in zip(prompts, order, strict=True)
+        ]
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            engine.step()
+    assert engine.forward_log[0] == ("prefill", 5)
+    assert [kind for kind, _ in engine.forward_log].count("prefill") == 1
+    assert engine.stats()["prefill_forwards"] == 1 and engine.stats()["prefills"] == 5
+    solo_policies = {None: None, "mask": MASK, "gumbel": specs["gumbel"], "pool": specs["pool"]}
+    solo_policies["ctrl"] = [controller.fork(3)]
+    for rid, prompt, routing in zip(ids, prompts, order, strict=True):
+        assert tokens[rid] == _offline(model, tok, prompt, 8, solo_policies[routing])[0], routing
+
+
+def test_a_request_that_fails_in_a_shared_prefill_fails_alone():
+    """A routing whose policy raises: the shared prefill is redone one request at a time, so only
+    that request ends with the error and the others equal their solo runs."""
+
+    class Broken:
+        def bind(self, info):
+            pass
+
+        def apply(self, state):
+            raise ValueError("broken policy")
+
+    model, tok, _ = _loaded("olmoe")
+    engine = Engine(model, tok, EngineConfig(max_batch=3, log_forwards=True), routings={"broken": Broken()})
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    finals: list = []
+    with engine:
+        ids = [
+            engine.submit(p, params, r, lambda e: e.finish_reason and finals.append(e))
+            for p, r in zip(PROMPTS[:3], ["broken", None, None], strict=True)
+        ]
+        while len(finals) < 3 or engine.stats()["running"]:
+            engine.step()
+    assert engine.forward_log[:4] == [("prefill", 3), ("prefill", 1), ("prefill", 1), ("prefill", 1)]
+    done = {e.request_id: e for e in finals}
+    assert len(finals) == 3 and len(done) == 3  # each request finished once
+    assert done[ids[0]].finish_reason == "error" and "broken policy" in done[ids[0]].info["error"]
+    for i in (1, 2):
+        assert done[ids[i]].finish_reason == "length"
+        assert done[ids[i]].usage["completion_tokens"] == 6
+
+
+def test_prefill_groups_bound_padding_and_size():
+    from moectl.engine.batch import prefill_groups
+
+    assert prefill_groups([5, 1, 30, 7], 2048) == [[0, 1, 2, 3]]  # small: one forward whatever the padding
+    assert prefill_groups([500, 5, 5, 5], 2048) == [[0, 1], [2, 3]]  # padding stays at most half
+    assert prefill_groups([600, 600, 600, 600], 2048) == [[0, 1, 2], [3]]  # 4 x 600 > 2048
+    assert prefill_groups([3000, 2], 2048) == [[0], [1]]  # longer than the limit: alone
+    assert prefill_groups([], 2048) == []

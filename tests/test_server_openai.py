@@ -330,7 +330,13 @@ def test_a_full_queue_gets_429_and_sigterm_finishes_what_runs_then_exits_0():
                 with pytest.raises(openai.RateLimitError, match="queue is full"):
                     server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
                 metrics = http.get("/metrics").text
-                for name in ("moectl_resident_experts", "moectl_expert_hit_rate", "moectl_expert_bytes_read"):
+                for name in (
+                    "moectl_resident_experts",
+                    "moectl_expert_hit_rate",
+                    "moectl_expert_bytes_read",
+                    "moectl_expert_union_mean",
+                    "moectl_expert_budget_per_layer",
+                ):
                     assert f"\n{name} " in metrics  # --budget: the offload figures
                 assert "\nmoectl_queue_depth 1.0" in metrics
                 server.proc.send_signal(signal.SIGTERM)

@@ -1,15 +1,17 @@
 """The engine: the one place moectl runs a model forward for a set of sequences.
 
 Requests join and leave the running batch at step boundaries (continuous batching). A step admits
-waiting requests while the batch has room — each is prefilled alone, its first token sampled, and
-its KV cache joined to the batch's (``kv.join``) — then runs one decoding forward for every running
-row and samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
+waiting requests while the batch has room — prefilled together, left-padded, in as few forwards as
+``batch.prefill_groups`` allows (usually one), their first tokens sampled and their KV cache rows
+joined to the batch's (``kv.join``) — then runs one decoding forward for every running row and
+samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
 EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (``kv.keep``).
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
 or subset, a document pool, Gumbel noise, ``option:K`` or a controller with its own option state.
-The offload runtime (``moectl.offload.runtime``) can sit underneath: the batch's rows then share one
-resident expert set, and an expert that any row needs is loaded once per step.
+The offload runtime (``moectl.offload.offload``) can sit underneath: the batch's rows then share one
+resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
+the union of the rows' experts per layer against the budget (above it, a step must reload experts).
 
 Use it synchronously (``engine.generate(prompts, params)``, as the batch commands do) or as a
 server's back end (``engine.start()``; ``submit(..., on_event=...)`` from any thread; events are
@@ -35,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
@@ -76,11 +79,12 @@ class EngineConfig:
     max_queue: int = 64
     offload: Any = None
     log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
+    prefill_tokens: int = 2048  # the most padded tokens (rows × longest prompt) one prefill forward takes
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue"):
+        for name in ("max_batch", "max_queue", "prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -161,6 +165,8 @@ class Engine:
         self.eos_ids = (
             set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
         )
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
         self._lock = threading.Condition()
@@ -183,8 +189,16 @@ class Engine:
         self._stopping = False
         self._drain = True
         self._checked_cache = False
-        self.counters = {"steps": 0, "prefills": 0, "generated_tokens": 0, "finished": 0, "errors": 0}
+        self.counters = {
+            "steps": 0,
+            "prefills": 0,
+            "prefill_forwards": 0,
+            "generated_tokens": 0,
+            "finished": 0,
+            "errors": 0,
+        }
         self.routing_stats: dict[str, dict[str, float]] = {}
+        self._union = [0.0, 0, 0]  # offloading: Σ mean union per layer, max union, decode steps
         self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -412,8 +426,10 @@ class Engine:
             return True
 
     def _admit(self) -> bool:
-        admitted = False
-        while len(self._running) + len(self._roe_rows) < self.config.max_batch:
+        """Take waiting requests while the batch has room and prefill them: RoE requests one by one
+        (their own ensembles), the others together, a few forwards at most (``prefill_groups``)."""
+        taken: list[_Request] = []
+        while len(self._running) + len(self._roe_rows) + len(taken) < self.config.max_batch:
             with self._lock:
                 if not self._waiting:
                     break
@@ -422,36 +438,75 @@ class Engine:
             if cancelled:
                 self._finish(req, "cancelled")
                 continue
-            try:
-                if req.routing is not None and req.routing.roe is not None:
-                    self._prefill_roe(req)
-                else:
-                    self._prefill(req)
-            except Exception as err:  # this request alone fails
-                self._finish(req, "error", error=f"{type(err).__name__}: {err}")
-                if self._cache is None:
-                    raise
-            admitted = True
-        return admitted
+            taken.append(req)
+        roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
+        plain = [r for r in taken if r.routing is None or r.routing.roe is None]
+        work: list[tuple[Callable[[Any], None], Any]] = [(self._prefill_roe, r) for r in roe]
+        for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
+            reqs = [plain[i] for i in group]
+            work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
+        for done, (prefill, arg) in enumerate(work):
+            err = self._isolated(prefill, arg)
+            if err is not None and self._cache is None:  # nothing runs: fail the step, the rest wait
+                later = [r for _, a in work[done + 1 :] for r in (a if isinstance(a, list) else [a])]
+                with self._lock:
+                    self._waiting.extendleft(reversed(later))
+                raise err
+        return bool(taken)
 
-    def _prefill(self, req: _Request) -> None:
-        ids = torch.tensor([req.prompt], device=self.device)
-        n = ids.shape[1]
+    def _prefill_shared(self, reqs: list[_Request]) -> None:
+        """Several requests in one forward; if it fails, each alone, so only a bad one fails."""
+        try:
+            self._prefill(reqs)
+        except Exception:
+            if any(r is q for r in self._running for q in reqs):
+                raise  # failed after joining the batch: not a prefill to redo
+            for req in reqs:
+                self._isolated(self._prefill, [req])
+
+    def _isolated(self, prefill: Callable[[Any], None], arg) -> Exception | None:
+        """Run a prefill; an error finishes its requests (those not finished yet) and is returned."""
+        try:
+            prefill(arg)
+        except Exception as err:
+            for req in arg if isinstance(arg, list) else [arg]:
+                if not req.done.is_set():
+                    self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+            return err
+        return None
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """One forward over the prompts of ``reqs``, left-padded to the longest (each row with its own
+        positions 0..n−1 and, through ``Group.pad``, its own routing over its own tokens), then their
+        first tokens sampled and their cache rows joined to the batch's."""
+        k = len(reqs)
+        lengths = [len(r.prompt) for r in reqs]
+        width = max(lengths)
+        ids, mask = left_pad([r.prompt for r in reqs], self._pad_id, self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = new_cache(self.model)
-        groups = [Group(torch.zeros(1, dtype=torch.long), req.policies, 0)] if req.policies else []
-        self.router.set_groups(groups, 1, self.device)
-        prev = torch.zeros(
-            1, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=self.device
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, req in enumerate(reqs):
+            if req.policies:
+                groups.setdefault((id(req.policies), width - lengths[i]), []).append(i)
+        self.router.set_groups(
+            [Group(torch.tensor(rows), reqs[rows[0]].policies, 0, pad) for (_, pad), rows in groups.items()],
+            k,
+            self.device,
         )
-        switches = torch.zeros(1, self.info.num_moe_layers, dtype=torch.long, device=self.device)
+        prev = torch.zeros(
+            k, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=self.device
+        )
+        switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=self.device)
         self.meter.start(prev, switches, counting=False)
-        self._begin_traces([req], n, prefill=True)
-        self._log("prefill", 1)
+        self._begin_traces(reqs, lengths, prefill=True)
+        self.meter.pads = [width - n for n in lengths]
+        self._log("prefill", k)
         try:
             out = self.model(
                 input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                position_ids=torch.arange(n, device=self.device)[None],
+                attention_mask=mask,
+                position_ids=positions,
                 **with_cache(cache),
                 use_cache=True,
                 logits_to_keep=1,
@@ -462,16 +517,24 @@ class Engine:
         if not self._checked_cache:
             check_batchable(cache, self.model.config)
             self._checked_cache = True
-        req.seen = n
-        self.counters["prefills"] += 1
-        token = self._choose(out.logits[:, -1], [req])
-        self._cache, self._valid = join(self._cache, self._valid, cache, n)
+        for req, n in zip(reqs, lengths, strict=True):
+            req.seen = n
+        self.counters["prefills"] += k
+        self.counters["prefill_forwards"] += 1
+        tokens = self._choose(out.logits[:, -1], reqs)
+        self._cache, self._valid = join(self._cache, self._valid, cache, mask)
         self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
         self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
-        self._last = token if self._last is None else torch.cat([self._last, token])
-        self._running.append(req)
-        if self._emit(req, int(token[0])):
-            self._remove([len(self._running) - 1])
+        self._last = tokens if self._last is None else torch.cat([self._last, tokens])
+        first = len(self._running)
+        self._running.extend(reqs)
+        finished = [
+            first + i
+            for i, (req, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True))
+            if self._emit(req, tok)
+        ]
+        if finished:
+            self._remove(finished)
 
     def _prefill_roe(self, req: _Request) -> None:
         """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
@@ -487,6 +550,7 @@ class Engine:
             out = ensemble.start(ids, torch.ones_like(ids))
         req.seen = ids.shape[1]
         self.counters["prefills"] += 1
+        self.counters["prefill_forwards"] += 1
         req.ensemble, req.last = ensemble, self._choose(out.logprobs, [req])
         self._roe_rows.append(req)
         if self._emit(req, int(req.last[0])):
@@ -516,12 +580,13 @@ class Engine:
         meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
         return RoutingTrace(self.info.num_moe_layers, meta)
 
-    def _begin_traces(self, reqs: list[_Request], length: int, prefill: bool) -> None:
-        """Open a call in each recording request's trace (its own offset: the tokens it has seen)."""
+    def _begin_traces(self, reqs: list[_Request], lengths: list[int], prefill: bool) -> None:
+        """Open a call in each recording request's trace (its own offset: the tokens it has seen;
+        its own length: a prefill's rows record their own prompt, not its padding)."""
         if not self.config.record:
             self.meter.traces = None
             return
-        for req in reqs:
+        for req, length in zip(reqs, lengths, strict=True):
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
             req.trace.begin_call(0 if prefill else req.seen, valid)
         self.meter.traces = [r.trace for r in reqs]
@@ -534,7 +599,7 @@ class Engine:
         """Outside the engine's own forwards the model routes as it would without the engine."""
         self.router.set_groups([], 0, self.device)
         self.meter.start(None, None, counting=False)
-        self.meter.traces = None
+        self.meter.traces = self.meter.pads = None
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
         dev = logits.device
@@ -562,7 +627,7 @@ class Engine:
         self.meter.start(self._prev, self._switches, counting=True)
         valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
         positions = torch.tensor([[r.seen] for r in self._running], device=self.device)
-        self._begin_traces(self._running, 1, prefill=False)
+        self._begin_traces(self._running, [1] * b, prefill=False)
         self._log("decode", b)
         try:
             out = self.model(
@@ -577,6 +642,11 @@ class Engine:
             self._between_steps()
         self._cache = self._cache if cache_out(out) is None else cache_out(out)
         self._valid = valid
+        if self.runtime is not None:  # what this step's rows needed together, per MoE layer (host ints)
+            unions = [m.union for m in self.runtime.modules]
+            self._union[0] += sum(unions) / len(unions)
+            self._union[1] = max(self._union[1], max(unions))
+            self._union[2] += 1
         for req in self._running:
             req.seen += 1
         tokens = self._choose(out.logits[:, -1], self._running)
@@ -720,5 +790,10 @@ class Engine:
                 "hit_rate": totals["hits"] / accesses if accesses else None,
                 "bytes_moved": totals["bytes_moved"],
                 "loads": totals["loads"],
+                # distinct experts a decoding step's rows need together per MoE layer (mean over steps
+                # and layers, max); above the budget per layer a step must reload experts
+                "union_mean": self._union[0] / self._union[2] if self._union[2] else None,
+                "union_max": self._union[1] if self._union[2] else None,
+                "budget_per_layer": max(r.budget for r in self.runtime.resident_sets),
             }
         return out

@@ -4,8 +4,9 @@ The batch cache is a transformers ``DynamicCache`` whose every layer holds keys 
 [B, H, L, D]; ``valid`` [B, L] marks each row's real positions (a row that joined shorter than the
 batch is padded on the left, and padding is masked out of attention by the 2-D attention mask).
 Position ids are passed explicitly (each row's count of real tokens), so a row's numbers do not
-depend on the padding in front of it. A join copies the cache once (O(B·L) per join, none per
-step); a leave selects the remaining rows and drops columns that are padding in every row.
+depend on the padding in front of it. Rows prefilled together arrive already left-padded to their
+longest prompt (``rows_valid``). A join copies the cache once (O(B·L) per join, none per step); a
+leave selects the remaining rows and drops columns that are padding in every row.
 
 Sliding-window layers (gpt-oss) keep the last W − 1 columns of the same padded layout: with
 padding on the left, a column distance is a position distance, so the window stays exact; their
@@ -59,16 +60,16 @@ def _pad_left(t: Tensor, length: int) -> Tensor:
     return F.pad(t, (0, 0, length - t.shape[-2], 0)) if t.shape[-2] < length else t
 
 
-def join(batch, valid: Tensor | None, row_cache, row_length: int) -> tuple[object, Tensor]:
-    """Append one prefilled row (its cache holding ``row_length`` real positions) to the batch.
+def join(batch, valid: Tensor | None, rows_cache, rows_valid: Tensor) -> tuple[object, Tensor]:
+    """Append prefilled rows (their cache, left-padded as ``rows_valid`` [k, L_k] marks) to the batch.
 
-    Returns the batch cache (the row's own when the batch is empty) and the new ``valid`` [B + 1, L']."""
-    device = row_cache.layers[0].keys.device
-    row_valid = torch.ones(1, row_length, dtype=torch.bool, device=device)
+    Returns the batch cache (the rows' own when the batch is empty) and the new ``valid`` [B + k, L']."""
+    rows_valid = rows_valid.bool()
     if batch is None or valid is None or valid.shape[0] == 0:
-        return row_cache, row_valid
+        return rows_cache, rows_valid
+    row_length = rows_valid.shape[1]
     length = max(valid.shape[1], row_length)
-    for mine, theirs in zip(batch.layers, row_cache.layers, strict=True):
+    for mine, theirs in zip(batch.layers, rows_cache.layers, strict=True):
         window = _window(mine)
         cols = length if window is None else min(length, window)
         mine.keys = torch.cat([_pad_left(mine.keys, cols), _pad_left(theirs.keys, cols)])
@@ -76,7 +77,7 @@ def join(batch, valid: Tensor | None, row_cache, row_length: int) -> tuple[objec
         if window is not None:
             mine.cumulative_length = length
     valid = torch.cat(
-        [F.pad(valid, (length - valid.shape[1], 0)), F.pad(row_valid, (length - row_length, 0))]
+        [F.pad(valid, (length - valid.shape[1], 0)), F.pad(rows_valid, (length - row_length, 0))]
     )
     return batch, valid
 

@@ -4,7 +4,10 @@
 says which rows belong to which routing (``set_groups``); at every MoE layer the router applies each
 group's policies to a ``RoutingState`` cut to that group's rows, with a context as the request alone
 would have it (its own offset: the real tokens it has seen), and writes their ``allowed`` / ``noise``
-back into the batch's state. A row with no routing is left as the model routes it. Stateless
+back into the batch's state. In a prefill of several requests the rows are left-padded to the
+longest prompt; a group's ``pad`` columns are cut off before its policies see the rows, so a policy
+sees exactly the [1, n, E] call of its request alone (absolute positions 0..n−1, the same draws
+from a generator) and padding stays unrestricted. A row with no routing is left as the model routes it. Stateless
 routings (an expert mask) share one group for all their rows; a policy with sequence state (a
 controller, a document pool, Gumbel noise) is forked per request, so its state never mixes rows.
 
@@ -28,11 +31,13 @@ from moectl.routing.routing_state import Policy, RouteContext, RoutingState
 
 @dataclass
 class Group:
-    """Rows [n] of the batch that share one list of policies, and each row's offset (tokens seen)."""
+    """Rows [n] of the batch that share one list of policies, their offset (tokens seen) and how many
+    leading columns of this call are padding in each of them (a batched prefill's left padding)."""
 
     rows: Tensor
     policies: list[Policy]
     offset: int
+    pad: int = 0
 
 
 class RowRouter:
@@ -61,29 +66,30 @@ class RowRouter:
         renorm = None
         for group in self.groups:
             rows = group.rows.to(state.logits.device)
+            cols = slice(group.pad, None)  # the group's real columns (all, but in a batched prefill)
             sub_ctx = RouteContext(
                 batch=int(rows.numel()),
-                length=ctx.length,
+                length=ctx.length - group.pad,
                 offset=group.offset,
-                valid=None if ctx.valid is None else ctx.valid[rows],
+                valid=None if ctx.valid is None else ctx.valid[rows, cols],
                 calls=ctx.calls,
             )
-            sub = RoutingState(state.layer, state.logits[rows], state.rule, sub_ctx)
+            sub = RoutingState(state.layer, state.logits[rows, cols], state.rule, sub_ctx)
             if state.hidden is not None:
-                sub.hidden = state.hidden[rows]
+                sub.hidden = state.hidden[rows, cols]
             for policy in group.policies:
                 policy.apply(sub)
             if sub.allowed is not None:
                 if allowed is None:
                     allowed = torch.ones_like(state.logits, dtype=torch.bool)
-                allowed[rows] = sub.allowed
+                allowed[rows, cols] = sub.allowed
                 renorm = sub.renorm  # one mode across registered routings (engine.routings checks)
                 if self.restricted_rows is not None:
                     self.restricted_rows[rows] = True
             if sub.noise is not None:
                 if noise is None:
                     noise = torch.zeros_like(state.logits)
-                noise[rows] = sub.noise
+                noise[rows, cols] = sub.noise
         if allowed is not None:
             state.restrict(allowed, renorm=renorm)
             self.allowed[state.layer] = allowed
@@ -101,6 +107,7 @@ class SwitchMeter:
         self.switches: Tensor | None = None  # [B, L] switches counted per row and layer
         self.counting = False
         self.traces: list | None = None  # per row: its request's RoutingTrace (recording), or None
+        self.pads: list[int] | None = None  # per row: leading padding columns of this call (None: none)
         self._handles: list = []
 
     def install(self, model: nn.Module) -> None:
@@ -144,10 +151,12 @@ class SwitchMeter:
         allowed = self.router.allowed.get(layer.index)
         rows = self.router.restricted_rows
         restricted = rows.tolist() if allowed is not None and rows is not None else [False] * b
+        pads = self.pads or [0] * b
         for r, trace in enumerate(self.traces):
             if trace is not None:
-                keep = allowed[r : r + 1] if restricted[r] else None
-                trace.record(layer.index, probs[r : r + 1], chosen[r : r + 1], keep)
+                p = pads[r]  # the row's own tokens only, as its request alone records them
+                keep = allowed[r : r + 1, p:] if restricted[r] else None
+                trace.record(layer.index, probs[r : r + 1, p:], chosen[r : r + 1, p:], keep)
 
     def start(self, prev: Tensor | None, switches: Tensor | None, counting: bool) -> None:
         """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]

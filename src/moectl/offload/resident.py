@@ -2,9 +2,17 @@
 
 Slots are preallocated tensors [budget, *expert_shape] per expert parameter, so the resident
 expert memory is exactly ``slot_bytes`` whatever is loaded. ``access(e)`` returns the slot of
-expert ``e`` for computing with it now: on a miss it loads it into a free slot or over the least
-recently used expert that is not pinned, and it waits for the expert's load (if one is still in
-flight) right before returning. ``ensure(e)`` makes ``e`` resident without waiting (a policy
+expert ``e`` for computing with it now: on a miss it loads it into a free slot or over a victim,
+and it waits for the expert's load (if one is still in flight) right before returning.
+
+The victim is never pinned, and never an expert the current forward still needs when another will
+do (``expect`` names the forward's experts, which its loops visit in ascending order): the least
+recently used expert this forward does not need; else, of those it has already computed with, the
+one the fewest of its tokens used (the least likely to be needed by the next step's rows; ties:
+least recently used); else (all needed, none used yet: more distinct experts than the budget) the needed
+one it visits last (Belady's choice: the furthest next use). Plain LRU order would evict a resident
+expert the forward needs but has not reached yet, then reload it moments later: with a batch
+whose union of experts exceeds the budget, LRU over an ascending visit hits nothing at all. ``ensure(e)`` makes ``e`` resident without waiting (a policy
 starting an option's loads); ``prefetch`` loads predicted experts only into free slots or over
 evictable ones (see :meth:`ResidentSet.prefetch`).
 
@@ -59,6 +67,8 @@ class ResidentSet:
         self._pending: dict[int, Ticket] = {}  # expert -> its load, not yet waited on
         self._touched: set[int] = set()
         self._loaded_now: set[int] = set()
+        self._needed: frozenset[int] = frozenset()  # the current forward's experts (``expect``)
+        self._uses: dict[int, int] = {}  # tokens of the current forward using each of them
 
     # -- figures ----------------------------------------------------------------------------------
     @property
@@ -83,7 +93,30 @@ class ResidentSet:
         self.step = step
         self._touched.clear()
         self._loaded_now.clear()
+        self._needed = frozenset()
+        self._uses = {}
         self.settle()
+
+    def expect(self, experts: list[int], uses: list[int] | None = None) -> None:
+        """The distinct experts the current forward will access and how many of its tokens use each
+        (see the module doc on victims)."""
+        self._needed = frozenset(experts)
+        self._uses = dict(zip(experts, uses, strict=True)) if uses is not None else {}
+
+    def _victim(self) -> int | None:
+        """Which resident expert to evict for a miss (see the module doc), None if all are pinned."""
+        done = later = None
+        for e in self.where:  # least recently used first
+            if e in self.pinned:
+                continue
+            if e not in self._needed:
+                return e
+            if e in self._touched:
+                if done is None or self._uses.get(e, 0) < self._uses.get(done, 0):
+                    done = e
+            elif later is None or e > later:
+                later = e
+        return done if done is not None else later
 
     def access(self, expert: int) -> int:
         """Slot of ``expert`` for computing with it now (loads it on a miss, waits for its load)."""
@@ -116,7 +149,7 @@ class ResidentSet:
         if self._free:
             slot = self._free.pop(0)
         else:
-            victim = next((e for e in self.where if e not in self.pinned), None)
+            victim = self._victim()
             if victim is None:
                 raise RuntimeError(
                     f"MoE layer {self.layer}: all {self.budget} resident experts are pinned, none can make "
@@ -134,7 +167,7 @@ class ResidentSet:
         recently used first. When there is no such slot left, the rest are not prefetched: the
         budget is never exceeded and nothing the current step needs is evicted.
         """
-        keep = set(experts) | set(protect) | self.pinned | self._touched
+        keep = set(experts) | set(protect) | self.pinned | self._touched | self._needed
         started = 0
         for expert in dict.fromkeys(experts):
             if expert in self.where:

@@ -19,6 +19,7 @@ import contextlib
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -89,6 +90,8 @@ class OffloadedExperts(nn.Module):
         self.grouped = grouped
         self.num_experts = num_experts
         self.switches = 0  # decoding steps at which the policy's pinned option changed (TE-MoE §2.2)
+        self.union = 0  # distinct experts the latest forward needed (a batch: the union of its rows')
+        self.union_total = self.union_forwards = 0
         self._forward_s = 0.0
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards not yet read
 
@@ -118,6 +121,13 @@ class OffloadedExperts(nn.Module):
         probs = None if self.last_probs is None else self.last_probs.reshape(chosen.shape[0], -1)
         runtime = self._runtime[0]
         self.res.begin_step(runtime.step)
+        flat = chosen.reshape(-1).tolist()  # the one host sync of the forward's expert ids
+        uses = Counter(flat)
+        needed = sorted(uses)
+        self.res.expect(needed, [uses[e] for e in needed])
+        self.union = len(needed)
+        self.union_total += self.union
+        self.union_forwards += 1
         option = frozenset(self.res.pinned)
         self.policy.before(self.layer, self.res, chosen, probs)
         if chosen.shape[0] == 1 and option and self.res.pinned != option:  # a decoding step changed ω
@@ -134,7 +144,7 @@ class OffloadedExperts(nn.Module):
             start.record(stream)
         t0 = time.perf_counter()
         try:
-            out = self._grouped(hidden_states, idx, args, kwargs) if self.grouped else None
+            out = self._grouped(hidden_states, idx, flat, needed, args, kwargs) if self.grouped else None
             if out is None:
                 out = self.inner(hidden_states, *args, **kwargs)
         finally:
@@ -147,29 +157,33 @@ class OffloadedExperts(nn.Module):
         self.policy.after(self.layer, self.res, chosen, probs)
         return out
 
-    def _grouped(self, hidden_states: Tensor, idx: Tensor, args: tuple, kwargs: dict) -> Tensor | None:
+    def _grouped(
+        self,
+        hidden_states: Tensor,
+        idx: Tensor,
+        flat: list[int],
+        experts: list[int],
+        args: tuple,
+        kwargs: dict,
+    ) -> Tensor | None:
         """The slot-grouped forward (``offload/slot_forward.py``), or None where the eager loop must run:
-        more distinct experts chosen than the budget holds, or weights not found in the call."""
+        more distinct experts chosen than the budget holds, or weights not found in the call.
+        ``flat``: the chosen ids on the host; ``experts``: their distinct values, ascending (the order
+        the eager loop visits experts in)."""
         weights = args[1] if len(args) > 1 else kwargs.get("top_k_weights")
         if weights is None:
             return None
+        if len(experts) > self.res.budget:
+            return None
+        slots = [self.res.access(e) for e in experts]
         if idx.numel() == idx.shape[-1]:  # one token (a decoding step): map its k ids on the host
-            chosen = idx.reshape(-1).tolist()  # one host sync per layer (the eager loop: one per expert)
-            experts = sorted(set(chosen))  # the order the eager loop visits experts in
-            if len(experts) > self.res.budget:
-                return None
-            slot = {e: self.res.access(e) for e in experts}
-            slot_index = torch.tensor([slot[e] for e in chosen], dtype=torch.long).view(idx.shape)
+            slot = dict(zip(experts, slots, strict=True))
+            slot_index = torch.tensor([slot[e] for e in flat], dtype=torch.long).view(idx.shape)
             slot_index = slot_index.to(idx.device, non_blocking=True)
         else:
-            distinct = torch.unique(idx)  # sorted: the order the eager loop visits experts in
-            experts = distinct.tolist()  # one host sync per layer
-            if len(experts) > self.res.budget:
-                return None
-            slots = [self.res.access(e) for e in experts]
-            slot_of = torch.zeros(self.num_experts, dtype=torch.long, device=idx.device)
-            slot_of[distinct] = torch.tensor(slots, dtype=torch.long).to(idx.device, non_blocking=True)
-            slot_index = slot_of[idx]
+            slot_of = torch.zeros(self.num_experts, dtype=torch.long)
+            slot_of[experts] = torch.tensor(slots, dtype=torch.long)
+            slot_index = slot_of.to(idx.device, non_blocking=True)[idx]
         return slot_experts_forward(self.inner, self.res.slots, hidden_states, slot_index, weights)
 
 

@@ -65,6 +65,11 @@ OFFLOAD_GAUGES = {
     "hit_rate": ("moectl_expert_hit_rate", "Share of expert uses served by resident experts."),
     "bytes_moved": ("moectl_expert_bytes_read", "Bytes of expert weights read from the store into resident slots."),
     "loads": ("moectl_expert_loads", "Expert loads into resident slots."),
+    "union_mean": (
+        "moectl_expert_union_mean",
+        "Distinct experts a decoding step's rows need together per MoE layer (mean); above the budget a step reloads.",
+    ),
+    "budget_per_layer": ("moectl_expert_budget_per_layer", "Resident expert slots per MoE layer."),
 }
 
 
