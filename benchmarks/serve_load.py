@@ -303,8 +303,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             proc, base, _ = start(command, port)
             pid = proc.pid
         served = httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        if args.url:  # a server this script did not start: its model is what it says it serves
+            result["model"], result["url"] = served, args.url
         result["moectl"] = measure(base, headers, args, served, extra, args.routings)
-        show(f"moectl serve {args.model}", result["moectl"])
+        show(f"server at {args.url} ({served})" if args.url else f"moectl serve {args.model}", result["moectl"])
         if args.rss_requests and pid is not None:
             result["rss"] = rss_check(base, headers, pid, args, served, extra)
             r = result["rss"]
