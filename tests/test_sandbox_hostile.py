@@ -132,3 +132,23 @@ def test_nothing_left_in_the_temp_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", None)
     assert run_program("open('x', 'w').write('y')\n", allow=True).passed
     assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_a_python_installation_under_tmp_is_contained(monkeypatch, fresh_containment):
+    """A venv under /tmp (fresh-check's) is bound into the new root below /tmp, so the root's /tmp
+    exists before the bootstrap links /tmp to /sandbox: that link failed (FileExistsError) and the
+    namespace mode was lost for the whole run."""
+    import tempfile
+
+    if containment().mode != "namespace":
+        pytest.skip(f"namespaces unavailable here: {containment().missing}")
+    containment.cache_clear()
+    under_tmp = tempfile.mkdtemp(dir="/tmp")
+    os.chmod(under_tmp, 0o755)
+    bind_paths = sandbox._bind_paths
+    monkeypatch.setattr(sandbox, "_bind_paths", lambda: [*bind_paths(), under_tmp])
+    try:
+        assert containment().mode == "namespace", containment().missing
+        assert run_program("import os\nassert os.getcwd() == '/sandbox'\n", allow=True).passed
+    finally:
+        os.rmdir(under_tmp)

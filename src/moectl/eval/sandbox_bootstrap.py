@@ -114,7 +114,8 @@ def _build_root(config: dict) -> None:
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.makedirs(new + SANDBOX)
     _mount("tmpfs", new + SANDBOX, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk_bytes']},mode=700")
-    os.symlink(SANDBOX, new + "/tmp")
+    if not os.path.lexists(new + "/tmp"):  # a bound Python installation may live under /tmp (a venv there)
+        os.symlink(SANDBOX, new + "/tmp")
     with open("program.py", "rb") as src, open(new + SANDBOX + "/program.py", "wb") as dst:
         dst.write(src.read())
     if config["uid"] is not None:
