@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
-from bench_args import fail
+from bench_args import fail, int_list
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
 
@@ -106,10 +106,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: moectl.threads)")
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
     args = ap.parse_args()
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        fail(f"--batch must be a comma list of integers, got {args.batch!r}")
+    batches = int_list(args.batch, "--batch")
     if min(batches) < 1 or args.tokens < 2:
         fail("--batch sizes must be >= 1 and --tokens >= 2")
     from moectl.threads import pick_threads

@@ -26,21 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
-from bench_args import fail
+from bench_args import PROMPTS, fail, int_list
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
 from moectl.offload.offload_config import OffloadConfig
-
-PROMPTS = [
-    "The mixture of experts routes each token to",
-    "In a quiet village by the sea, the old lighthouse keeper",
-    "def fibonacci(n):\n    ",
-    "The theorem follows from the observation that",
-    "Once upon a time",
-    "The capital of France is",
-    "To train a language model, one first",
-    "Experts in the last layer specialise in",
-]
 
 
 def subsets(info, count: int, size: int, seed: int = 0) -> dict[str, dict]:
@@ -111,10 +100,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: moectl.threads)")
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
     args = ap.parse_args()
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        fail(f"--batch must be a comma list of integers, got {args.batch!r}")
+    batches = int_list(args.batch, "--batch")
     if min(batches) < 1 or args.tokens < 2 or args.subsets < 0 or args.subset_size < 1 or args.requests < 0:
         fail("--batch sizes must be >= 1, --tokens >= 2, --subsets and --requests >= 0, --subset-size >= 1")
     if not 0 < args.budget <= 1:

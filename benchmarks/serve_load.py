@@ -38,19 +38,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_args import fail
+from bench_args import PROMPTS, fail
 from moectl.io.atomic import write_text_atomic
 
-PROMPTS = [
-    "The mixture of experts routes each token to",
-    "In a quiet village by the sea, the old lighthouse keeper",
-    "def fibonacci(n):\n    ",
-    "The theorem follows from the observation that",
-    "Once upon a time",
-    "The capital of France is",
-    "To train a language model, one first",
-    "Experts in the last layer specialise in",
-]
 STARTUP_S = 600.0
 
 

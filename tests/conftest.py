@@ -48,6 +48,17 @@ def random_ids(batch: int = 2, length: int = 12, seed: int = 0, vocab: int = 256
     return torch.randint(3, vocab, (batch, length), generator=generator)
 
 
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plot functions save (moectl draws on ``Figure`` objects, never pyplot)."""
+    from matplotlib.figure import Figure
+
+    kept = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: kept.append(fig) or savefig(fig, *a, **k))
+    return kept
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A few documents of every domain of the shipped sample, as a corpus folder."""

@@ -3,23 +3,11 @@ a legend entry only for what is drawn."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import moectl
 
 BLUE = (0.62, 0.78, 0.95)
-
-
-@pytest.fixture
-def figures(monkeypatch):
-    """The figures the plot functions save (moectl draws on ``Figure`` objects, never pyplot)."""
-    from matplotlib.figure import Figure
-
-    kept = []
-    savefig = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: kept.append(fig) or savefig(fig, *a, **k))
-    return kept
 
 
 def _legend(ax) -> list[str]:

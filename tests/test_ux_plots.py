@@ -3,20 +3,7 @@ options figure's heading, panel titles and legend neither overlap nor leave the 
 
 from __future__ import annotations
 
-import pytest
-
 import moectl
-
-
-@pytest.fixture
-def figures(monkeypatch):
-    """The figures the plot functions save (moectl draws on ``Figure`` objects, never pyplot)."""
-    from matplotlib.figure import Figure
-
-    kept = []
-    savefig = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: kept.append(fig) or savefig(fig, *a, **k))
-    return kept
 
 
 def test_switch_rate_plots_name_the_model_k_hat_and_policy(tmp_path, figures):
