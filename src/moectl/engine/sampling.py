@@ -63,13 +63,18 @@ def request_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(31)
 
 
+def outside_nucleus(sorted_probs: Tensor, top_p: Tensor | float) -> Tensor:
+    """For probabilities sorted in descending order [..., V]: True past the nucleus, the smallest
+    set of most probable tokens whose mass reaches ``top_p`` (never empty). ``top_p``: a float or a
+    tensor broadcasting against ``sorted_probs``."""
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+    return before >= top_p
+
+
 def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
-    """[B, V] True for the tokens outside each row's nucleus: the smallest set of most probable
-    tokens whose mass reaches ``top_p[b]`` (never empty)."""
+    """[B, V] True for the tokens outside each row's nucleus (``outside_nucleus``) of top_p[b]."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_p[:, None]
+    drop_sorted = outside_nucleus(sorted_logits.softmax(-1), top_p[:, None])
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 

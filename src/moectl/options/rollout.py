@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.engine.sampling import outside_nucleus
 from moectl.errors import ConfigError
 from moectl.options.policy import ControllerPolicy, OptionRecord
 from moectl.options.row_noise import sample_tokens
@@ -60,8 +61,9 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     if top_p >= 1.0:
         return probs
     sorted_p, idx = probs.sort(-1, descending=True)
-    keep = sorted_p.cumsum(-1) - sorted_p < top_p
-    kept = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
+    kept = torch.zeros_like(probs).scatter(
+        -1, idx, sorted_p.masked_fill(outside_nucleus(sorted_p, top_p), 0.0)
+    )
     return kept / kept.sum(-1, keepdim=True)
 
 
