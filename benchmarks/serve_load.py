@@ -92,6 +92,9 @@ def rss_bytes(pid: int) -> int:
     raise OSError(f"no VmRSS for process {pid}")
 
 
+SERIAL = itertools.count()  # request numbers of --unique-prompts, distinct over the whole run
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The ``q`` quantile (0..1) by linear interpolation; None for no values."""
     if not values:
@@ -135,9 +138,12 @@ async def level(
     requests: int,
     body: dict[str, Any],
     routings: list[str] | None = None,
+    unique: bool = False,
 ) -> dict[str, Any]:
     """``requests`` streamed completions from ``concurrency`` closed-loop clients (client i with
-    routing ``routings[i % len(routings)]`` when given)."""
+    routing ``routings[i % len(routings)]`` when given). ``unique``: every prompt starts with its
+    request's number, so no server can reuse the cache of an earlier prompt (llama-server's
+    ``cache_prompt`` reuses the longest common prefix by default)."""
     results: list[dict[str, Any]] = []
     issued = 0
     # a new connection per request: llama-server closes kept-alive connections between streams
@@ -149,6 +155,8 @@ async def level(
             mine = {**body, "routing": routings[index % len(routings)]} if routings else body
             while issued < requests:
                 prompt = PROMPTS[issued % len(PROMPTS)]
+                if unique:
+                    prompt = f"Request {next(SERIAL)}. {prompt}"
                 issued += 1
                 results.append(await one_request(http, {**mine, "prompt": prompt}))
 
@@ -182,8 +190,11 @@ def measure(
     """Every concurrency level after a warm-up; ``routings``: one per client, round robin."""
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}  # fmt: skip
-    asyncio.run(level(base, headers, 1, min(2, args.requests), body))  # warm-up, not reported
-    return [asyncio.run(level(base, headers, c, args.requests, body, routings)) for c in args.concurrency]
+    unique = args.unique_prompts
+    asyncio.run(level(base, headers, 1, min(2, args.requests), body, unique=unique))  # warm-up, not reported
+    return [
+        asyncio.run(level(base, headers, c, args.requests, body, routings, unique)) for c in args.concurrency
+    ]
 
 
 def rss_check(base: str, headers: dict, pid: int, args: argparse.Namespace, model: str, extra: dict) -> dict:
@@ -239,6 +250,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rss-requests", type=int, default=0, help="then N requests for the RSS check (0: none)"
     )
     parser.add_argument("--rss-max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--unique-prompts",
+        action="store_true",
+        help="start every prompt with its request's number: no prompt-prefix cache can be reused",
+    )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file llama-server serves")
     parser.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: its own)")
@@ -277,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests_per_level": args.requests,
         "routing": args.routing,
         "routings_per_client": args.routings,
+        "unique_prompts": args.unique_prompts,
         "cpu_count": os.cpu_count(),
         "load_average_before": os.getloadavg()[0],  # a shared machine: other work skews every figure
     }
@@ -296,7 +313,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.url:  # a server this script did not start: its model is what it says it serves
             result["model"], result["url"] = served, args.url
         result["moectl"] = measure(base, headers, args, served, extra, args.routings)
-        show(f"server at {args.url} ({served})" if args.url else f"moectl serve {args.model}", result["moectl"])
+        show(
+            f"server at {args.url} ({served})" if args.url else f"moectl serve {args.model}", result["moectl"]
+        )
         if args.rss_requests and pid is not None:
             result["rss"] = rss_check(base, headers, pid, args, served, extra)
             r = result["rss"]

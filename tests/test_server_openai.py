@@ -7,6 +7,7 @@ offline reference is ``moectl.load`` + ``model.generate`` of the same prompt und
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sys
@@ -290,6 +291,20 @@ def test_the_load_benchmark_measures_a_running_server(server, tmp_path):
     for row in result["moectl"]:
         assert row["requests"] == 3 and row["completion_tokens"] == 12  # ignore_eos: 4 tokens each
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["tokens_per_s"] > 0
+
+
+def test_the_load_benchmark_can_send_prompts_no_cache_can_reuse(monkeypatch):
+    sent: list[str] = []
+
+    async def fake_request(http, body):
+        sent.append(body["prompt"])
+        return {"ttft": 0.01, "gaps": [], "tokens": 1}
+
+    monkeypatch.setattr(serve_load, "one_request", fake_request)
+    asyncio.run(serve_load.level("http://127.0.0.1:9", {}, 2, 6, {}, unique=True))
+    asyncio.run(serve_load.level("http://127.0.0.1:9", {}, 2, 6, {}, unique=True))
+    assert len(set(sent)) == 12  # every prompt of the run differs from every other from its first token
+    assert len({p.split(".")[0] for p in sent}) == 12
 
 
 def test_a_client_that_gives_up_on_a_whole_response_frees_its_sequence(server):
