@@ -68,7 +68,9 @@ def check_port(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as err:
-            raise UnavailableError(f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)") from err
+            raise UnavailableError(
+                f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)"
+            ) from err
 
 
 def serve_command(
@@ -88,6 +90,14 @@ def serve_command(
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests waiting for a row; past it requests get 429.")
     ] = 64,
+    prefix_cache: Annotated[
+        int,
+        typer.Option(
+            "--prefix-cache",
+            help="Prompt tokens whose KV cache is kept, so a prompt that starts as an earlier one prefills "
+            "only the rest (routings without per-request state; 0: off).",
+        ),
+    ] = 2048,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -130,6 +140,8 @@ def serve_command(
         raise ConfigError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
+    if prefix_cache < 0:
+        raise ConfigError(f"--prefix-cache must be a number of tokens >= 0, got {prefix_cache}")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {threads}")
     if log_level not in LOG_LEVELS:
@@ -154,7 +166,11 @@ def serve_command(
             net,
             tokenizer,
             EngineConfig(
-                max_batch=max_batch, max_queue=max_queue, offload=offload, adapt_threads=threads is None
+                max_batch=max_batch,
+                max_queue=max_queue,
+                offload=offload,
+                adapt_threads=threads is None,
+                prefix_cache_tokens=prefix_cache,
             ),
             routings=routings,
             reader=reader,

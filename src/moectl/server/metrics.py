@@ -52,7 +52,9 @@ class Throughput:
             self._events.popleft()
 
 
-def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
+def _gauge(
+    name: str, doc: str, value: float | None, labels: dict[str, str] | None = None
+) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc, labels=list(labels or {}))
     if value is not None:
         family.add_metric(list((labels or {}).values()), float(value))
@@ -63,7 +65,10 @@ def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | No
 OFFLOAD_GAUGES = {
     "resident_experts": ("moectl_resident_experts", "Experts resident in memory (all MoE layers)."),
     "hit_rate": ("moectl_expert_hit_rate", "Share of expert uses served by resident experts."),
-    "bytes_moved": ("moectl_expert_bytes_read", "Bytes of expert weights read from the store into resident slots."),
+    "bytes_moved": (
+        "moectl_expert_bytes_read",
+        "Bytes of expert weights read from the store into resident slots.",
+    ),
     "loads": ("moectl_expert_loads", "Expert loads into resident slots."),
     "union_mean": (
         "moectl_expert_union_mean",
@@ -84,9 +89,16 @@ class EngineCollector(Collector):
         yield _gauge("moectl_running_sequences", "Sequences being generated.", stats.get("running", 0))
         yield _gauge("moectl_queue_depth", "Requests waiting for a batch row.", stats.get("waiting", 0))
         yield _gauge(
-            "moectl_tokens_per_second", f"Generated tokens/s over the last {WINDOW_S:g} s.", self.throughput.rate()
+            "moectl_tokens_per_second",
+            f"Generated tokens/s over the last {WINDOW_S:g} s.",
+            self.throughput.rate(),
         )
         yield _gauge("moectl_engine_steps", "Engine steps run.", stats.get("steps"))
+        yield _gauge(
+            "moectl_prefix_tokens_reused",
+            "Prompt tokens whose KV came from the prefix cache instead of a forward.",
+            stats.get("prefix_tokens_reused"),
+        )
         rates = GaugeMetricFamily(
             "moectl_switch_rate",
             "Expert switch rate of finished requests, per routing name (default: the model as trained).",
@@ -109,18 +121,28 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.throughput = Throughput()
         self.requests = Counter(
-            "moectl_requests", "Requests answered, by endpoint and HTTP status.", ["endpoint", "status"],
+            "moectl_requests",
+            "Requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
             registry=self.registry,
         )
-        self.prompt_tokens = Counter("moectl_prompt_tokens", "Prompt tokens admitted.", registry=self.registry)
-        self.generated_tokens = Counter("moectl_generated_tokens", "Tokens generated.", registry=self.registry)
+        self.prompt_tokens = Counter(
+            "moectl_prompt_tokens", "Prompt tokens admitted.", registry=self.registry
+        )
+        self.generated_tokens = Counter(
+            "moectl_generated_tokens", "Tokens generated.", registry=self.registry
+        )
         self.ttft = Histogram(
-            "moectl_time_to_first_token_seconds", "From a request's arrival to its first generated token.",
-            buckets=TTFT_BUCKETS, registry=self.registry,
+            "moectl_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.itl = Histogram(
-            "moectl_inter_token_latency_seconds", "Between consecutive generated tokens of one request.",
-            buckets=ITL_BUCKETS, registry=self.registry,
+            "moectl_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request.",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
         )
         self.registry.register(EngineCollector(engine, self.throughput))
 
