@@ -128,3 +128,25 @@ def test_a_cached_prompt_joins_a_running_batch_and_each_row_decodes_as_alone():
     assert first.completion.token_ids == solo["def f(x):"]
     assert second.completion.token_ids == solo[BASE + " and the sea"]
     assert engine.stats()["prefix_tokens_reused"] > 0
+
+
+@pytest.mark.parametrize("routing", [None, "mask"])
+def test_prompts_with_stored_prefixes_of_different_lengths_prefill_together_as_alone(routing):
+    other = "def fibonacci(n): return n if n < 2 else"
+    later = [BASE + " x", other + " fibonacci(n - 1) + fibonacci(n - 2)", BASE]
+    plain = [c.token_ids for c in _engine(0).generate(later, PARAMS, routing=routing)]
+    engine = _engine(4096, max_batch=4, log_forwards=True)
+    engine.generate([BASE, other], PARAMS, routing=routing)
+    engine.forward_log.clear()
+    got = [c.token_ids for c in engine.generate(later, PARAMS, routing=routing)]
+    assert got == plain
+    assert engine.forward_log[0] == ("prefill", 3)  # the three hits in one forward
+    assert [kind for kind, _ in engine.forward_log].count("prefill") == 1
+
+
+def test_a_model_with_sliding_window_layers_keeps_no_prefix():
+    model, tok, _ = moectl.load("tiny:gpt_oss", dtype="float32")
+    engine = Engine(model, tok, EngineConfig(prefix_cache_tokens=4096))
+    plain = Engine(model, tok).generate([BASE, BASE], PARAMS)
+    assert [c.token_ids for c in engine.generate([BASE, BASE], PARAMS)] == [c.token_ids for c in plain]
+    assert engine.stats()["prefix_tokens_reused"] == 0 and engine.prefixes.tokens == 0

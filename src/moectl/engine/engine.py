@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
-from moectl.engine.prefix_cache import Prefix, PrefixCache, supports
+from moectl.engine.prefix_cache import PrefixCache
+from moectl.engine.prefix_prefill import PrefixPrefill
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
@@ -144,7 +145,7 @@ class _Request:
     trace: Any = None
 
 
-class Engine:
+class Engine(PrefixPrefill):
     """Continuous batching with routing per row over one model (see the module doc)."""
 
     def __init__(
@@ -448,11 +449,13 @@ class Engine:
         roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
         work: list[tuple[Callable[[Any], None], Any]] = [(self._prefill_roe, r) for r in roe]
-        for req in list(plain):  # a prompt that starts as a stored one prefills only the rest, alone
-            prefix = self._stored_prefix(req)
-            if prefix is not None:
-                plain.remove(req)
-                work.append((self._prefill_after, (req, prefix)))
+        hits = [(r, p) for r in plain if (p := self._stored_prefix(r)) is not None]
+        if hits:  # prompts that start as stored ones prefill only the rest, together
+            plain = [r for r in plain if all(r is not h for h, _ in hits)]
+            for group in prefill_groups(
+                [len(r.prompt) - p.length for r, p in hits], self.config.prefill_tokens
+            ):
+                work.append((self._prefill_after, [hits[i] for i in group]))
         for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
             reqs = [plain[i] for i in group]
             work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
@@ -528,12 +531,19 @@ class Engine:
         if not self._checked_cache:
             check_batchable(cache, self.model.config)
             self._checked_cache = True
-        for i, (req, n) in enumerate(zip(reqs, lengths, strict=True)):
-            req.seen = n
-            self._store_prefix(req, cache, i, width - n)
-        self.counters["prefills"] += k
+        self._join_prefilled(reqs, cache, mask, out.logits[:, -1], prev, switches)
+
+    def _join_prefilled(
+        self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
+    ) -> None:
+        """After a prefill forward: each row's prompt KV offered to the prefix cache, first tokens
+        sampled from ``logits`` [k, V], the rows (cache marked by ``mask`` [k, L]) joined to the batch."""
+        for i, req in enumerate(reqs):
+            req.seen = len(req.prompt)
+            self._store_prefix(req, cache, i, mask[i].bool())
+        self.counters["prefills"] += len(reqs)
         self.counters["prefill_forwards"] += 1
-        tokens = self._choose(out.logits[:, -1], reqs)
+        tokens = self._choose(logits, reqs)
         self._cache, self._valid = join(self._cache, self._valid, cache, mask)
         self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
         self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
@@ -547,72 +557,6 @@ class Engine:
         ]
         if finished:
             self._remove(finished)
-
-    def _prefix_key(self, req: _Request) -> tuple[bool, str | None]:
-        """(whether ``req``'s prompt KV may be stored and reused, the key it is stored under): the
-        routing's name, for routings that depend on the tokens alone (see ``prefix_cache``)."""
-        ok = (
-            self.prefixes.max_tokens > 0
-            and self._prefixes_ok
-            and not self._residency
-            and not self.config.record
-            and (req.routing is None or (req.routing.roe is None and not req.routing.per_request))
-        )
-        return ok, None if req.routing is None else req.routing.name
-
-    def _stored_prefix(self, req: _Request) -> Prefix | None:
-        ok, key = self._prefix_key(req)
-        return self.prefixes.lookup(key, req.prompt) if ok else None
-
-    def _store_prefix(self, req: _Request, cache, row: int, pad: int) -> None:
-        """Keep row ``row``'s prompt KV (its columns after ``pad``) for later prompts."""
-        if self._prefixes_ok and self.prefixes.max_tokens > 0 and not supports(cache):
-            self._prefixes_ok = False
-        ok, key = self._prefix_key(req)
-        if ok and len(req.prompt) <= self.prefixes.max_tokens:
-            layers = [(x.keys[row : row + 1, :, pad:].clone(), x.values[row : row + 1, :, pad:].clone())
-                      for x in cache.layers]  # fmt: skip
-            self.prefixes.store(key, req.prompt, layers)
-
-    def _prefill_after(self, job: tuple[_Request, Prefix]) -> None:
-        """One request whose first ``prefix.length`` prompt tokens have stored KV: a forward over the
-        rest only (positions continuing from the prefix), then as ``_prefill``."""
-        req, prefix = job
-        n, m = len(req.prompt), prefix.length
-        cache = new_cache(self.model)
-        for layer, (keys, values) in enumerate(prefix.layers):
-            cache.update(keys, values, layer)
-        ids = torch.tensor([req.prompt[m:]], device=self.device)
-        mask = torch.ones(1, n, dtype=torch.long, device=self.device)
-        positions = torch.arange(m, n, device=self.device)[None]
-        groups = [Group(torch.tensor([0]), req.policies, m)] if req.policies else []
-        self.router.set_groups(groups, 1, self.device)
-        prev = torch.zeros(
-            1, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=self.device
-        )
-        switches = torch.zeros(1, self.info.num_moe_layers, dtype=torch.long, device=self.device)
-        self.meter.start(prev, switches, counting=False)
-        self.meter.traces = None
-        self._log("prefill", 1)
-        try:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache),
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
-        finally:
-            self._between_steps()
-        cache = cache if cache_out(out) is None else cache_out(out)
-        req.seen = n
-        self._store_prefix(req, cache, 0, 0)
-        self.counters["prefills"] += 1
-        self.counters["prefill_forwards"] += 1
-        self.counters["prefix_tokens_reused"] += m
-        tokens = self._choose(out.logits[:, -1], [req])
-        self._cache, self._valid = join(self._cache, self._valid, cache, mask)
-        self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
-        self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
-        self._last = tokens if self._last is None else torch.cat([self._last, tokens])
-        self._running.append(req)
-        if self._emit(req, int(tokens[0])):
-            self._remove([len(self._running) - 1])
 
     def _prefill_roe(self, req: _Request) -> None:
         """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
@@ -878,7 +822,6 @@ class Engine:
 
 
 def _requests_of(arg: Any) -> list[_Request]:
-    """The requests of one prefill job: a list of them, one RoE request, or (request, prefix)."""
-    if isinstance(arg, list):
-        return arg
-    return [arg[0]] if isinstance(arg, tuple) else [arg]
+    """The requests of one prefill job: a list of requests or of (request, prefix), or one request."""
+    items = arg if isinstance(arg, list) else [arg]
+    return [item[0] if isinstance(item, tuple) else item for item in items]

@@ -1,0 +1,107 @@
+"""The engine's side of the prompt-prefix cache (``prefix_cache.py``): which requests may use it,
+storing each prefilled prompt's KV, and prefilling requests whose prompts start as stored ones.
+
+Requests with a stored prefix are prefilled together in one forward over their remaining tokens:
+the batch's cache starts as their prefixes, each left-padded to the longest, and the remaining
+tokens follow, left-padded too, so a row's real columns are [pad | prefix | pad | rest]; the
+2-D attention mask marks them and each row's positions continue from its prefix (m, m+1, …), as
+they would in a prefill of the whole prompt. Each row's routing sees its own remaining tokens at
+its own offset m (``rows.Group``). A mixin of ``Engine``: it uses the engine's model, router,
+meter and ``_join_prefilled``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moectl.engine.batch import left_pad
+from moectl.engine.kv import new_cache
+from moectl.engine.prefix_cache import Prefix, supports
+from moectl.engine.rows import Group
+from moectl.routing.kv_cache import cache_out, with_cache
+
+if TYPE_CHECKING:
+    from moectl.engine.engine import _Request
+
+
+class PrefixPrefill:
+    """Prefix-cache use of the ``Engine`` (see the module doc)."""
+
+    prefixes: Any
+    _prefixes_ok: bool
+
+    def _prefix_key(self: Any, req: _Request) -> tuple[bool, str | None]:
+        """(whether ``req``'s prompt KV may be stored and reused, the key it is stored under): the
+        routing's name, for routings that depend on the tokens alone (see ``prefix_cache``)."""
+        ok = (
+            self.prefixes.max_tokens > 0
+            and self._prefixes_ok
+            and not self._residency
+            and not self.config.record
+            and (req.routing is None or (req.routing.roe is None and not req.routing.per_request))
+        )
+        return ok, None if req.routing is None else req.routing.name
+
+    def _stored_prefix(self: Any, req: _Request) -> Prefix | None:
+        ok, key = self._prefix_key(req)
+        return self.prefixes.lookup(key, req.prompt) if ok else None
+
+    def _store_prefix(self: Any, req: _Request, cache, row: int, cols: Tensor) -> None:
+        """Offer row ``row``'s prompt KV (its real columns ``cols`` [L] bool) to the prefix cache."""
+        if self.prefixes.max_tokens == 0 or not self._prefixes_ok:
+            return
+        if not supports(cache):
+            self._prefixes_ok = False
+            return
+        ok, key = self._prefix_key(req)
+        if ok and len(req.prompt) <= self.prefixes.max_tokens:
+            cols = cols.to(cache.layers[0].keys.device)
+            layers = [(x.keys[row : row + 1, :, cols].clone(), x.values[row : row + 1, :, cols].clone())
+                      for x in cache.layers]  # fmt: skip
+            self.prefixes.store(key, req.prompt, layers)
+
+    def _prefill_after(self: Any, jobs: list[tuple[_Request, Prefix]]) -> None:
+        """One forward over the remaining prompt tokens of requests with stored prefixes (module doc)."""
+        reqs = [req for req, _ in jobs]
+        k, dev = len(jobs), self.device
+        starts = [prefix.length for _, prefix in jobs]
+        width = max(starts)
+        cache = new_cache(self.model)
+        for layer in range(len(jobs[0][1].layers)):
+            keys = torch.cat([F.pad(p.layers[layer][0], (0, 0, width - p.length, 0)) for _, p in jobs])
+            values = torch.cat([F.pad(p.layers[layer][1], (0, 0, width - p.length, 0)) for _, p in jobs])
+            cache.update(keys, values, layer)
+        start = torch.tensor(starts, device=dev)
+        before = (torch.arange(width, device=dev)[None, :] >= (width - start)[:, None]).long()
+        rest = [req.prompt[m:] for req, m in zip(reqs, starts, strict=True)]
+        ids, rest_mask = left_pad(rest, self._pad_id, dev)
+        mask = torch.cat([before, rest_mask], 1)
+        positions = start[:, None] + (rest_mask.cumsum(1) - 1).clamp(min=0)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, req in enumerate(reqs):
+            if req.policies:
+                groups.setdefault((id(req.policies), ids.shape[1] - len(rest[i]), starts[i]), []).append(i)
+        self.router.set_groups(
+            [
+                Group(torch.tensor(rows), reqs[rows[0]].policies, m, pad)
+                for (_, pad, m), rows in groups.items()
+            ],
+            k,
+            dev,
+        )
+        prev = torch.zeros(k, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=dev)
+        switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=dev)
+        self.meter.start(prev, switches, counting=False)
+        self._log("prefill", k)
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache),
+                             use_cache=True, logits_to_keep=1)  # fmt: skip
+        finally:
+            self._between_steps()
+        cache = cache if cache_out(out) is None else cache_out(out)
+        self.counters["prefix_tokens_reused"] += sum(starts)
+        self._join_prefilled(reqs, cache, mask, out.logits[:, -1], prev, switches)
