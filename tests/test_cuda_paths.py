@@ -230,6 +230,26 @@ def test_bf16_training_steps_on_device_match_cpu_float32_and_lower_the_loss(tmp_
     assert all(p.dtype == torch.float32 for p in trainer.raw_model.parameters())  # masters stay fp32
 
 
+def test_pretrain_speed_kernel_split_on_device(tmp_path, corpus):
+    """``benchmarks/pretrain.py --speed``'s kernel split (train/speed.py): on CUDA the profiler's device
+    time of the matmul kernels; the parts add up to the step and the MFU ceiling bounds the MFU."""
+    from moectl.train.speed import measure_training
+    from moectl.train.train_config import TrainConfig
+
+    if not CUDA and torch.cuda.is_available():
+        pytest.skip("the Trainer trains on the GPU whenever one is visible")
+    config = TrainConfig(
+        out=str(tmp_path / "run"), corpus=str(corpus), seq_len=64, micro_batch=2, max_steps=10,
+        warmup_steps=1, checkpoint_every=100, log_every=1, model=MICRO_MODEL, final_eval_batches=1,
+    )  # fmt: skip
+    result = measure_training(config, steps=2, warmup=1, breakdown=True)
+    k = result["kernels"]
+    assert k["matmul_s"] > 0 and k["attention_s"] >= 0 and k["other_s"] >= 0, k
+    assert k["matmul_s"] + k["attention_s"] + k["other_s"] == pytest.approx(k["step_s"])
+    assert result["mfu_ceiling"] > result["mfu_bf16"] * result["step_s"] / k["step_s"] * 0.999
+    assert result["matmul_flops"] > 0 and math.isfinite(result["tokens_per_s"])
+
+
 # -- 2. trace recording: pinned non_blocking copies and events -------------------------------------------
 def _recorded(model, ids: torch.Tensor, policy):
     from moectl.routing import route
