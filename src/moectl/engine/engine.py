@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
+from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
@@ -116,6 +117,7 @@ class Completion:
     switch_rate: float | None
     error: str | None = None
     trace: Any = None  # its RoutingTrace (EngineConfig.record), as route(record=True) records one prompt
+    stop_token: int | None = None  # the EOS token that ended it (not in ``token_ids``)
 
 
 @dataclass
@@ -132,13 +134,12 @@ class _Request:
     seen: int = 0  # real tokens fed through the model
     submitted: float = field(default_factory=time.perf_counter)
     switches: int = 0
-    ensemble: Any = None  # a RoE request's Ensemble (its K samples and clean cache)
-    last: Tensor | None = None  # a RoE request's latest token
     unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
     ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
     done: threading.Event = field(default_factory=threading.Event)
     completion: Completion | None = None
     trace: Any = None
+    stop_token: int | None = None  # the EOS token that ended it
 
 
 class Engine:
@@ -172,7 +173,7 @@ class Engine:
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._roe_rows: list[_Request] = []  # RoE requests: each its own K-sample ensemble
+        self._roe_rows = RoeRows(self)  # RoE requests: one K-sample ensemble per routing (roe_rows)
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
@@ -419,15 +420,15 @@ class Engine:
                     return admitted
                 if self._running:
                     self._decode()
-                self._step_roe()
+                self._roe_rows.step()
             except Exception as err:  # the batch is lost; the requests get the error, serving goes on
                 self._fail_all(err)
             self.counters["steps"] += 1
             return True
 
     def _admit(self) -> bool:
-        """Take waiting requests while the batch has room and prefill them: RoE requests one by one
-        (their own ensembles), the others together, a few forwards at most (``prefill_groups``)."""
+        """Take waiting requests while the batch has room and prefill them: RoE requests by routing
+        (``roe_rows``), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
         while len(self._running) + len(self._roe_rows) + len(taken) < self.config.max_batch:
             with self._lock:
@@ -441,7 +442,9 @@ class Engine:
             taken.append(req)
         roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
-        work: list[tuple[Callable[[Any], None], Any]] = [(self._prefill_roe, r) for r in roe]
+        work: list[tuple[Callable[[Any], None], Any]] = [
+            (self._roe_rows.prefill, reqs) for reqs in self._roe_rows.batches(roe)
+        ]
         for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
             reqs = [plain[i] for i in group]
             work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
@@ -536,42 +539,6 @@ class Engine:
         if finished:
             self._remove(finished)
 
-    def _prefill_roe(self, req: _Request) -> None:
-        """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
-        once per engine step; entered only around its own forwards, so its noise never reaches the
-        batch. Deviation: RoE requests are not batched with each other (one ensemble each)."""
-        from moectl.roe.ensemble import Ensemble
-
-        assert req.routing is not None
-        ensemble = Ensemble(self.model, req.routing.roe, info=self.info, policies=self._residency)
-        ids = torch.tensor([req.prompt], device=self.device)
-        self._log("prefill", 1)
-        with ensemble:
-            out = ensemble.start(ids, torch.ones_like(ids))
-        req.seen = ids.shape[1]
-        self.counters["prefills"] += 1
-        self.counters["prefill_forwards"] += 1
-        req.ensemble, req.last = ensemble, self._choose(out.logprobs, [req])
-        self._roe_rows.append(req)
-        if self._emit(req, int(req.last[0])):
-            self._end_roe(req)
-
-    def _step_roe(self) -> None:
-        for req in list(self._roe_rows):
-            self._log("decode", 1)
-            with req.ensemble:
-                out = req.ensemble.step(req.last)
-            req.seen += 1
-            req.last = self._choose(out.logprobs, [req])
-            if self._emit(req, int(req.last[0])):
-                self._end_roe(req)
-
-    def _end_roe(self, req: _Request) -> None:
-        self._roe_rows.remove(req)
-        req.ensemble = None
-        reason, piece = req.ending or ("cancelled", "")
-        self._finish(req, reason, piece=piece)
-
     def _new_trace(self):
         if not self.config.record:
             return None
@@ -665,6 +632,7 @@ class Engine:
         eos = token in self.eos_ids and not req.params.ignore_eos
         if eos:
             piece, stopped = req.stream.finish(), True
+            req.stop_token = token
         else:
             req.generated.append(token)
             piece, stopped = req.stream.push([token])
@@ -715,15 +683,14 @@ class Engine:
         rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
         if rows:
             self._remove(rows)
-        for req in [r for r in self._roe_rows if r.id in cancelled]:
-            self._end_roe(req)
+        self._roe_rows.cancel(cancelled)
         with self._lock:  # ones still waiting are finished when admitted
             self._cancelled |= {c for c in cancelled if any(r.id == c for r in self._waiting)}
 
     def _fail_all(self, err: Exception) -> None:
         self.counters["errors"] += 1
-        failed = [*self._running, *self._roe_rows]
-        self._running, self._roe_rows = [], []
+        failed = [*self._running, *self._roe_rows.clear()]
+        self._running = []
         self._cache = self._valid = self._prev = self._switches = self._last = None
         for req in failed:
             self._finish(req, "error", error=f"{type(err).__name__}: {err}")
@@ -744,6 +711,7 @@ class Engine:
             switch_rate,
             error,
             req.trace,
+            req.stop_token,
         )
         req.completion = completion
         self.counters["finished"] += 1

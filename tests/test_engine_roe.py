@@ -1,0 +1,155 @@
+"""RoE requests in the engine: one ensemble per routing, rows joining and leaving (engine/roe_rows.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import moectl
+from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.engine.engine import encode
+from moectl.roe import RoEConfig
+from moectl.roe.ensemble import Ensemble
+
+PROMPTS = [
+    "The history of the city of",
+    "def f(x):",
+    "2 + 2 = 4, and 3 + 3 = 6, and so on for a while longer than the others",
+    "a",
+    "Photosynthesis converts",
+]
+NOISY = RoEConfig(K=4, tau=0.5, seed=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def _loaded(family: str = "olmoe"):
+    return moectl.load(f"tiny:{family}", dtype="float32")
+
+
+@functools.cache
+def _reference(prompt: str, config: RoEConfig = NOISY, n: int = 8, family: str = "olmoe") -> list[int]:
+    """Greedy tokens of ``prompt`` from an ``Ensemble`` of its own (one row: the definition)."""
+    model, tok, _ = _loaded(family)
+    ids = torch.tensor([encode(tok, prompt)])
+    tokens = []
+    with Ensemble(model, config) as ens:
+        out = ens.start(ids, torch.ones_like(ids))
+        for i in range(n):
+            token = out.logprobs.argmax(-1)
+            tokens.append(int(token))
+            if i < n - 1:
+                out = ens.step(token)
+    return tokens
+
+
+class Events:
+    """Collects each request's events: its tokens and its final event."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.final: dict[str, object] = {}
+
+    def __call__(self, event) -> None:
+        self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
+        if event.finish_reason:
+            self.final[event.request_id] = event
+
+
+def _engine(max_batch: int, routings=None, family: str = "olmoe") -> Engine:
+    model, tok, _ = _loaded(family)
+    config = EngineConfig(max_batch=max_batch, log_forwards=True)
+    return Engine(model, tok, config, routings=routings or {"roe": NOISY})
+
+
+def test_a_batch_of_roe_requests_equals_each_alone():
+    """Five prompts of different lengths share one ensemble (one prefill, one forward per step for all)
+    and each gets the tokens it gets alone and from its own Ensemble."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    batched = _engine(8)
+    got = [c.token_ids for c in batched.generate(PROMPTS, params, "roe")]
+    log = batched.forward_log  # prefilled in a forward or two (batch.prefill_groups), decoded as one
+    assert sum(rows for kind, rows in log if kind == "prefill") == 5
+    assert [entry for entry in log if entry[0] == "decode"] == [("decode", 5)] * 7
+    alone = [_engine(1).generate([p], params, "roe")[0].token_ids for p in PROMPTS]
+    assert got == alone == [_reference(p) for p in PROMPTS]
+
+
+def test_roe_rows_join_mid_way_and_leave_at_their_own_length():
+    """Requests of different lengths and max_tokens: later ones join the running ensemble between steps
+    (left-padded cache rows), finished ones leave it; every request keeps its solo tokens."""
+    engine, events = _engine(3), Events()
+    lengths = [3, 8, 5, 8, 6]
+
+    def submit(first: int, last: int) -> list[str]:
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths[first:last]]
+        return [engine.submit(p, q, "roe", events) for p, q in zip(PROMPTS[first:last], params, strict=True)]
+
+    with engine:
+        ids = submit(0, 2)
+        engine.step()
+        engine.step()
+        ids += submit(2, 5)
+        while len(events.final) < 5:
+            engine.step()
+    for rid, prompt, n in zip(ids, PROMPTS, lengths, strict=True):
+        assert events.tokens[rid] == _reference(prompt)[:n], prompt
+        assert events.final[rid].finish_reason == "length"
+    log = engine.forward_log
+    assert log[:3] == [("prefill", 2), ("decode", 2), ("decode", 2)]
+    assert ("prefill", 1) in log[3:] and ("decode", 3) in log  # joined a running group
+    assert max(rows for _, rows in log) == 3
+
+
+def test_cancel_frees_the_roe_rows():
+    engine, events = _engine(4), Events()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with engine:
+        ids = [engine.submit(p, params, "roe", events) for p in PROMPTS[:3]]
+        engine.step()
+        engine.cancel(ids[1])
+        engine.step()
+        assert events.final[ids[1]].finish_reason == "cancelled"
+        (group,) = engine._roe_rows.groups
+        assert [r.id for r in group.reqs] == [ids[0], ids[2]]
+        assert group.ensemble.variant.valid.shape[0] == 2
+        assert all(layer.keys.shape[0] == 2 for layer in group.ensemble.variant.cache.layers)
+        while len(events.final) < 3:
+            engine.step()
+    assert events.tokens[ids[0]] == _reference(PROMPTS[0]) and events.tokens[ids[2]] == _reference(PROMPTS[2])
+    assert not engine._roe_rows.groups
+
+
+def test_sampled_roe_tokens_do_not_depend_on_batch_mates():
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    got = [c.token_ids for c in _engine(8).generate(PROMPTS, params, "roe", seed_per_prompt=True)]
+    for i, prompt in enumerate(PROMPTS):
+        alone = _engine(1).generate(
+            [prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i), "roe"
+        )
+        assert got[i] == alone[0].token_ids
+
+
+def test_two_roe_routings_run_as_two_ensembles_and_other_caches_one_per_request():
+    separate = NOISY.with_(cache="separate")
+    engine, events = _engine(8, {"a": NOISY, "b": NOISY.with_(seed=2), "sep": separate}), Events()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with engine:
+        ids = [engine.submit(p, params, name, events) for name in ("a", "b", "sep") for p in PROMPTS[:2]]
+        while len(events.final) < 6:
+            engine.step()
+    got = [events.tokens[i] for i in ids]
+    expected = [
+        _reference(p, config, 6) for config in (NOISY, NOISY.with_(seed=2), separate) for p in PROMPTS[:2]
+    ]
+    assert got == expected
+    assert engine.forward_log[:4] == [("prefill", 2), ("prefill", 2), ("prefill", 1), ("prefill", 1)]
