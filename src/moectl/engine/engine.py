@@ -25,6 +25,7 @@ under its CUDA-graph / paged path; per-row routing needs per-row batch rows.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -337,10 +338,12 @@ class Engine:
         routing: str | None = None,
         progress: bool = False,
         seed_per_prompt: bool = False,
+        on_event: Callable[[int, Event], None] | None = None,
     ) -> list[Completion]:
         """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order.
         ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt).
-        ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws)."""
+        ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws).
+        ``on_event(i, event)``: each event of prompt i as it comes (streaming)."""
         params = params or SamplingParams()
         if seed_per_prompt and params.seed is not None:
             pending = [(p, replace(params, seed=params.seed + i)) for i, p in enumerate(prompts)]
@@ -358,7 +361,7 @@ class Engine:
                 def advance() -> None:
                     bar.update(task, completed=self.counters["generated_tokens"] - start)
 
-                return self._run(pending, routing, own_loop, advance)
+                return self._run(pending, routing, own_loop, advance, on_event)
         finally:
             if opened:
                 self.close()
@@ -369,13 +372,15 @@ class Engine:
         routing: str | None,
         own_loop: bool,
         advance: Callable[[], None],
+        on_event: Callable[[int, Event], None] | None = None,
     ) -> list[Completion]:
         ids: list[str] = []
         reqs: dict[str, _Request] = {}
         while pending or any(not reqs[i].done.is_set() for i in ids):
             while pending and len(self._waiting) < self.config.max_queue:
                 prompt, params = pending.pop(0)
-                req = self._submit(prompt, params, routing, None)
+                listen = None if on_event is None else functools.partial(on_event, len(ids))
+                req = self._submit(prompt, params, routing, listen)
                 ids.append(req.id)
                 reqs[req.id] = req
             if own_loop:

@@ -107,14 +107,13 @@ class RoeGroup:
 class RoeRows:
     """The engine's RoE requests, grouped by routing into ensembles (see the module doc).
 
-    ``forwards`` counts ensemble forwards (a prefill or a step of one group) and ``sample_tokens``
-    the routing samples they ran for real tokens (K per row, or adaptive K's count)."""
+    Adds to the engine's counters ``roe_forwards`` (ensemble forwards: a prefill or a step of one
+    group) and ``roe_sample_tokens`` (routing samples run for the rows' tokens: K per row, or
+    adaptive K's count)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.groups: list[RoeGroup] = []
-        self.forwards = 0
-        self.sample_tokens = 0.0
         self._rebatchable: dict[str, bool] = {}
 
     def __len__(self) -> int:
@@ -200,8 +199,9 @@ class RoeRows:
             self._emit(group, group.last, 0)
 
     def _count(self, ensemble, rows: int) -> None:
-        self.forwards += 1
-        self.sample_tokens += ensemble.last_samples * rows
+        counters = self.engine.counters
+        counters["roe_forwards"] = counters.get("roe_forwards", 0) + 1
+        counters["roe_sample_tokens"] = counters.get("roe_sample_tokens", 0.0) + ensemble.last_samples * rows
 
     def _emit(self, group: RoeGroup, tokens: Tensor, first: int) -> None:
         reqs = group.reqs[first:]
