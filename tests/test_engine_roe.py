@@ -84,10 +84,13 @@ def test_a_batch_of_roe_requests_equals_each_alone():
     assert got == alone == [_reference(p) for p in PROMPTS]
 
 
-def test_roe_rows_join_mid_way_and_leave_at_their_own_length():
+@pytest.mark.parametrize("cache", ["clean", "separate", "none"])
+def test_roe_rows_join_mid_way_and_leave_at_their_own_length(cache):
     """Requests of different lengths and max_tokens: later ones join the running ensemble between steps
-    (left-padded cache rows), finished ones leave it; every request keeps its solo tokens."""
-    engine, events = _engine(3), Events()
+    (left-padded cache rows), finished ones leave it; every request keeps its solo tokens. Each way of
+    running the K samples: one clean cache (RoE §2.3), K caches per prompt, no cache."""
+    config = NOISY.with_(cache=cache)
+    engine, events = _engine(3, {"roe": config}), Events()
     lengths = [3, 8, 5, 8, 6]
 
     def submit(first: int, last: int) -> list[str]:
@@ -102,7 +105,7 @@ def test_roe_rows_join_mid_way_and_leave_at_their_own_length():
         while len(events.final) < 5:
             engine.step()
     for rid, prompt, n in zip(ids, PROMPTS, lengths, strict=True):
-        assert events.tokens[rid] == _reference(prompt)[:n], prompt
+        assert events.tokens[rid] == _reference(prompt, config)[:n], prompt
         assert events.final[rid].finish_reason == "length"
     log = engine.forward_log
     assert log[:3] == [("prefill", 2), ("decode", 2), ("decode", 2)]
@@ -139,17 +142,22 @@ def test_sampled_roe_tokens_do_not_depend_on_batch_mates():
         assert got[i] == alone[0].token_ids
 
 
-def test_two_roe_routings_run_as_two_ensembles_and_other_caches_one_per_request():
-    separate = NOISY.with_(cache="separate")
-    engine, events = _engine(8, {"a": NOISY, "b": NOISY.with_(seed=2), "sep": separate}), Events()
+def test_two_roe_routings_run_as_two_ensembles():
+    engine, events = _engine(8, {"a": NOISY, "b": NOISY.with_(seed=2)}), Events()
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     with engine:
-        ids = [engine.submit(p, params, name, events) for name in ("a", "b", "sep") for p in PROMPTS[:2]]
-        while len(events.final) < 6:
+        ids = [engine.submit(p, params, name, events) for name in ("a", "b") for p in PROMPTS[:2]]
+        while len(events.final) < 4:
             engine.step()
-    got = [events.tokens[i] for i in ids]
-    expected = [
-        _reference(p, config, 6) for config in (NOISY, NOISY.with_(seed=2), separate) for p in PROMPTS[:2]
-    ]
-    assert got == expected
-    assert engine.forward_log[:4] == [("prefill", 2), ("prefill", 2), ("prefill", 1), ("prefill", 1)]
+    expected = [_reference(p, config, 6) for config in (NOISY, NOISY.with_(seed=2)) for p in PROMPTS[:2]]
+    assert [events.tokens[i] for i in ids] == expected
+    assert engine.forward_log[:4] == [("prefill", 2), ("prefill", 2), ("decode", 2), ("decode", 2)]
+
+
+def test_hybrid_models_run_one_ensemble_per_request():
+    """Recurrent states (qwen3_next's linear attention) are not re-batched: each request its own."""
+    config = RoEConfig(K=3, tau=0.3)
+    engine = _engine(4, {"roe": config}, family="qwen3_next")
+    got = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True), "roe")
+    assert [c.token_ids for c in got] == [_reference(p, config, 4, "qwen3_next") for p in PROMPTS[:3]]
+    assert max(rows for _, rows in engine.forward_log) == 1

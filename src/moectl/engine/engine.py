@@ -9,6 +9,8 @@ EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
 or subset, a document pool, Gumbel noise, ``option:K`` or a controller with its own option state.
+A RoE routing (K routing samples per token, averaged: RoE §2) runs its requests as one ensemble beside
+the plain rows, rows joining and leaving it at the same step boundaries (``roe_rows``).
 The offload runtime (``moectl.offload.offload``) can sit underneath: the batch's rows then share one
 resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
 the union of the rows' experts per layer against the budget (above it, a step must reload experts).

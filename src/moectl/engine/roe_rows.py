@@ -5,9 +5,9 @@ routing samples of its current token over one clean KV cache, their next-token d
 averaged (RoE §2, §2.3). Requests of the same routing share one ensemble — one forward per step for
 all of them — and join and leave it at step boundaries as the plain rows do (``engine.kv``):
 requests admitted together are prefilled in one ``Ensemble.start`` over their left-padded prompts,
-then their clean-cache rows are appended to the running ensemble's (``join_rows``: left-padded to a
-common length); a finished or cancelled request's rows are selected away (``keep_rows``) and
-columns that became padding in every row dropped.
+then their cache rows are appended to the running ensemble's (``ensemble_rows.join_rows``:
+left-padded to a common length); a finished or cancelled request's rows are selected away
+(``keep_rows``) and columns that became padding in every row dropped.
 
 Independence from batch-mates: a request's next token is chosen with its own seed
 (``sampling.choose_tokens``, keyed by request and step), and the Gumbel routing noise is a hash of
@@ -16,9 +16,9 @@ own position id (its real tokens, not the padding in front of them): the same dr
 share the batch. Requests of one routing therefore see the same noise at the same position, as the
 prompts of one ``moectl roe generate`` batch always did.
 
-What cannot be re-batched runs one ensemble per request (the engine's earlier behaviour): the
-``separate`` and ``none`` cache variants (their state is K cache rows or the whole sequence), hybrid
-models (recurrent states), and caches with sliding-window, chunked or model-specific layers.
+The row operations of each cache variant are in ``ensemble_rows``. What cannot be re-batched there
+(hybrid models' recurrent states; sliding-window, chunked or model-specific cache layers) runs one
+ensemble per request.
 """
 
 from __future__ import annotations
@@ -28,68 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from moectl.engine.batch import left_pad, prefill_groups
-
-
-def rebatchable(model, config) -> bool:
-    """Whether ``config``'s ensembles on ``model`` can take and drop rows (see the module doc)."""
-    if config.cache != "clean":
-        return False
-    from transformers.cache_utils import DynamicLayer
-
-    from moectl.roe.clean_cache import new_clean_cache
-    from moectl.roe.masks import attention_kinds
-
-    kinds, _ = attention_kinds(model.config)
-    if any(k.kind != "full" for k in kinds):
-        return False
-    layers = new_clean_cache(model).layers
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def join_rows(ensemble, other) -> None:
-    """Append ``other``'s rows (an ensemble of the same config, started on new prompts) to
-    ``ensemble``'s: clean caches and real-token flags left-padded to the longer of the two."""
-    mine, theirs = ensemble.variant, other.variant
-    length = max(mine.length, theirs.length)
-    for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
-        a.keys = torch.cat([_pad_left(a.keys, length), _pad_left(b.keys, length)])
-        a.values = torch.cat([_pad_left(a.values, length), _pad_left(b.values, length)])
-    mine.valid = torch.cat([_pad_flags(mine.valid, length), _pad_flags(theirs.valid, length)])
-    mine.n_real = torch.cat([mine.n_real, theirs.n_real])
-    mine.length = length
-    for name in ("samples_run", "tokens_run"):  # adaptive K's counters
-        if hasattr(ensemble, name):
-            setattr(ensemble, name, getattr(ensemble, name) + getattr(other, name))
-    if hasattr(ensemble, "entropies"):
-        ensemble.entropies += other.entropies
-
-
-def keep_rows(ensemble, rows: Tensor) -> None:
-    """Keep the rows ``rows`` (indices, in order) of ``ensemble``, then drop leading columns that
-    are padding in every row (one host sync per leave, none per step)."""
-    v = ensemble.variant
-    v.valid, v.n_real = v.valid[rows], v.n_real[rows]
-    for layer in v.cache.layers:
-        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-    first_real = int(v.valid.any(0).long().argmax())
-    if first_real > 0:
-        v.valid = v.valid[:, first_real:]
-        v.length -= first_real
-        for layer in v.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, first_real:], layer.values[:, :, first_real:]
-
-
-def _pad_left(t: Tensor, length: int) -> Tensor:
-    """[B, H, L, D] -> [B, H, length, D] with zeros in front."""
-    return F.pad(t, (0, 0, length - t.shape[-2], 0)) if t.shape[-2] < length else t
-
-
-def _pad_flags(valid: Tensor, length: int) -> Tensor:
-    return F.pad(valid, (length - valid.shape[1], 0)) if valid.shape[1] < length else valid
+from moectl.engine.ensemble_rows import join_rows, keep_rows, rebatchable
 
 
 @dataclass
