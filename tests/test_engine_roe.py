@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from torch import Tensor
 
 import moectl
 from moectl.engine import Engine, EngineConfig, SamplingParams
@@ -161,3 +162,69 @@ def test_hybrid_models_run_one_ensemble_per_request():
     got = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True), "roe")
     assert [c.token_ids for c in got] == [_reference(p, config, 4, "qwen3_next") for p in PROMPTS[:3]]
     assert max(rows for _, rows in engine.forward_log) == 1
+
+
+def _adaptive_reference(prompt: str, threshold: float, n: int) -> tuple[list[int], Tensor]:
+    """Greedy tokens of an AdaptiveEnsemble of its own, and the clean entropies it saw."""
+    from moectl.roe.adaptive import AdaptiveEnsemble
+
+    model, tok, _ = _loaded("olmoe")
+    ids = torch.tensor([encode(tok, prompt)])
+    tokens = []
+    with AdaptiveEnsemble(model, NOISY, threshold) as ens:
+        out = ens.start(ids, torch.ones_like(ids))
+        for _ in range(n):
+            tokens.append(int(out.logprobs.argmax(-1)))
+            out = ens.step(out.logprobs.argmax(-1))
+    return tokens, torch.cat(ens.entropies)
+
+
+def test_adaptive_k_rows_join_mid_way():
+    """Adaptive K (AdaptiveEnsemble: noisy samples only on uncertain rows) through the engine: requests
+    joining a running ensemble get the tokens of their own AdaptiveEnsemble."""
+    from dataclasses import replace
+
+    lengths = (3, 7, 6, 6)
+    seen = torch.cat([_adaptive_reference(p, 0.0, n)[1] for p, n in zip(PROMPTS, lengths, strict=False)])
+    threshold = float(seen.median())  # some tokens above it (K samples), some below (the clean one)
+    engine, events = _engine(3), Events()
+    engine.routings["roe"] = replace(engine.routings["roe"], adaptive=threshold)
+    with engine:
+        ids = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), "roe", events)
+               for p, n in zip(PROMPTS[:2], lengths[:2], strict=True)]  # fmt: skip
+        engine.step()
+        ids += [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), "roe", events)
+                for p, n in zip(PROMPTS[2:4], lengths[2:], strict=True)]  # fmt: skip
+        while len(events.final) < 4:
+            engine.step()
+    assert ("decode", 3) in engine.forward_log
+    for rid, prompt, n in zip(ids, PROMPTS, lengths, strict=False):
+        assert events.tokens[rid] == _adaptive_reference(prompt, threshold, n)[0], prompt
+    assert 1 < engine.stats()["roe_sample_tokens"] / engine.stats()["generated_tokens"] < NOISY.K
+
+
+def test_a_failing_shared_prefill_fails_only_the_bad_request(monkeypatch):
+    """A prefill of several RoE requests that fails is redone one by one: only the bad one fails."""
+    _, tok, _ = _loaded("olmoe")
+    bad = encode(tok, "!")[-1]
+    start = Ensemble.start
+
+    def failing_start(self, input_ids, attention_mask=None):
+        if bool((input_ids == bad).any()):
+            raise RuntimeError("bad prompt")
+        return start(self, input_ids, attention_mask)
+
+    monkeypatch.setattr(Ensemble, "start", failing_start)
+    engine, events = _engine(4), Events()
+    with engine:
+        ids = [
+            engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), "roe", events)
+            for p in ("good", "bad!")
+        ]
+        while len(events.final) < 2:
+            engine.step()
+    assert (
+        events.final[ids[1]].finish_reason == "error" and "bad prompt" in events.final[ids[1]].info["error"]
+    )
+    assert events.final[ids[0]].finish_reason == "length"
+    assert events.tokens[ids[0]] == _reference("good", NOISY, 4)

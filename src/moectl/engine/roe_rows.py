@@ -101,14 +101,22 @@ class RoeRows:
 
     def prefill(self, reqs: list) -> None:
         """Start one ensemble on the prompts of ``reqs`` (one routing), choose their first tokens and
-        join the routing's running group (or start one)."""
+        join the routing's running group (or start one). If a shared prefill fails, each request is
+        prefilled alone, so only a bad one fails."""
         engine = self.engine
         routing = reqs[0].routing
         ensemble = self._new_ensemble(routing)
         ids, mask = left_pad([r.prompt for r in reqs], engine._pad_id, engine.device)
         engine._log("prefill", len(reqs))
-        with ensemble:
-            out = ensemble.start(ids, mask)
+        try:
+            with ensemble:
+                out = ensemble.start(ids, mask)
+        except Exception:
+            if len(reqs) == 1:
+                raise
+            for req in reqs:
+                engine._isolated(self.prefill, [req])
+            return
         for req in reqs:
             req.seen = len(req.prompt)
         self._count(ensemble, len(reqs))
