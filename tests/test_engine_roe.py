@@ -228,3 +228,29 @@ def test_a_failing_shared_prefill_fails_only_the_bad_request(monkeypatch):
     )
     assert events.final[ids[0]].finish_reason == "length"
     assert events.tokens[ids[0]] == _reference("good", NOISY, 4)
+
+
+def test_a_failing_prefill_leaves_the_running_roe_rows_alone(monkeypatch):
+    """A bad RoE request admitted alone while others run fails by itself; the running ones go on."""
+    _, tok, _ = _loaded("olmoe")
+    bad = encode(tok, "!")[-1]
+    start = Ensemble.start
+
+    def failing_start(self, input_ids, attention_mask=None):
+        if bool((input_ids == bad).any()):
+            raise RuntimeError("bad prompt")
+        return start(self, input_ids, attention_mask)
+
+    monkeypatch.setattr(Ensemble, "start", failing_start)
+    engine, events = _engine(4), Events()
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with engine:
+        good = engine.submit("good", params, "roe", events)
+        engine.step()
+        failing = engine.submit("bad!", params, "roe", events)
+        while len(events.final) < 2:
+            engine.step()
+    assert events.final[failing].finish_reason == "error"
+    assert events.final[good].finish_reason == "length" and events.tokens[good] == _reference(
+        "good", NOISY, 5
+    )

@@ -457,7 +457,7 @@ class Engine:
             work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
         for done, (prefill, arg) in enumerate(work):
             err = self._isolated(prefill, arg)
-            if err is not None and self._cache is None:  # nothing runs: fail the step, the rest wait
+            if err is not None and self._cache is None and not self._roe_rows:  # nothing runs: fail the step
                 later = [r for _, a in work[done + 1 :] for r in (a if isinstance(a, list) else [a])]
                 with self._lock:
                     self._waiting.extendleft(reversed(later))
