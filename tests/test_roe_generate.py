@@ -7,9 +7,11 @@ import functools
 import pytest
 import torch
 
+from moectl.engine.engine import encode
+from moectl.engine.sampling import choose_tokens
 from moectl.models.load import ByteTokenizer, load_model
 from moectl.roe import GenerationStats, RoEConfig, generate
-from moectl.roe.roe_generate import choose_next
+from moectl.roe.ensemble import Ensemble
 
 PROMPTS = ["The quick brown fox", "Hi", "Mixture of experts"]
 
@@ -35,6 +37,45 @@ def test_batch_equals_one_prompt_at_a_time():
         (alone,) = generate(model, tokenizer, prompt, config, max_new_tokens=8, ignore_eos=True)
         assert out.token_ids == alone.token_ids
         assert out.text == alone.text and out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+def _ensemble_greedy(model, tokenizer, prompt: str, config: RoEConfig, n: int) -> list[int]:
+    """The definition (what the earlier private loop ran for one prompt): an Ensemble of its own,
+    greedy on the aggregated distribution."""
+    ids = torch.tensor([encode(tokenizer, prompt)])
+    tokens = []
+    with Ensemble(model, config) as ens:
+        out = ens.start(ids, torch.ones_like(ids))
+        for i in range(n):
+            tokens.append(int(out.logprobs.argmax(-1)))
+            if i < n - 1:
+                out = ens.step(out.logprobs.argmax(-1))
+    return tokens
+
+
+def test_rows_joining_the_running_batch_equal_their_own_ensemble():
+    """batch_size=2 over five prompts of different lengths: rows join and leave the engine's ensemble
+    as earlier ones finish; each equals an Ensemble of its own."""
+    model, tokenizer = _load()
+    config = RoEConfig(K=4, tau=0.4, seed=3)
+    prompts = [*PROMPTS, "a", "Routing samples per token, averaged"]
+    stats = GenerationStats()
+    outs = generate(
+        model, tokenizer, prompts, config, max_new_tokens=7, ignore_eos=True, batch_size=2, stats=stats
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _ensemble_greedy(model, tokenizer, prompt, config, 7), prompt
+    assert stats.tokens == 5 * 7 and stats.sample_tokens == 4 * 5 * 7
+
+
+def test_prompt_i_samples_with_seed_sample_seed_plus_i():
+    model, tokenizer = _load()
+    config = RoEConfig(K=3, tau=0.3)
+    kw = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0}
+    together = generate(model, tokenizer, PROMPTS, config, sample_seed=11, **kw)
+    for i, prompt in enumerate(PROMPTS):
+        (alone,) = generate(model, tokenizer, prompt, config, sample_seed=11 + i, **kw)
+        assert together[i].token_ids == alone.token_ids
 
 
 def test_stop_string_cuts_the_text():
@@ -94,10 +135,12 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy():
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    draws = torch.stack([choose_next(logp, 1.0, 0.75, torch.Generator().manual_seed(s)) for s in range(300)])
-    assert set(draws.flatten().tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.75; 2 and 3 are cut
-    assert int(choose_next(logp, 0.0)) == 0
+    """generate samples with the engine's ``choose_tokens``: 300 keys (requests) draw within the nucleus."""
+    logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(300, -1)
+    keys, steps = torch.arange(300, dtype=torch.int64), torch.zeros(300, dtype=torch.int64)
+    draws = choose_tokens(logp, torch.ones(300), torch.full((300,), 0.75), keys, steps)
+    assert set(draws.tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.75; 2 and 3 are cut
+    assert set(choose_tokens(logp, torch.zeros(300), torch.ones(300), keys, steps).tolist()) == {0}
 
 
 def test_stats_count_samples_and_forwards():

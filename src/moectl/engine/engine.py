@@ -9,6 +9,8 @@ EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
 or subset, a document pool, Gumbel noise, ``option:K`` or a controller with its own option state.
+A RoE routing (K routing samples per token, averaged: RoE §2) runs its requests as one ensemble beside
+the plain rows, rows joining and leaving it at the same step boundaries (``roe_rows``).
 The offload runtime (``moectl.offload.offload``) can sit underneath: the batch's rows then share one
 resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
 the union of the rows' experts per layer against the budget (above it, a step must reload experts).
@@ -25,6 +27,7 @@ under its CUDA-graph / paged path; per-row routing needs per-row batch rows.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -41,6 +44,7 @@ from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
+from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
@@ -120,6 +124,7 @@ class Completion:
     switch_rate: float | None
     error: str | None = None
     trace: Any = None  # its RoutingTrace (EngineConfig.record), as route(record=True) records one prompt
+    stop_token: int | None = None  # the EOS token that ended it (not in ``token_ids``)
 
 
 @dataclass
@@ -136,13 +141,12 @@ class _Request:
     seen: int = 0  # real tokens fed through the model
     submitted: float = field(default_factory=time.perf_counter)
     switches: int = 0
-    ensemble: Any = None  # a RoE request's Ensemble (its K samples and clean cache)
-    last: Tensor | None = None  # a RoE request's latest token
     unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
     ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
     done: threading.Event = field(default_factory=threading.Event)
     completion: Completion | None = None
     trace: Any = None
+    stop_token: int | None = None  # the EOS token that ended it
 
 
 class Engine(PrefixPrefill):
@@ -176,7 +180,7 @@ class Engine(PrefixPrefill):
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._roe_rows: list[_Request] = []  # RoE requests: each its own K-sample ensemble
+        self._roe_rows = RoeRows(self)  # RoE requests: one K-sample ensemble per routing (roe_rows)
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
@@ -343,10 +347,12 @@ class Engine(PrefixPrefill):
         routing: str | None = None,
         progress: bool = False,
         seed_per_prompt: bool = False,
+        on_event: Callable[[int, Event], None] | None = None,
     ) -> list[Completion]:
         """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order.
         ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt).
-        ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws)."""
+        ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws).
+        ``on_event(i, event)``: each event of prompt i as it comes (streaming)."""
         params = params or SamplingParams()
         if seed_per_prompt and params.seed is not None:
             pending = [(p, replace(params, seed=params.seed + i)) for i, p in enumerate(prompts)]
@@ -364,7 +370,7 @@ class Engine(PrefixPrefill):
                 def advance() -> None:
                     bar.update(task, completed=self.counters["generated_tokens"] - start)
 
-                return self._run(pending, routing, own_loop, advance)
+                return self._run(pending, routing, own_loop, advance, on_event)
         finally:
             if opened:
                 self.close()
@@ -375,13 +381,15 @@ class Engine(PrefixPrefill):
         routing: str | None,
         own_loop: bool,
         advance: Callable[[], None],
+        on_event: Callable[[int, Event], None] | None = None,
     ) -> list[Completion]:
         ids: list[str] = []
         reqs: dict[str, _Request] = {}
         while pending or any(not reqs[i].done.is_set() for i in ids):
             while pending and len(self._waiting) < self.config.max_queue:
                 prompt, params = pending.pop(0)
-                req = self._submit(prompt, params, routing, None)
+                listen = None if on_event is None else functools.partial(on_event, len(ids))
+                req = self._submit(prompt, params, routing, listen)
                 ids.append(req.id)
                 reqs[req.id] = req
             if own_loop:
@@ -426,15 +434,15 @@ class Engine(PrefixPrefill):
                     return admitted
                 if self._running:
                     self._decode()
-                self._step_roe()
+                self._roe_rows.step()
             except Exception as err:  # the batch is lost; the requests get the error, serving goes on
                 self._fail_all(err)
             self.counters["steps"] += 1
             return True
 
     def _admit(self) -> bool:
-        """Take waiting requests while the batch has room and prefill them: RoE requests one by one
-        (their own ensembles), the others together, a few forwards at most (``prefill_groups``)."""
+        """Take waiting requests while the batch has room and prefill them: RoE requests by routing
+        (``roe_rows``), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
         while len(self._running) + len(self._roe_rows) + len(taken) < self.config.max_batch:
             with self._lock:
@@ -448,7 +456,9 @@ class Engine(PrefixPrefill):
             taken.append(req)
         roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
-        work: list[tuple[Callable[[Any], None], Any]] = [(self._prefill_roe, r) for r in roe]
+        work: list[tuple[Callable[[Any], None], Any]] = [
+            (self._roe_rows.prefill, reqs) for reqs in self._roe_rows.batches(roe)
+        ]
         hits = [(r, p) for r in plain if (p := self._stored_prefix(r)) is not None]
         if hits:  # prompts that start as stored ones prefill only the rest, together
             plain = [r for r in plain if all(r is not h for h, _ in hits)]
@@ -461,7 +471,7 @@ class Engine(PrefixPrefill):
             work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
         for done, (prefill, arg) in enumerate(work):
             err = self._isolated(prefill, arg)
-            if err is not None and self._cache is None:  # nothing runs: fail the step, the rest wait
+            if err is not None and self._cache is None and not self._roe_rows:  # nothing runs: fail the step
                 later = [r for _, a in work[done + 1 :] for r in _requests_of(a)]
                 with self._lock:
                     self._waiting.extendleft(reversed(later))
@@ -558,42 +568,6 @@ class Engine(PrefixPrefill):
         if finished:
             self._remove(finished)
 
-    def _prefill_roe(self, req: _Request) -> None:
-        """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
-        once per engine step; entered only around its own forwards, so its noise never reaches the
-        batch. Deviation: RoE requests are not batched with each other (one ensemble each)."""
-        from moectl.roe.ensemble import Ensemble
-
-        assert req.routing is not None
-        ensemble = Ensemble(self.model, req.routing.roe, info=self.info, policies=self._residency)
-        ids = torch.tensor([req.prompt], device=self.device)
-        self._log("prefill", 1)
-        with ensemble:
-            out = ensemble.start(ids, torch.ones_like(ids))
-        req.seen = ids.shape[1]
-        self.counters["prefills"] += 1
-        self.counters["prefill_forwards"] += 1
-        req.ensemble, req.last = ensemble, self._choose(out.logprobs, [req])
-        self._roe_rows.append(req)
-        if self._emit(req, int(req.last[0])):
-            self._end_roe(req)
-
-    def _step_roe(self) -> None:
-        for req in list(self._roe_rows):
-            self._log("decode", 1)
-            with req.ensemble:
-                out = req.ensemble.step(req.last)
-            req.seen += 1
-            req.last = self._choose(out.logprobs, [req])
-            if self._emit(req, int(req.last[0])):
-                self._end_roe(req)
-
-    def _end_roe(self, req: _Request) -> None:
-        self._roe_rows.remove(req)
-        req.ensemble = None
-        reason, piece = req.ending or ("cancelled", "")
-        self._finish(req, reason, piece=piece)
-
     def _new_trace(self):
         if not self.config.record:
             return None
@@ -687,6 +661,7 @@ class Engine(PrefixPrefill):
         eos = token in self.eos_ids and not req.params.ignore_eos
         if eos:
             piece, stopped = req.stream.finish(), True
+            req.stop_token = token
         else:
             req.generated.append(token)
             piece, stopped = req.stream.push([token])
@@ -737,15 +712,14 @@ class Engine(PrefixPrefill):
         rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
         if rows:
             self._remove(rows)
-        for req in [r for r in self._roe_rows if r.id in cancelled]:
-            self._end_roe(req)
+        self._roe_rows.cancel(cancelled)
         with self._lock:  # ones still waiting are finished when admitted
             self._cancelled |= {c for c in cancelled if any(r.id == c for r in self._waiting)}
 
     def _fail_all(self, err: Exception) -> None:
         self.counters["errors"] += 1
-        failed = [*self._running, *self._roe_rows]
-        self._running, self._roe_rows = [], []
+        failed = [*self._running, *self._roe_rows.clear()]
+        self._running = []
         self._cache = self._valid = self._prev = self._switches = self._last = None
         for req in failed:
             self._finish(req, "error", error=f"{type(err).__name__}: {err}")
@@ -766,6 +740,7 @@ class Engine(PrefixPrefill):
             switch_rate,
             error,
             req.trace,
+            req.stop_token,
         )
         req.completion = completion
         self.counters["finished"] += 1

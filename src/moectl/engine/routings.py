@@ -36,6 +36,7 @@ class Routing:
     policies: list[Policy] = field(default_factory=list)
     changes_model: bool = False  # merged trained weights (a controller's adapters/routers) into the model
     roe: Any = None  # a RoEConfig: K routing samples per token, averaged (RoE §2), instead of policies
+    adaptive: float | None = None  # with ``roe``: adaptive K's clean-entropy threshold (nats; roe.adaptive)
 
     @property
     def per_request(self) -> bool:

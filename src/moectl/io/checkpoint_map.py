@@ -36,7 +36,6 @@ from transformers.core_model_loading import (
     MergeModulelist,
     WeightConverter,
     WeightRenaming,
-    apply_renamings,
     dot_natural_key,
     rename_source_key,
 )
@@ -246,7 +245,7 @@ def map_checkpoint(model: nn.Module, index: CheckpointIndex) -> CheckpointMap:
         if pattern is None:
             plain[target].append(key)
         else:
-            renamed[key] = apply_renamings(key, renamings)
+            renamed[key] = _apply_renamings(key, renamings)
             fused[target][pattern].append(key)
     sources: dict[str, TensorSource] = {}
     for name, tensor in tensors.items():
@@ -275,3 +274,11 @@ def map_checkpoint(model: nn.Module, index: CheckpointIndex) -> CheckpointMap:
             )
         sources[name] = source
     return CheckpointMap(sources, tied, unused)
+
+
+def _apply_renamings(key: str, renamings: list[WeightRenaming]) -> str:
+    """``key`` with every renaming applied in turn (transformers' ``apply_renamings``, which its
+    releases before 5.24 lack)."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
