@@ -592,8 +592,9 @@ def test_options_training_steps_on_device(tmp_path):
     cpu_model, cpu_ctrl = copy.deepcopy(trainer.model).cpu(), copy.deepcopy(trainer.controller).cpu()
     want = _betas(cpu_model, moectl.inspect(cpu_model), cpu_ctrl, ids)
     assert sorted(got) == sorted(want)
-    for layer in want:
-        torch.testing.assert_close(got[layer], want[layer], atol=1e-4, rtol=1e-4)
+    for layer in want:  # float32 on an H200 against the CPU: up to 7e-3 apart on this tiny model before
+        # any training as after it (the device copy against the device: 0), measured 2026-11-27
+        torch.testing.assert_close(got[layer], want[layer], atol=1e-2, rtol=0)
 
 
 # -- 8. the engine on the device ------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.engine.attention import attention_kernels
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.prefix_cache import PrefixCache
@@ -426,7 +427,7 @@ class Engine(PrefixPrefill):
 
     def step(self) -> bool:
         """One engine step: admit, drop cancelled, decode. Returns whether any work was done."""
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_kernels(self.device):
             try:
                 admitted = self._admit()
                 self._drop_cancelled()
