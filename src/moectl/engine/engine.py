@@ -13,6 +13,11 @@ The offload runtime (``moectl.offload.offload``) can sit underneath: the batch's
 resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
 the union of the rows' experts per layer against the budget (above it, a step must reload experts).
 
+A request whose routing has ``repeats = K`` takes K rows, its copies' next-token distributions
+averaged into one token stream (``repeats.py``). ``EngineConfig(solo=True)`` runs one request at a
+time on the model's own cache, for models whose cache cannot be padded and re-batched
+(``kv.batchable``: recurrent or linear attention, chunked attention, a cache class of their own).
+
 Use it synchronously (``engine.generate(prompts, params)``, as the batch commands do) or as a
 server's back end (``engine.start()``; ``submit(..., on_event=...)`` from any thread; events are
 delivered from the engine's thread).
@@ -83,6 +88,7 @@ class EngineConfig:
     prefill_tokens: int = 2048  # the most padded tokens (rows × longest prompt) one prefill forward takes
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
+    solo: bool = False  # one request at a time, its own cache never padded or re-batched (``kv.batchable``)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_tokens"):
@@ -449,7 +455,7 @@ class Engine:
         (their own ensembles), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
         used = sum(r.copies for r in self._running) + len(self._roe_rows)  # rows (repeats: K per request)
-        while used < self.config.max_batch:
+        while used < self.config.max_batch and not (self.config.solo and (used or taken)):
             with self._lock:
                 if not self._waiting or used + self._waiting[0].copies > self.config.max_batch:
                     break
@@ -506,7 +512,7 @@ class Engine:
         width = max(lengths)
         ids, mask = left_pad([r.prompt for r in reqs for _ in range(r.copies)], self._pad_id, self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = new_cache(self.model)
+        cache = None if self.config.solo else new_cache(self.model)  # solo: the model's own cache
         groups: dict[tuple[int, int], list[int]] = {}
         for i, req in enumerate(reqs):
             if req.policies:
@@ -536,7 +542,7 @@ class Engine:
         finally:
             self._between_steps()
         cache = cache if cache_out(out) is None else cache_out(out)
-        if not self._checked_cache:
+        if not self._checked_cache and not self.config.solo:
             check_batchable(cache, self.model.config)
             self._checked_cache = True
         for req, n in zip(reqs, lengths, strict=True):
@@ -726,7 +732,8 @@ class Engine:
                 self._running[i].switches = int(sum(per_row[r] for r in rows_of(copies, [i])))
         keep_rows = [i for i in range(len(self._running)) if i not in gone]
         index = torch.tensor(rows_of(copies, keep_rows), dtype=torch.long, device=self.device)
-        self._cache, self._valid = keep(self._cache, self._valid, index)
+        if keep_rows:
+            self._cache, self._valid = keep(self._cache, self._valid, index)
         self._prev = self._prev[index] if self._prev is not None else None
         self._switches = self._switches[index] if self._switches is not None else None
         self._last = self._last[index] if self._last is not None else None

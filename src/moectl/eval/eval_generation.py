@@ -31,6 +31,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.engine import Engine, EngineConfig, Routing, SamplingParams
+from moectl.engine.kv import batchable
 from moectl.engine.text import cut_at_stop
 from moectl.errors import ConfigError
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, request_keys
@@ -59,21 +60,22 @@ class GenSettings:
 
 
 class _Routings:
-    """Each request's engine ``Routing`` from the plan's ``BatchRouting`` for that request alone;
-    one shared ``Routing`` per ``BatchRouting`` whose policies need nothing per request."""
+    """Each request's engine ``Routing`` from the plan's ``BatchRouting`` for that request alone; one
+    shared ``Routing`` (one group of rows in the engine) per set of policies that need nothing per request."""
 
     def __init__(self, model: nn.Module, info: ModelInfo) -> None:
         self.model, self.info = model, info
-        self.shared: dict[int, tuple[BatchRouting, Routing | None]] = {}
+        self.shared: dict[tuple, tuple[BatchRouting, Routing | None]] = {}
 
     def __call__(self, routing: BatchRouting, key: str) -> Routing | None:
-        if id(routing) in self.shared:
-            return self.shared[id(routing)][1]
         policies = list(routing.policies)
+        k = int(routing.repeats)
+        same = (tuple(id(p) for p in policies), k, id(routing.roe))
+        if same in self.shared:
+            return self.shared[same][1]
         for policy in policies:
             if carries_weights(policy):
                 policy.attach(self.model)  # a trained controller's weights, as route() merges them
-        k = int(routing.repeats)
         if any(per_request(p) for p in policies):
             own = request_policies(policies, key, k)
             for policy in own:
@@ -83,7 +85,7 @@ class _Routings:
             policy.bind(self.info)
         plain = not policies and k == 1 and routing.roe is None
         shared = None if plain else Routing.of(policies, name="eval", repeats=k, roe=routing.roe, owned=True)
-        self.shared[id(routing)] = (routing, shared)  # the BatchRouting kept: its id stays its own
+        self.shared[same] = (routing, shared)  # the BatchRouting kept: the ids above stay its objects'
         return shared
 
 
@@ -118,7 +120,8 @@ def generate_texts(
     stats: SwitchStats | None = None,
 ) -> list[str]:
     """The generated text of each context, in order (see the module doc); ``batch_size`` requests
-    decode together (times ``repeats`` rows). ``stats``: the switch rate of each request's (each
+    decode together (times ``repeats`` rows; one at a time for a model whose cache the engine cannot
+    re-batch: recurrent or linear attention, chunked attention, a cache of its own). ``stats``: the switch rate of each request's (each
     copy's) generated tokens, from its own routing trace (not under RoE)."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -142,7 +145,10 @@ def generate_texts(
         routings.append(to_routing(plan(RequestBatch(ids, torch.ones_like(ids), [key], "generate")), key))
         params.append(_params(settings, key, seed))
     rows = max((r.repeats for r in routings if r is not None), default=1)
-    config = EngineConfig(max_batch=batch_size * rows, max_queue=len(order), record=stats is not None)
+    solo = not batchable(model)  # recurrent / chunked attention / a cache of its own: one request at a time
+    config = EngineConfig(
+        max_batch=batch_size * rows, max_queue=len(order), record=stats is not None, solo=solo
+    )
     engine = Engine(model, tokenizer, config, info=info)
     done = engine.generate([encoded[i] for i in order], params, routings)
     texts: list[str] = [""] * len(contexts)
