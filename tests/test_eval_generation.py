@@ -268,3 +268,18 @@ def test_switch_rates_come_from_each_requests_trace(env):
     generate_texts(model, byte_tokenizer(), contexts, GenSettings((), 6), plan, info, 2, stats=copies)
     assert copies.summary()["sequences"] == 6
     assert sorted(copies.summary()["per_sequence"]) == pytest.approx(sorted(want["per_sequence"] * 2))
+
+
+def test_roe_composed_with_a_mask_is_the_old_loops(env):
+    """A policy beside RoE (``--policy mask --roe``) reaches the engine's RoE ensemble (recorded)."""
+    model, info = env
+    plan = static_plan([ExpertMask.everywhere(info, [0, 1, 2, 3])], RoEConfig(K=3, tau=1.0, seed=5))
+    contexts = [CONTEXTS[0], CONTEXTS[1], CONTEXTS[2], CONTEXTS[4]]
+    texts = generate_texts(model, byte_tokenizer(), contexts, GenSettings((), 8), plan, info, 4)
+    assert texts == [
+        "\ufffd\ufffd\u063e\x19\ufffd\x1b\x19",
+        ")\ufffd)))t\u07ed",
+        "\ufffd!\ufffd!\x19[\ufffd\ufffd",
+        "\ufffd&\ufffd}\ufffdJ\x1a\ufffd",
+    ]
+    assert texts[0] != RECORDED[("roe", "plain")][0], "the mask is active under RoE"
