@@ -283,3 +283,30 @@ def test_roe_composed_with_a_mask_is_the_old_loops(env):
         "\ufffd&\ufffd}\ufffdJ\x1a\ufffd",
     ]
     assert texts[0] != RECORDED[("roe", "plain")][0], "the mask is active under RoE"
+
+
+class _StreamNoise:
+    """A user's policy drawing from a seeded stream, not forkable: copied and reseeded per request."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.generator = seed, None
+
+    def draws(self) -> bool:
+        return True
+
+    def bind(self, info) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def apply(self, state) -> None:
+        state.add_noise(torch.randn(state.logits.shape, generator=self.generator).to(state.logits) * 3.0)
+
+
+def test_a_stream_drawing_policy_ignores_batch_mates(env):
+    model, info = env
+    plan = static_plan([_StreamNoise(4)])
+    settings = GenSettings((), 6)
+    together = generate_texts(model, byte_tokenizer(), CONTEXTS, settings, plan, info, batch_size=6)
+    alone = [generate_texts(model, byte_tokenizer(), [c], settings, plan, info, 1)[0] for c in CONTEXTS]
+    assert together == alone
+    plain = generate_texts(model, byte_tokenizer(), CONTEXTS, settings, static_plan([]), info, batch_size=6)
+    assert together != plain, "the noise is active"

@@ -16,6 +16,10 @@ each request to be routed the same wherever the harness puts it. Two mechanisms:
   runs each request alone after :func:`reseed` gives the policy a seed derived from the request's
   key and the policy's own seed.
 
+Generation runs on the engine, each request with policies of its own: :func:`request_policies`
+gives a request its keyed copies (its codes set), forks of stream-drawing policies seeded as
+:func:`reseed` would seed them, and forks of other per-sequence policies.
+
 The hash and its uniforms (24 bits: u = (h + 0.5) / 2**24, strictly inside (0, 1)) are
 ``moectl.routing.keyed_hash``'s, shared with RoE's per-layer noise.
 """
@@ -212,8 +216,8 @@ def request_policies(policies: Sequence[Any], key: str, copies: int = 1) -> list
             seed = isolated_seed(policy, key)
             if isinstance(policy, SequencePolicy):
                 own = policy.fork(seed)
-            else:
-                own = copy.copy(policy)
+            else:  # not forkable: a deep copy, so its sequence state is its own
+                own = copy.deepcopy(policy)
                 own.seed = seed
                 if isinstance(own, ResettablePolicy):
                     own.reset(seed=seed)
