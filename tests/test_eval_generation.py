@@ -310,3 +310,13 @@ def test_a_stream_drawing_policy_ignores_batch_mates(env):
     assert together == alone
     plain = generate_texts(model, byte_tokenizer(), CONTEXTS, settings, static_plan([]), info, batch_size=6)
     assert together != plain, "the noise is active"
+
+
+def test_any_number_of_stop_strings(env):
+    """More stop strings than the engine stops on (16): the text is still cut at the first of any."""
+    model, info = env
+    until = (*(f"zz{i}" for i in range(20)), "t", "\x19")
+    texts = generate_texts(
+        model, byte_tokenizer(), CONTEXTS, GenSettings(until, 12), static_plan([]), info, 4
+    )
+    assert texts == RECORDED[("none", "stop")]

@@ -23,6 +23,7 @@ a stop string; the text is cut before the first stop string, as lm-eval cuts it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo
 from moectl.engine import Engine, EngineConfig, Routing, SamplingParams
 from moectl.engine.kv import batchable
+from moectl.engine.sampling import MAX_STOP_STRINGS
 from moectl.engine.text import cut_at_stop
 from moectl.errors import ConfigError
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, request_keys
@@ -89,6 +91,9 @@ class _Routings:
         return shared
 
 
+_BATCHABLE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def _params(settings: GenSettings, key: str, seed: int) -> SamplingParams:
     """The engine's sampling of one request: its seed from (``seed``, the request's key)."""
     return SamplingParams(
@@ -96,7 +101,7 @@ def _params(settings: GenSettings, key: str, seed: int) -> SamplingParams:
         temperature=float(settings.temperature),
         top_p=float(settings.top_p),
         seed=int(request_codes([key], seed)[0]),
-        stop=tuple(s for s in settings.until if s),
+        stop=tuple(s for s in settings.until if s)[:MAX_STOP_STRINGS],  # all of them cut the text
     )
 
 
@@ -119,10 +124,12 @@ def generate_texts(
     seed: int = 1234,
     stats: SwitchStats | None = None,
 ) -> list[str]:
-    """The generated text of each context, in order (see the module doc); ``batch_size`` requests
-    decode together (times ``repeats`` rows; one at a time for a model whose cache the engine cannot
-    re-batch: recurrent or linear attention, chunked attention, a cache of its own). ``stats``: the switch rate of each request's (each
-    copy's) generated tokens, from its own routing trace (not under RoE)."""
+    """The generated text of each context, in order (see the module doc).
+
+    ``batch_size`` requests decode together (times ``repeats`` rows; one at a time for a model whose
+    cache the engine cannot re-batch: recurrent or linear attention, chunked attention, a cache of
+    its own). ``stats``: the switch rate of each request's (each copy's) generated tokens, from its
+    own routing trace (not under RoE)."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or max_length
@@ -145,7 +152,9 @@ def generate_texts(
         routings.append(to_routing(plan(RequestBatch(ids, torch.ones_like(ids), [key], "generate")), key))
         params.append(_params(settings, key, seed))
     rows = max((r.repeats for r in routings if r is not None), default=1)
-    solo = not batchable(model)  # recurrent / chunked attention / a cache of its own: one request at a time
+    if model not in _BATCHABLE:  # one probe forward per model
+        _BATCHABLE[model] = batchable(model)
+    solo = not _BATCHABLE[model]  # recurrent / chunked attention / a cache of its own: one request at a time
     config = EngineConfig(
         max_batch=batch_size * rows, max_queue=len(order), record=stats is not None, solo=solo
     )
