@@ -15,6 +15,11 @@ The offload runtime (``moectl.offload.offload``) can sit underneath: the batch's
 resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
 the union of the rows' experts per layer against the budget (above it, a step must reload experts).
 
+A request whose routing has ``repeats = K`` takes K rows, its copies' next-token distributions
+averaged into one token stream (``repeats.py``). ``EngineConfig(solo=True)`` runs one request at a
+time on the model's own cache, for models whose cache cannot be padded and re-batched
+(``kv.batchable``: recurrent or linear attention, chunked attention, a cache class of their own).
+
 Use it synchronously (``engine.generate(prompts, params)``, as the batch commands do) or as a
 server's back end (``engine.start()``; ``submit(..., on_event=...)`` from any thread; events are
 delivered from the engine's thread).
@@ -45,6 +50,7 @@ from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
+from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
@@ -90,6 +96,7 @@ class EngineConfig:
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
     prefix_cache_tokens: int = 0  # prompt tokens whose KV is kept for later prompts (prefix_cache.py); 0: off
+    solo: bool = False  # one request at a time, its own cache never padded or re-batched (``kv.batchable``)
 
     def __post_init__(self) -> None:
         PrefixCache(self.prefix_cache_tokens)  # checks the size
@@ -146,8 +153,14 @@ class _Request:
     ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
     done: threading.Event = field(default_factory=threading.Event)
     completion: Completion | None = None
-    trace: Any = None
+    trace: Any = None  # its RoutingTrace; a list of one per copy when it runs as several rows
+    copies: int = 1  # batch rows it occupies (``Routing.repeats``: K routed copies, one token stream)
     stop_token: int | None = None  # the EOS token that ended it
+
+
+def _traces(req: _Request) -> list:
+    """The request's trace per row it occupies."""
+    return req.trace if isinstance(req.trace, list) else [req.trace]
 
 
 class Engine(PrefixPrefill):
@@ -286,25 +299,26 @@ class Engine(PrefixPrefill):
         self,
         prompt: Sequence[int] | str,
         params: SamplingParams | None = None,
-        routing: str | None = None,
+        routing: str | Routing | None = None,
         on_event: Callable[[Event], None] | None = None,
     ) -> str:
         """Queue a request; returns its id. Thread-safe. ``ValueError`` for an unknown routing or a
-        prompt that does not fit the context, ``QueueFull`` when ``max_queue`` are waiting."""
+        prompt that does not fit the context, ``QueueFull`` when ``max_queue`` are waiting.
+        ``routing``: a registered name (all a server passes on), or in process a ``Routing`` object."""
         return self._submit(prompt, params, routing, on_event).id
 
     def _submit(
         self,
         prompt: Sequence[int] | str,
         params: SamplingParams | None,
-        routing: str | None,
+        routing: str | Routing | None,
         on_event: Callable[[Event], None] | None,
     ) -> _Request:
         params = params or SamplingParams()
         ids = encode(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ConfigError("the prompt is empty (no tokens)")
-        if routing is not None and routing not in self.routings:
+        if routing is not None and not isinstance(routing, Routing) and routing not in self.routings:
             names = ", ".join(sorted(self.routings)) or "none registered"
             raise ConfigError(f"unknown routing {routing!r}; registered routings: {names}")
         if self.max_context is not None and len(ids) + params.max_tokens > self.max_context:
@@ -312,7 +326,10 @@ class Engine(PrefixPrefill):
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens"
             )
-        chosen = self.routings.get(routing) if routing is not None else None
+        chosen = routing if isinstance(routing, Routing) or routing is None else self.routings.get(routing)
+        copies = chosen.repeats if chosen is not None else 1
+        if copies > self.config.max_batch:
+            raise ConfigError(f"repeats = {copies} needs more rows than max_batch = {self.config.max_batch}")
         seed = request_seed(params)
         policies = [] if chosen is None else chosen.for_request(seed, self.info)
         with self._lock:
@@ -329,7 +346,8 @@ class Engine(PrefixPrefill):
                 key=seed_key(seed),
                 on_event=on_event,
                 stream=TextStream(self.tokenizer, params.stop),
-                trace=self._new_trace(),
+                trace=self._new_trace() if copies == 1 else [self._new_trace() for _ in range(copies)],
+                copies=copies,
             )
             self._waiting.append(req)
             self._lock.notify_all()
@@ -344,8 +362,8 @@ class Engine(PrefixPrefill):
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams | None = None,
-        routing: str | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        routing: str | Routing | Sequence[str | Routing | None] | None = None,
         progress: bool = False,
         seed_per_prompt: bool = False,
         on_event: Callable[[int, Event], None] | None = None,
@@ -353,33 +371,40 @@ class Engine(PrefixPrefill):
         """Run ``prompts`` to completion (in this thread unless ``start()`` was called); in order.
         ``progress``: a progress bar of generated tokens (at most ``max_tokens`` per prompt).
         ``seed_per_prompt``: prompt i samples with seed ``params.seed + i`` (independent draws).
+        ``params`` and ``routing`` may also be given per prompt (sequences as long as ``prompts``);
+        a ``Routing`` object is a caller's own (``Routing.of``), used without registering it.
         ``on_event(i, event)``: each event of prompt i as it comes (streaming)."""
-        params = params or SamplingParams()
-        if seed_per_prompt and params.seed is not None:
-            pending = [(p, replace(params, seed=params.seed + i)) for i, p in enumerate(prompts)]
-        else:
-            pending = [(p, params) for p in prompts]
+        per_params = list(params) if isinstance(params, (list, tuple)) else None
+        per_routing = list(routing) if isinstance(routing, (list, tuple)) else [routing] * len(prompts)
+        if len(per_routing) != len(prompts) or (per_params is not None and len(per_params) != len(prompts)):
+            raise ConfigError("give one params and one routing per prompt, or one for all")
+        if per_params is None:
+            params = params if isinstance(params, SamplingParams) else SamplingParams()
+            if seed_per_prompt and params.seed is not None:
+                per_params = [replace(params, seed=params.seed + i) for i in range(len(prompts))]
+            else:
+                per_params = [params] * len(prompts)
+        pending = list(zip(prompts, per_params, per_routing, strict=True))
         own_loop = self._thread is None
         opened = own_loop and self._session is None
         if opened:
             self.open()
         try:
             with progress_bar("generating", progress) as bar:
-                task = bar.add_task("gen", total=len(pending) * params.max_tokens)
+                task = bar.add_task("gen", total=sum(p.max_tokens for p in per_params))
                 start = self.counters["generated_tokens"]
 
                 def advance() -> None:
                     bar.update(task, completed=self.counters["generated_tokens"] - start)
 
-                return self._run(pending, routing, own_loop, advance, on_event)
+                return self._run(pending, own_loop, advance, on_event)
         finally:
             if opened:
                 self.close()
 
     def _run(
         self,
-        pending: list[tuple[Any, SamplingParams]],
-        routing: str | None,
+        pending: list[tuple[Any, SamplingParams, str | Routing | None]],
         own_loop: bool,
         advance: Callable[[], None],
         on_event: Callable[[int, Event], None] | None = None,
@@ -388,7 +413,7 @@ class Engine(PrefixPrefill):
         reqs: dict[str, _Request] = {}
         while pending or any(not reqs[i].done.is_set() for i in ids):
             while pending and len(self._waiting) < self.config.max_queue:
-                prompt, params = pending.pop(0)
+                prompt, params, routing = pending.pop(0)
                 listen = None if on_event is None else functools.partial(on_event, len(ids))
                 req = self._submit(prompt, params, routing, listen)
                 ids.append(req.id)
@@ -445,9 +470,10 @@ class Engine(PrefixPrefill):
         """Take waiting requests while the batch has room and prefill them: RoE requests by routing
         (``roe_rows``), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
-        while len(self._running) + len(self._roe_rows) + len(taken) < self.config.max_batch:
+        used = sum(r.copies for r in self._running) + len(self._roe_rows)  # rows (repeats: K per request)
+        while used < self.config.max_batch and not (self.config.solo and (used or taken)):
             with self._lock:
-                if not self._waiting:
+                if not self._waiting or used + self._waiting[0].copies > self.config.max_batch:
                     break
                 req = self._waiting.popleft()
                 cancelled = req.id in self._cancelled
@@ -455,6 +481,7 @@ class Engine(PrefixPrefill):
                 self._finish(req, "cancelled")
                 continue
             taken.append(req)
+            used += req.copies
         roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
         work: list[tuple[Callable[[Any], None], Any]] = [
@@ -504,16 +531,17 @@ class Engine(PrefixPrefill):
         """One forward over the prompts of ``reqs``, left-padded to the longest (each row with its own
         positions 0..n−1 and, through ``Group.pad``, its own routing over its own tokens), then their
         first tokens sampled and their cache rows joined to the batch's."""
-        k = len(reqs)
+        copies = [r.copies for r in reqs]
+        k = sum(copies)  # rows: a request of K copies takes K (repeats.py)
         lengths = [len(r.prompt) for r in reqs]
         width = max(lengths)
-        ids, mask = left_pad([r.prompt for r in reqs], self._pad_id, self.device)
+        ids, mask = left_pad([r.prompt for r in reqs for _ in range(r.copies)], self._pad_id, self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = new_cache(self.model)
+        cache = None if self.config.solo else new_cache(self.model)  # solo: the model's own cache
         groups: dict[tuple[int, int], list[int]] = {}
         for i, req in enumerate(reqs):
             if req.policies:
-                groups.setdefault((id(req.policies), width - lengths[i]), []).append(i)
+                groups.setdefault((id(req.policies), width - lengths[i]), []).extend(rows_of(copies, [i]))
         self.router.set_groups(
             [Group(torch.tensor(rows), reqs[rows[0]].policies, 0, pad) for (_, pad), rows in groups.items()],
             k,
@@ -525,7 +553,7 @@ class Engine(PrefixPrefill):
         switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=self.device)
         self.meter.start(prev, switches, counting=False)
         self._begin_traces(reqs, lengths, prefill=True)
-        self.meter.pads = [width - n for n in lengths]
+        self.meter.pads = [width - n for n, c in zip(lengths, copies, strict=True) for _ in range(c)]
         self._log("prefill", k)
         try:
             out = self.model(
@@ -539,7 +567,7 @@ class Engine(PrefixPrefill):
         finally:
             self._between_steps()
         cache = cache if cache_out(out) is None else cache_out(out)
-        if not self._checked_cache:
+        if not self._checked_cache and not self.config.solo:
             check_batchable(cache, self.model.config)
             self._checked_cache = True
         self._join_prefilled(reqs, cache, mask, out.logits[:, -1], prev, switches)
@@ -547,18 +575,21 @@ class Engine(PrefixPrefill):
     def _join_prefilled(
         self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
     ) -> None:
-        """After a prefill forward: each row's prompt KV offered to the prefix cache, first tokens
-        sampled from ``logits`` [k, V], the rows (cache marked by ``mask`` [k, L]) joined to the batch."""
-        for i, req in enumerate(reqs):
+        """After a prefill forward: each one-copy row's prompt KV offered to the prefix cache, first
+        tokens sampled from ``logits`` [rows, V], the rows (cache marked by ``mask`` [rows, L]) joined."""
+        copies = [r.copies for r in reqs]
+        for req, row in zip(reqs, row_starts(copies), strict=True):
             req.seen = len(req.prompt)
-            self._store_prefix(req, cache, i, mask[i].bool())
+            if req.copies == 1:
+                self._store_prefix(req, cache, row, mask[row].bool())
         self.counters["prefills"] += len(reqs)
         self.counters["prefill_forwards"] += 1
         tokens = self._choose(logits, reqs)
         self._cache, self._valid = join(self._cache, self._valid, cache, mask)
         self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
         self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
-        self._last = tokens if self._last is None else torch.cat([self._last, tokens])
+        rows = expand(tokens, copies)  # each copy is fed its request's token
+        self._last = rows if self._last is None else torch.cat([self._last, rows])
         first = len(self._running)
         self._running.extend(reqs)
         finished = [
@@ -585,8 +616,9 @@ class Engine(PrefixPrefill):
             return
         for req, length in zip(reqs, lengths, strict=True):
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
-            req.trace.begin_call(0 if prefill else req.seen, valid)
-        self.meter.traces = [r.trace for r in reqs]
+            for trace in _traces(req):
+                trace.begin_call(0 if prefill else req.seen, valid)
+        self.meter.traces = [t for r in reqs for t in _traces(r)]
 
     def _log(self, kind: str, rows: int) -> None:
         if self.config.log_forwards:
@@ -599,6 +631,7 @@ class Engine(PrefixPrefill):
         self.meter.traces = self.meter.pads = None
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
+        logits = combine(logits, [r.copies for r in reqs])  # a request's K copies: one distribution
         dev = logits.device
         temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
         top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
@@ -607,24 +640,27 @@ class Engine(PrefixPrefill):
         return choose_tokens(logits.float(), temperature, top_p, keys, steps)
 
     def _groups(self) -> list[Group]:
-        by_policies: dict[int, list[int]] = {}
-        for i, req in enumerate(self._running):
+        by_policies: dict[int, tuple[_Request, list[int]]] = {}
+        for req, start in zip(self._running, row_starts([r.copies for r in self._running]), strict=True):
             if req.policies:
-                by_policies.setdefault(id(req.policies), []).append(i)
+                by_policies.setdefault(id(req.policies), (req, []))[1].extend(
+                    range(start, start + req.copies)
+                )
         groups = []
-        for rows in by_policies.values():
-            first = self._running[rows[0]]
+        for first, rows in by_policies.values():
             groups.append(Group(torch.tensor(rows, dtype=torch.long), first.policies, first.seen))
         return groups
 
     def _decode(self) -> None:
         assert self._valid is not None and self._last is not None
-        b = len(self._running)
+        b = int(self._last.shape[0])  # rows (a request of K copies takes K)
         self.router.set_groups(self._groups(), b, self.device)
         self.meter.start(self._prev, self._switches, counting=True)
         valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
-        positions = torch.tensor([[r.seen] for r in self._running], device=self.device)
-        self._begin_traces(self._running, [1] * b, prefill=False)
+        positions = torch.tensor(
+            [[r.seen] for r in self._running for _ in range(r.copies)], device=self.device
+        )
+        self._begin_traces(self._running, [1] * len(self._running), prefill=False)
         self._log("decode", b)
         try:
             out = self.model(
@@ -647,7 +683,7 @@ class Engine(PrefixPrefill):
         for req in self._running:
             req.seen += 1
         tokens = self._choose(out.logits[:, -1], self._running)
-        self._last = tokens
+        self._last = expand(tokens, [r.copies for r in self._running])
         finished = [
             i
             for i, (req, tok) in enumerate(zip(self._running, tokens.tolist(), strict=True))
@@ -687,13 +723,15 @@ class Engine(PrefixPrefill):
         """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""
         gone = set(rows)
         done = [self._running[i] for i in sorted(gone)]
+        copies = [r.copies for r in self._running]
         if self._switches is not None:
             per_row = self._switches.sum(1).tolist()  # one host sync per leave
-            for i in gone:
-                self._running[i].switches = int(per_row[i])
+            for i in gone:  # a request of K copies: the sum over its rows (``_finish`` divides by K)
+                self._running[i].switches = int(sum(per_row[r] for r in rows_of(copies, [i])))
         keep_rows = [i for i in range(len(self._running)) if i not in gone]
-        index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        self._cache, self._valid = keep(self._cache, self._valid, index)
+        index = torch.tensor(rows_of(copies, keep_rows), dtype=torch.long, device=self.device)
+        if keep_rows:
+            self._cache, self._valid = keep(self._cache, self._valid, index)
         self._prev = self._prev[index] if self._prev is not None else None
         self._switches = self._switches[index] if self._switches is not None else None
         self._last = self._last[index] if self._last is not None else None
@@ -729,7 +767,9 @@ class Engine(PrefixPrefill):
         decode_steps = max(len(req.generated) - 1, 0)
         layers = self.info.num_moe_layers
         roe = req.routing is not None and req.routing.roe is not None  # K routings: no one switch rate
-        switch_rate = req.switches / (decode_steps * layers) if decode_steps and not roe else None
+        switch_rate = (
+            req.switches / (decode_steps * layers * req.copies) if decode_steps and not roe else None
+        )
         name = req.routing.name if req.routing is not None else None
         completion = Completion(
             req.id,
@@ -748,7 +788,7 @@ class Engine(PrefixPrefill):
         stats = self.routing_stats.setdefault(name or "", {"requests": 0, "switches": 0, "steps": 0})
         stats["requests"] += 1
         stats["switches"] += req.switches
-        stats["steps"] += 0 if roe else decode_steps * layers
+        stats["steps"] += 0 if roe else decode_steps * layers * req.copies
         if req.on_event is not None:
             usage = {
                 "prompt_tokens": len(req.prompt),

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.errors import MoectlError
+from moectl.routing.kv_cache import cache_out, with_cache
 
 
 class UnbatchableCacheError(MoectlError, ValueError):
@@ -48,6 +49,20 @@ def check_batchable(cache, config=None) -> None:
             f"the engine batches full- and sliding-window attention caches only; this model has {what} "
             "(recurrent, linear or chunked attention), which it cannot pad and re-batch"
         )
+
+
+def batchable(model: nn.Module) -> bool:
+    """Whether the engine can pad and re-batch ``model``'s KV cache (else run it with
+    ``EngineConfig(solo=True)``): a one-token forward into the engine's cache, checked."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, **with_cache(new_cache(model)), use_cache=True, logits_to_keep=1)
+        cache = cache_out(out)
+        check_batchable(cache if cache is not None else new_cache(model), model.config)
+    except (UnbatchableCacheError, ValueError, TypeError, AttributeError):
+        return False  # a model with a cache of its own refuses the engine's (MiniMax)
+    return True
 
 
 def _window(layer) -> int | None:

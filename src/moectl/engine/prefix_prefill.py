@@ -42,6 +42,8 @@ class PrefixPrefill:
             and self._prefixes_ok
             and not self._residency
             and not self.config.record
+            and not self.config.solo
+            and req.copies == 1
             and (req.routing is None or (req.routing.roe is None and not req.routing.per_request))
         )
         return ok, None if req.routing is None else req.routing.name

@@ -6,7 +6,9 @@ Policies with per-sequence state (``SequencePolicy``: a controller, a document p
 are forked for each request; the others are shared by every request that names the routing.
 
 Names, not paths, reach the engine from a request: a server registers the routings it offers and
-a request can only pick among them.
+a request can only pick among them. In process a caller may also hand ``Engine.submit`` /
+``Engine.generate`` a ``Routing`` object of its own (``Routing.of``): evaluation builds one per request
+(request-keyed noise, ``repeats`` routed copies averaged, RoE), never reachable from HTTP.
 """
 
 from __future__ import annotations
@@ -37,6 +39,28 @@ class Routing:
     changes_model: bool = False  # merged trained weights (a controller's adapters/routers) into the model
     roe: Any = None  # a RoEConfig: K routing samples per token, averaged (RoE §2), instead of policies
     adaptive: float | None = None  # with ``roe``: adaptive K's clean-entropy threshold (nats; roe.adaptive)
+    repeats: int = 1  # K routed copies per request (K rows), distributions averaged (engine/repeats.py)
+    owned: bool = False  # the policies already belong to one request: used as they are, never forked
+
+    def __post_init__(self) -> None:
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ConfigError(f"routing {self.name!r}: repeats must be an integer >= 1, got {self.repeats!r}")
+        if self.roe is not None and self.repeats != 1:
+            raise ConfigError(f"routing {self.name!r}: give repeats (independent copies) or roe, not both")
+
+    @classmethod
+    def of(
+        cls,
+        policies: list[Policy],
+        *,
+        name: str = "call",
+        repeats: int = 1,
+        roe: Any = None,
+        owned: bool = False,
+    ) -> Routing:
+        """A caller's own routing of bound policy objects (not registered; in process only).
+        ``owned``: the policies are one request's (its own forks / keyed copies), used as they are."""
+        return cls(name, "policies", list(policies), roe=roe, repeats=int(repeats), owned=owned)
 
     @property
     def per_request(self) -> bool:
@@ -45,7 +69,7 @@ class Routing:
 
     def for_request(self, seed: int, info: ModelInfo) -> list[Policy]:
         """The policies one request routes with: stateful ones forked with ``seed`` and bound."""
-        if not self.per_request:
+        if self.owned or not self.per_request:
             return self.policies
         out = []
         for policy in self.policies:

@@ -47,6 +47,8 @@ class RowRouter:
         self.groups: list[Group] = []
         self.allowed: dict[int, Tensor] = {}  # per MoE layer: [B, T, E] of the latest call, where restricted
         self.restricted_rows: Tensor | None = None  # [B] bool: rows whose routing restricted ``allowed``
+        self._call: RouteContext | None = None  # the forward call the group contexts below belong to
+        self._contexts: list[RouteContext] = []  # per group: its context, one object for every layer
 
     def bind(self, info: ModelInfo) -> None:
         self.allowed = {}
@@ -55,25 +57,22 @@ class RowRouter:
         """The rows of the next forward by routing (empty: route every row as the model does)."""
         self.groups = groups
         self.allowed = {}
+        self._call, self._contexts = None, []
         self.restricted_rows = torch.zeros(batch, dtype=torch.bool, device=device) if groups else None
 
     def apply(self, state: RoutingState) -> None:
         if not self.groups:
             return
         ctx = state.ctx
+        if ctx is not self._call:  # a group's context is one object across the call's layers, as a
+            self._call = ctx  # request alone sees it (policies keep per-call work keyed by it)
+            self._contexts = [self._context(ctx, group, state.logits.device) for group in self.groups]
         allowed: Tensor | None = None
         noise: Tensor | None = None
         renorm = None
-        for group in self.groups:
+        for group, sub_ctx in zip(self.groups, self._contexts, strict=True):
             rows = group.rows.to(state.logits.device)
             cols = slice(group.pad, None)  # the group's real columns (all, but in a batched prefill)
-            sub_ctx = RouteContext(
-                batch=int(rows.numel()),
-                length=ctx.length - group.pad,
-                offset=group.offset,
-                valid=None if ctx.valid is None else ctx.valid[rows, cols],
-                calls=ctx.calls,
-            )
             sub = RoutingState(state.layer, state.logits[rows, cols], state.rule, sub_ctx)
             if state.hidden is not None:
                 sub.hidden = state.hidden[rows, cols]
@@ -95,6 +94,18 @@ class RowRouter:
             self.allowed[state.layer] = allowed
         if noise is not None:
             state.add_noise(noise)
+
+    @staticmethod
+    def _context(ctx: RouteContext, group: Group, device: torch.device) -> RouteContext:
+        """The call as the group's requests alone would make it: its rows, its real columns, its offset."""
+        rows = group.rows.to(device)
+        return RouteContext(
+            batch=int(rows.numel()),
+            length=ctx.length - group.pad,
+            offset=group.offset,
+            valid=None if ctx.valid is None else ctx.valid[rows.to(ctx.valid.device), group.pad :],
+            calls=ctx.calls,
+        )
 
 
 class SwitchMeter:

@@ -5,7 +5,7 @@ lm-eval's ``LM`` interface is three methods; each hands its requests to moectl:
 - ``loglikelihood`` → ``scoring.score_pairs`` (the one tokenisation of ``moectl.models.tokens``,
   canonical batching, the LM head on chunks of positions);
 - ``loglikelihood_rolling`` → ``perplexity.document_nll`` (windows overlapping by one token);
-- ``generate_until`` → ``generation.generate_texts`` (routed KV-cache decoding, RoE's ``Ensemble``).
+- ``generate_until`` → ``eval_generation.generate_texts`` (on the inference engine, ``moectl.engine``).
 
 Routing comes from a plan (``forward.RoutingPlan``) built once by
 ``policy_file.setup_routing`` from ``policy=``, ``roe=`` and ``controller=``, exactly as

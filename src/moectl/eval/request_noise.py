@@ -16,12 +16,17 @@ each request to be routed the same wherever the harness puts it. Two mechanisms:
   runs each request alone after :func:`reseed` gives the policy a seed derived from the request's
   key and the policy's own seed.
 
+Generation runs on the engine, each request with policies of its own: :func:`request_policies`
+gives a request its keyed copies (its codes set), forks of stream-drawing policies seeded as
+:func:`reseed` would seed them, and forks of other per-sequence policies.
+
 The hash and its uniforms (24 bits: u = (h + 0.5) / 2**24, strictly inside (0, 1)) are
 ``moectl.routing.keyed_hash``'s, shared with RoE's per-layer noise.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 from functools import cache
@@ -32,7 +37,7 @@ from torch import Tensor
 
 from moectl.routing.gumbel import GumbelTopK
 from moectl.routing.keyed_hash import M32, layer_word, mix, mix_int, seed_key, uniforms
-from moectl.routing.protocols import ResettablePolicy, SeededPolicy
+from moectl.routing.protocols import ResettablePolicy, SeededPolicy, SequencePolicy
 from moectl.routing.routing_state import RouteContext, RoutingState
 
 
@@ -183,6 +188,47 @@ def needs_isolation(policy: Any) -> bool:
 _BASE_SEEDS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
+def isolated_seed(policy: Any, key: str) -> int:
+    """The seed an isolated policy draws with for the request ``key``: from (its own seed, the key);
+    its own is the seed it had when first asked (``reseed`` may change ``policy.seed`` later)."""
+    base = _BASE_SEEDS.setdefault(policy, int(policy.seed))
+    return (mix_int(base) << 31 ^ int(key, 16)) & ((1 << 63) - 1)
+
+
+def per_request(policy: Any) -> bool:
+    """Whether ``policy`` needs an instance of its own per request (keyed draws, a stream of draws,
+    or per-sequence state) rather than being shared by every request."""
+    return isinstance(policy, (RequestKeyed, SequencePolicy)) or needs_isolation(policy)
+
+
+def request_policies(policies: Sequence[Any], key: str, copies: int = 1) -> list[Any]:
+    """``policies`` as one request (``key``; ``copies`` routed copies) routes with on its own rows:
+    keyed policies copied with the request's codes (copy c its own, as ``set_request_codes``), a
+    policy drawing from a stream forked with ``isolated_seed`` (the seed ``reseed`` gives it when
+    the request runs alone), other per-sequence policies forked; the rest shared. Unbound."""
+    out: list[Any] = []
+    for policy in policies:
+        if isinstance(policy, RequestKeyed):
+            own = copy.copy(policy)
+            own.request_rows = RequestRows()
+            set_request_codes([own], [key], copies)
+        elif needs_isolation(policy):
+            seed = isolated_seed(policy, key)
+            if isinstance(policy, SequencePolicy):
+                own = policy.fork(seed)
+            else:  # not forkable: a deep copy, so its sequence state is its own
+                own = copy.deepcopy(policy)
+                own.seed = seed
+                if isinstance(own, ResettablePolicy):
+                    own.reset(seed=seed)
+        elif isinstance(policy, SequencePolicy):
+            own = policy.fork(0)  # per-sequence state, no draws of its own to seed
+        else:
+            own = policy
+        out.append(own)
+    return out
+
+
 def reseed(policies: Sequence[Any], key: str) -> None:
     """Seed each isolated policy from (its own seed, the request ``key``) before the request runs.
 
@@ -193,8 +239,7 @@ def reseed(policies: Sequence[Any], key: str) -> None:
     for policy in policies:
         if not needs_isolation(policy):
             continue
-        base = _BASE_SEEDS.setdefault(policy, int(policy.seed))
-        seed = (mix_int(base) << 31 ^ int(key, 16)) & ((1 << 63) - 1)
+        seed = isolated_seed(policy, key)
         if isinstance(policy, ResettablePolicy):
             policy.reset(seed=seed)
         else:
