@@ -22,15 +22,26 @@ from typing import Any
 import torch
 
 
-def matmul_peak(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an n×n by n×n matmul in ``dtype`` on this process's threads (best of ``repeats``)."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+def matmul_peak(
+    dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu"
+) -> float:
+    """FLOP/s of an n×n by n×n matmul in ``dtype`` on ``device`` (the CPU: this process's threads;
+    best of ``repeats``; a CUDA device is synchronised around each product, and n is at least 8192
+    there, so the product outlasts a kernel launch)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = max(n, 8192) if cuda else n
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         a @ b
+        if cuda:
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
@@ -74,7 +85,7 @@ def kernel_breakdown(trainer: Any, first_step: int, steps: int = 2) -> dict[str,
     """
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = trainer.accelerator.device.type == "cuda"  # then the kernels' device time (never run on a GPU)
+    cuda = trainer.accelerator.device.type == "cuda"  # then the kernels' device time
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -130,8 +141,9 @@ def measure_training(
         kernels = kernel_breakdown(trainer, warmup + steps) if breakdown else None
     seconds = statistics.median(times)
     fpt = flops_per_token(model_config, train_config.seq_len)
-    peak_bf16 = matmul_peak(torch.bfloat16)
-    peak_fp32 = matmul_peak(torch.float32)
+    device = trainer.accelerator.device  # the peak of the device the steps ran on
+    peak_bf16 = matmul_peak(torch.bfloat16, device=device)
+    peak_fp32 = matmul_peak(torch.float32, device=device)
     tps = tokens / seconds
     extra: dict[str, Any] = {}
     if kernels is not None:
