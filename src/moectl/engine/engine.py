@@ -4,7 +4,12 @@ Requests join and leave the running batch at step boundaries (continuous batchin
 waiting requests while the batch has room — prefilled together, left-padded, in as few forwards as
 ``batch.prefill_groups`` allows (usually one), their first tokens sampled and their KV cache rows
 joined to the batch's (``kv.join``) — then runs one decoding forward for every running row and
-samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
+samples each row's next token (``sampling.choose_tokens``). A prompt longer than
+``EngineConfig.prefill_chunk`` is prefilled in chunks instead, one chunk per step before that
+step's decoding forward (so running rows keep producing a token every step), its own cache built
+up chunk by chunk, its routing called with each chunk's offset; after its last chunk its first
+token is sampled and its cache rows joined to the batch (``rows.splittable``: a routing whose
+draws depend on the call order is prefilled in one forward). A row leaves when it reaches
 EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (``kv.keep``).
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
@@ -40,7 +45,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.routings import Routing, resolve_all
-from moectl.engine.rows import Group, RowRouter, SwitchMeter
+from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream
 from moectl.errors import ConfigError, MoectlError
@@ -80,11 +85,12 @@ class EngineConfig:
     offload: Any = None
     log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
     prefill_tokens: int = 2048  # the most padded tokens (rows × longest prompt) one prefill forward takes
+    prefill_chunk: int = 512  # a longer prompt is prefilled this many tokens per step, between decode steps
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "prefill_tokens"):
+        for name in ("max_batch", "max_queue", "prefill_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -141,6 +147,17 @@ class _Request:
     trace: Any = None
 
 
+@dataclass
+class _Chunked:
+    """A request whose prompt is being prefilled in chunks: its own cache so far, and its ω and
+    switch counts ([1, L, E], [1, L]) to join the batch's with."""
+
+    req: _Request
+    cache: Any
+    prev: Tensor
+    switches: Tensor
+
+
 class Engine:
     """Continuous batching with routing per row over one model (see the module doc)."""
 
@@ -173,6 +190,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._roe_rows: list[_Request] = []  # RoE requests: each its own K-sample ensemble
+        self._chunked: deque[_Chunked] = deque()  # long prompts prefilled a chunk per step, oldest first
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
@@ -399,24 +417,32 @@ class Engine:
             if governor is not None:
                 governor.update()  # in this thread: torch's thread count is per thread under OpenMP
             with self._lock:
-                busy = bool(self._running or self._roe_rows)
+                busy = self._busy()
                 while not self._stopping and not self._waiting and not busy:
                     self._lock.wait()
-                    busy = bool(self._running or self._roe_rows)
+                    busy = self._busy()
                 if self._stopping and not self._drain:
-                    self._cancelled.update(r.id for r in (*self._waiting, *self._running, *self._roe_rows))
+                    chunked = [c.req for c in self._chunked]
+                    self._cancelled.update(
+                        r.id for r in (*self._waiting, *self._running, *self._roe_rows, *chunked)
+                    )
                 if self._stopping and not self._waiting and not busy:
                     return
             self.step()
 
+    def _busy(self) -> bool:
+        return bool(self._running or self._roe_rows or self._chunked)
+
     def step(self) -> bool:
-        """One engine step: admit, drop cancelled, decode. Returns whether any work was done."""
+        """One engine step: admit, drop cancelled, prefill one chunk of a long prompt, decode.
+        Returns whether any work was done."""
         with torch.inference_mode():
             try:
                 admitted = self._admit()
                 self._drop_cancelled()
+                chunked = self._prefill_chunk()
                 if not self._running and not self._roe_rows:
-                    return admitted
+                    return admitted or chunked
                 if self._running:
                     self._decode()
                 self._step_roe()
@@ -429,7 +455,9 @@ class Engine:
         """Take waiting requests while the batch has room and prefill them: RoE requests one by one
         (their own ensembles), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
-        while len(self._running) + len(self._roe_rows) + len(taken) < self.config.max_batch:
+        while (
+            len(self._running) + len(self._roe_rows) + len(self._chunked) + len(taken) < self.config.max_batch
+        ):
             with self._lock:
                 if not self._waiting:
                     break
@@ -441,6 +469,9 @@ class Engine:
             taken.append(req)
         roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
+        long = [r for r in plain if len(r.prompt) > self.config.prefill_chunk and splittable(r.policies)]
+        self._chunked.extend(self._start_chunked(r) for r in long)
+        plain = [r for r in plain if all(r is not q for q in long)]
         work: list[tuple[Callable[[Any], None], Any]] = [(self._prefill_roe, r) for r in roe]
         for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
             reqs = [plain[i] for i in group]
@@ -499,7 +530,7 @@ class Engine:
         )
         switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=self.device)
         self.meter.start(prev, switches, counting=False)
-        self._begin_traces(reqs, lengths, prefill=True)
+        self._begin_traces(reqs, lengths, [0] * k)
         self.meter.pads = [width - n for n in lengths]
         self._log("prefill", k)
         try:
@@ -519,9 +550,16 @@ class Engine:
             self._checked_cache = True
         for req, n in zip(reqs, lengths, strict=True):
             req.seen = n
-        self.counters["prefills"] += k
         self.counters["prefill_forwards"] += 1
-        tokens = self._choose(out.logits[:, -1], reqs)
+        self._join_rows(reqs, cache, mask, out.logits[:, -1], prev, switches)
+
+    def _join_rows(
+        self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
+    ) -> None:
+        """Prefilled requests join the batch: their first tokens sampled from ``logits`` [k, V], their
+        cache rows (left-padded as ``mask`` [k, L] marks), ω and switch counts appended to the batch's."""
+        self.counters["prefills"] += len(reqs)
+        tokens = self._choose(logits, reqs)
         self._cache, self._valid = join(self._cache, self._valid, cache, mask)
         self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
         self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
@@ -535,6 +573,57 @@ class Engine:
         ]
         if finished:
             self._remove(finished)
+
+    def _start_chunked(self, req: _Request) -> _Chunked:
+        layers, experts = self.info.num_moe_layers, self.meter.num_experts
+        prev = torch.zeros(1, layers, experts, dtype=torch.bool, device=self.device)
+        switches = torch.zeros(1, layers, dtype=torch.long, device=self.device)
+        return _Chunked(req, new_cache(self.model), prev, switches)
+
+    def _prefill_chunk(self) -> bool:
+        """The next ``prefill_chunk`` tokens of the oldest chunked prompt through the model, on its
+        own cache (positions and routing offset continuing from the tokens before); after the last
+        chunk the request joins the batch. An error finishes that request alone."""
+        if not self._chunked:
+            return False
+        chunked = self._chunked[0]
+        req = chunked.req
+        start, n = req.seen, len(req.prompt)
+        stop = min(n, start + self.config.prefill_chunk)
+        ids = torch.tensor([req.prompt[start:stop]], device=self.device)
+        mask = torch.ones(1, stop, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, stop, device=self.device)[None]
+        groups = [Group(torch.zeros(1, dtype=torch.long), req.policies, start)] if req.policies else []
+        self.router.set_groups(groups, 1, self.device)
+        self.meter.start(chunked.prev, chunked.switches, counting=False)
+        self._begin_traces([req], [stop - start], [start])
+        self._log("chunk", 1)
+        try:
+            try:
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **with_cache(chunked.cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                self._between_steps()
+            chunked.cache = chunked.cache if cache_out(out) is None else cache_out(out)
+            if not self._checked_cache:
+                check_batchable(chunked.cache, self.model.config)
+                self._checked_cache = True
+        except Exception as err:
+            self._chunked.popleft()
+            self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+            return True
+        req.seen = stop
+        self.counters["prefill_forwards"] += 1
+        if stop == n:
+            self._chunked.popleft()
+            self._join_rows([req], chunked.cache, mask, out.logits[:, -1], chunked.prev, chunked.switches)
+        return True
 
     def _prefill_roe(self, req: _Request) -> None:
         """A RoE request: its own ``Ensemble`` (K samples over one clean KV cache, RoE §2.3), stepped
@@ -580,15 +669,15 @@ class Engine:
         meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
         return RoutingTrace(self.info.num_moe_layers, meta)
 
-    def _begin_traces(self, reqs: list[_Request], lengths: list[int], prefill: bool) -> None:
+    def _begin_traces(self, reqs: list[_Request], lengths: list[int], offsets: list[int]) -> None:
         """Open a call in each recording request's trace (its own offset: the tokens it has seen;
         its own length: a prefill's rows record their own prompt, not its padding)."""
         if not self.config.record:
             self.meter.traces = None
             return
-        for req, length in zip(reqs, lengths, strict=True):
+        for req, length, offset in zip(reqs, lengths, offsets, strict=True):
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
-            req.trace.begin_call(0 if prefill else req.seen, valid)
+            req.trace.begin_call(offset, valid, len(req.prompt) if offset < len(req.prompt) else None)
         self.meter.traces = [r.trace for r in reqs]
 
     def _log(self, kind: str, rows: int) -> None:
@@ -627,7 +716,7 @@ class Engine:
         self.meter.start(self._prev, self._switches, counting=True)
         valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
         positions = torch.tensor([[r.seen] for r in self._running], device=self.device)
-        self._begin_traces(self._running, [1] * b, prefill=False)
+        self._begin_traces(self._running, [1] * b, [r.seen for r in self._running])
         self._log("decode", b)
         try:
             out = self.model(
@@ -715,6 +804,9 @@ class Engine:
         rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
         if rows:
             self._remove(rows)
+        for chunked in [c for c in self._chunked if c.req.id in cancelled]:
+            self._chunked.remove(chunked)  # its cache goes with it
+            self._finish(chunked.req, "cancelled")
         for req in [r for r in self._roe_rows if r.id in cancelled]:
             self._end_roe(req)
         with self._lock:  # ones still waiting are finished when admitted
@@ -771,7 +863,7 @@ class Engine:
             waiting = len(self._waiting)
         out: dict[str, Any] = {
             **self.counters,
-            "running": len(self._running) + len(self._roe_rows),
+            "running": len(self._running) + len(self._roe_rows) + len(self._chunked),
             "waiting": waiting,
             "switch_rate": {
                 name or "default": (s["switches"] / s["steps"] if s["steps"] else None)

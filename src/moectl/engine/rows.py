@@ -26,6 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.routing.pool import DocumentPool
+from moectl.routing.protocols import SeededPolicy
 from moectl.routing.routing_state import Policy, RouteContext, RoutingState
 
 
@@ -38,6 +40,21 @@ class Group:
     policies: list[Policy]
     offset: int
     pad: int = 0
+
+
+def splittable(policies: list[Policy]) -> bool:
+    """Whether a prompt routed by ``policies`` may be fed in several calls (chunked prefill) and be
+    routed exactly as in one: each call's group has the offset of the tokens before it, and
+    sequence state (a controller's options, a causal pool's sums, a positional mask) carries across
+    calls. Not so for a policy drawing from a seeded stream in call order (Gumbel noise, a sampling
+    controller: the draws would come in another order, layer by layer per chunk) nor for a pool over
+    the whole document (``DocumentPool`` mode 'full': a chunk's tokens would not see later ones)."""
+    for policy in policies:
+        if isinstance(policy, SeededPolicy) and policy.draws():
+            return False
+        if isinstance(policy, DocumentPool) and policy.mode == "full":
+            return False
+    return True
 
 
 class RowRouter:
