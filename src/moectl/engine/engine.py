@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
+from moectl.engine.pad_skip import PadSkip
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
@@ -87,6 +88,7 @@ class EngineConfig:
     prefill_tokens: int = 2048  # the most padded tokens (rows × longest prompt) one prefill forward takes
     prefill_chunk: int = 512  # a longer prompt is prefilled this many tokens per step, between decode steps
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
+    skip_padding: bool = True  # a batched prefill's padding tokens skip the experts (engine/pad_skip.py)
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
 
     def __post_init__(self) -> None:
@@ -186,6 +188,7 @@ class Engine:
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
+        self._pad_skip = PadSkip()
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -243,6 +246,8 @@ class Engine:
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
+            if self.config.skip_padding:
+                self._pad_skip.install(self.info)  # on the experts modules in place (offloaded ones included)
         except BaseException:
             self.close()
             raise
@@ -250,6 +255,7 @@ class Engine:
 
     def close(self) -> None:
         self.meter.remove()
+        self._pad_skip.remove()
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -532,6 +538,7 @@ class Engine:
         self.meter.start(prev, switches, counting=False)
         self._begin_traces(reqs, lengths, [0] * k)
         self.meter.pads = [width - n for n in lengths]
+        self._pad_skip.keep(lengths, width, self.device)
         self._log("prefill", k)
         try:
             out = self.model(
@@ -689,6 +696,7 @@ class Engine:
         self.router.set_groups([], 0, self.device)
         self.meter.start(None, None, counting=False)
         self.meter.traces = self.meter.pads = None
+        self._pad_skip.keep(None)
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
         dev = logits.device
