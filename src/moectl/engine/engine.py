@@ -100,8 +100,11 @@ class EngineConfig:
 
 @dataclass
 class Event:
-    """What a request produced in one step. ``finish_reason`` (on its last event): stop (EOS or a
-    stop string) | length | cancelled | error; ``usage`` and ``info`` come with the last event."""
+    """What a request produced in one step: one event per generated token (``token_ids``, its id), with
+    the text completed at that step — empty while the text is held back (an incomplete UTF-8
+    character, a possible start of a stop string), so ``text`` concatenates to the completion's text.
+    ``finish_reason`` (on its last event): stop (EOS or a stop string) | length | cancelled | error;
+    ``usage`` and ``info`` come with the last event."""
 
     request_id: str
     token_ids: list[int]
@@ -775,7 +778,7 @@ class Engine:
         if not eos:
             req.unsent.append(token)
         if reason is None:
-            if req.on_event is not None and piece:
+            if req.on_event is not None:  # every token, its text possibly held back (a client times tokens)
                 req.on_event(Event(req.id, req.unsent, piece))
                 req.unsent = []
             return False
