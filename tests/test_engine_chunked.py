@@ -112,3 +112,16 @@ def test_cancel_during_chunked_prefill_frees_it():
 def test_prefill_chunk_is_checked():
     with pytest.raises(ConfigError, match="prefill_chunk"):
         EngineConfig(prefill_chunk=0)
+
+
+def test_chunked_prefill_under_the_offload_runtime_equals_the_resident_model():
+    from moectl.offload.offload_config import OffloadConfig
+
+    model, tok, _ = _loaded()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    resident = Engine(model, tok, EngineConfig(max_batch=2, prefill_chunk=4096)).generate(
+        [LONG, "abc"], params
+    )
+    config = EngineConfig(max_batch=2, prefill_chunk=16, offload=OffloadConfig(budget=4, store="host"))
+    offloaded = Engine(model, tok, config).generate([LONG, "abc"], params)
+    assert [c.token_ids for c in offloaded] == [c.token_ids for c in resident]
