@@ -695,19 +695,24 @@ class Engine:
             self.forward_log.append((kind, rows))
 
     def _between_steps(self) -> None:
-        """Outside the engine's own forwards the model routes as it would without the engine."""
+        """After a forward: ω and switch counts updated; outside the engine's own forwards the model
+        routes as it would without the engine."""
+        self.meter.end()
         self.router.set_groups([], 0, self.device)
         self.meter.start(None, None, counting=False)
         self.meter.traces = self.meter.pads = None
         self._pad_skip.keep(None)
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
+        """Each row's next token: greedy rows only need the argmax (no per-row tensors to build and
+        copy, no device sync), else ``choose_tokens`` with the rows' parameters (two copies)."""
+        if all(r.params.temperature == 0 for r in reqs):
+            return logits.argmax(-1)
         dev = logits.device
-        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
-        keys = torch.tensor([r.key for r in reqs], dtype=torch.int64, device=dev)
-        steps = torch.tensor([len(r.generated) for r in reqs], dtype=torch.int64, device=dev)
-        return choose_tokens(logits.float(), temperature, top_p, keys, steps)
+        floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32)
+        ints = torch.tensor([[r.key, len(r.generated)] for r in reqs], dtype=torch.int64)
+        floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+        return choose_tokens(logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1])
 
     def _groups(self) -> list[Group]:
         by_policies: dict[int, list[int]] = {}
