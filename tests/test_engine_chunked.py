@@ -125,3 +125,20 @@ def test_chunked_prefill_under_the_offload_runtime_equals_the_resident_model():
     config = EngineConfig(max_batch=2, prefill_chunk=16, offload=OffloadConfig(budget=4, store="host"))
     offloaded = Engine(model, tok, config).generate([LONG, "abc"], params)
     assert [c.token_ids for c in offloaded] == [c.token_ids for c in resident]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_chunked_prefill_equals_one_forward_in_other_families(family):
+    """gpt-oss's sliding-window layers (window 64 < the 196-token prompt, chunks of 16 and 50) and
+    DeepSeek-V3's attention build the same cache chunk by chunk."""
+    model, tok, _ = moectl.load(f"tiny:{family}", dtype="float32")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [LONG * 2, "abc"]
+    runs = [
+        [
+            c.token_ids
+            for c in Engine(model, tok, EngineConfig(max_batch=2, prefill_chunk=n)).generate(prompts, params)
+        ]
+        for n in (4096, 16, 50)
+    ]
+    assert runs[0] == runs[1] == runs[2]
