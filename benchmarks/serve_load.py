@@ -3,8 +3,8 @@
 
 At each concurrency level (``--concurrency 1,4,8``) that many clients each send streamed completion
 requests back to back (the next as soon as the previous ends) until ``--requests`` have been answered.
-Per level: p50 / p99 time to first token (request sent to the first chunk with text), p50 / p99
-inter-token latency (between consecutive text chunks of one request), and aggregate tokens/s
+Per level: p50 / p99 time to first token (request sent to the first chunk of a generated token), p50 /
+p99 inter-token latency (between consecutive token chunks of one request), and aggregate tokens/s
 (completion tokens of the level over its wall time). Every request asks for ``--max-tokens`` greedy
 tokens with ``ignore_eos`` so the levels (and the two servers) decode the same amount.
 
@@ -106,6 +106,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def carries_token(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed completion chunk brings a generated token: it has text, or it is a choice's
+    chunk before the finish (``moectl serve`` sends one per token, its text "" while held back — an
+    incomplete UTF-8 character, a possible stop string — as a random-weight model's tokens often are;
+    llama-server's token chunks carry text). Not the finish chunk without text, nor the usage chunk."""
+    choices = chunk.get("choices") or []
+    return any(c.get("text") or ("text" in c and c.get("finish_reason") is None) for c in choices)
+
+
 async def one_request(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
     """Send one streamed completion; its time to first token, inter-token gaps and token count."""
     sent = time.perf_counter()
@@ -120,13 +129,11 @@ async def one_request(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices") or []):
+            if carries_token(chunk):
                 times.append(time.perf_counter())
     if tokens is None and not times:
-        raise RuntimeError("a stream carried neither text nor usage")
+        raise RuntimeError("a stream carried neither tokens nor usage")
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    # a random-weight model's tokens may decode to no text at all: tokens still count (usage), and
-    # TTFT / inter-token latency are then measured on the chunks that carried text, if any
     ttft = times[0] - sent if times else None
     return {"ttft": ttft, "gaps": gaps, "tokens": tokens if tokens is not None else len(times)}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,6 +138,22 @@ def test_stream_events_concatenate_to_the_text_and_stop_strings_cut():
     assert text == full.text[: full.text.find(stop)]
     assert events[-1].finish_reason == "stop"
     assert sum(len(e.token_ids) for e in events) == events[-1].usage["completion_tokens"]
+
+
+def test_an_event_per_token_with_its_text_held_back_where_it_may_stop():
+    """Every generated token reaches on_event at its step: tokens that may begin a stop string come
+    with no text, which follows once they cannot; the events concatenate to the text."""
+    model, tok, _ = _loaded("olmoe")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    full = Engine(model, tok).generate(["abc"], params)[0]
+    stop = full.text[:3] + "\u2603"  # a prefix of the text, then a character it does not hold
+    events = []
+    with Engine(model, tok) as engine:
+        engine.submit("abc", replace(params, stop=[stop]), on_event=events.append)
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            engine.step()
+    assert [len(e.token_ids) for e in events] == [1] * 10
+    assert events[0].text == "" and "".join(e.text for e in events) == full.text
 
 
 def test_cancel_frees_the_row_at_the_next_step():

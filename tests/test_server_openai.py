@@ -182,6 +182,37 @@ def test_streamed_chunks_concatenate_to_the_whole_text(client, chat):
     assert chunks[-1].routing == "half"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_chunk_per_generated_token_even_while_its_text_is_held_back(client, chat):
+    """One chunk per generated token, as OpenAI-style servers stream (and clients time): a stop string
+    that starts like the text holds its first tokens' text back, and their chunks still come, empty,
+    before the text follows; the chunks concatenate to the non-streamed text."""
+    if chat:
+        kwargs = {"messages": [{"role": "user", "content": "Stream this"}]}
+        create = client.chat.completions.create
+    else:
+        kwargs = {"prompt": "Stream this"}
+        create = client.completions.create
+    extra = {"ignore_eos": True}
+    whole = create(model=MODEL, max_tokens=12, temperature=0, extra_body=extra, **kwargs)
+    full = whole.choices[0].message.content if chat else whole.choices[0].text
+    stop = full[:3] + "\u2603"  # a prefix of the text, then a character it does not hold
+    assert len(full) >= 3 and stop not in full
+    chunks = list(
+        create(
+            model=MODEL, max_tokens=12, temperature=0, stream=True, stop=[stop], extra_body=extra, **kwargs
+        )
+    )
+    texts = [c.choices[0].delta.content if chat else c.choices[0].text for c in chunks]
+    open_choice = [c.choices[0].finish_reason is None for c in chunks]
+    tokens = [t for t, running in zip(texts, open_choice, strict=True) if running and t is not None]
+    if chat:
+        tokens = tokens[1:]  # the role's opening chunk
+    assert len(tokens) == 12  # max_tokens, ignore_eos: one chunk each
+    assert tokens[0] == "" and "".join(tokens) == full
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_the_stream_ends_with_done(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream(
@@ -278,6 +309,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
         time.sleep(0.05)
     assert metric(server, "moectl_running_sequences") == 0
     assert metric(server, "moectl_engine_steps") - steps < 500  # the 1000 tokens were not generated
+
+
+def test_the_load_benchmark_times_every_token_chunk():
+    """serve_load times a chunk per generated token, with text or not (held back), not the finish or usage."""
+    assert serve_load.carries_token({"choices": [{"text": "", "finish_reason": None}]})
+    assert serve_load.carries_token({"choices": [{"text": "a", "finish_reason": "length"}]})
+    assert not serve_load.carries_token({"choices": [{"text": "", "finish_reason": "length"}]})
+    assert not serve_load.carries_token({"choices": [], "usage": {"completion_tokens": 3}})
 
 
 def test_the_load_benchmark_measures_a_running_server(server, tmp_path):

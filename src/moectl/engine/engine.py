@@ -4,7 +4,12 @@ Requests join and leave the running batch at step boundaries (continuous batchin
 waiting requests while the batch has room — prefilled together, left-padded, in as few forwards as
 ``batch.prefill_groups`` allows (usually one), their first tokens sampled and their KV cache rows
 joined to the batch's (``kv.join``) — then runs one decoding forward for every running row and
-samples each row's next token (``sampling.choose_tokens``). A row leaves when it reaches
+samples each row's next token (``sampling.choose_tokens``). A prompt longer than
+``EngineConfig.prefill_chunk`` is prefilled in chunks instead, one chunk per step before that
+step's decoding forward (so running rows keep producing a token every step), its own cache built
+up chunk by chunk, its routing called with each chunk's offset; after its last chunk its first
+token is sampled and its cache rows joined to the batch (``rows.splittable``: a routing whose
+draws depend on the call order is prefilled in one forward). A row leaves when it reaches
 EOS, a stop string, ``max_tokens`` or is cancelled; its cache rows are dropped (``kv.keep``).
 
 Each row carries its own routing (``rows.RowRouter``): none (the model as trained), an expert mask
@@ -48,12 +53,13 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.attention import attention_kernels
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
+from moectl.engine.pad_skip import PadSkip
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routings import Routing, resolve_all
-from moectl.engine.rows import Group, RowRouter, SwitchMeter
+from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream
 from moectl.errors import ConfigError, MoectlError
@@ -93,14 +99,16 @@ class EngineConfig:
     offload: Any = None
     log_forwards: bool = False  # keep (prefill | decode, rows) of every forward in ``forward_log``
     prefill_tokens: int = 2048  # the most padded tokens (rows × longest prompt) one prefill forward takes
+    prefill_chunk: int = 512  # a longer prompt is prefilled this many tokens per step, between decode steps
     record: bool = False  # each request's routing in its own RoutingTrace (``Completion.trace``)
+    skip_padding: bool = True  # a batched prefill's padding tokens skip the experts (engine/pad_skip.py)
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
     prefix_cache_tokens: int = 0  # prompt tokens whose KV is kept for later prompts (prefix_cache.py); 0: off
     solo: bool = False  # one request at a time, its own cache never padded or re-batched (``kv.batchable``)
 
     def __post_init__(self) -> None:
         PrefixCache(self.prefix_cache_tokens)  # checks the size
-        for name in ("max_batch", "max_queue", "prefill_tokens"):
+        for name in ("max_batch", "max_queue", "prefill_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -108,8 +116,11 @@ class EngineConfig:
 
 @dataclass
 class Event:
-    """What a request produced in one step. ``finish_reason`` (on its last event): stop (EOS or a
-    stop string) | length | cancelled | error; ``usage`` and ``info`` come with the last event."""
+    """What a request produced in one step: one event per generated token (``token_ids``, its id), with
+    the text completed at that step — empty while the text is held back (an incomplete UTF-8
+    character, a possible start of a stop string), so ``text`` concatenates to the completion's text.
+    ``finish_reason`` (on its last event): stop (EOS or a stop string) | length | cancelled | error;
+    ``usage`` and ``info`` come with the last event."""
 
     request_id: str
     token_ids: list[int]
@@ -158,6 +169,17 @@ class _Request:
     stop_token: int | None = None  # the EOS token that ended it
 
 
+@dataclass
+class _Chunked:
+    """A request whose prompt is being prefilled in chunks: its own cache so far, and its ω and
+    switch counts ([1, L, E], [1, L]) to join the batch's with."""
+
+    req: _Request
+    cache: Any
+    prev: Tensor
+    switches: Tensor
+
+
 def _traces(req: _Request) -> list:
     """The request's trace per row it occupies."""
     return req.trace if isinstance(req.trace, list) else [req.trace]
@@ -191,10 +213,12 @@ class Engine(PrefixPrefill):
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
+        self._pad_skip = PadSkip()
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._roe_rows = RoeRows(self)  # RoE requests: one K-sample ensemble per routing (roe_rows)
+        self._chunked: deque[_Chunked] = deque()  # long prompts prefilled a chunk per step, oldest first
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
@@ -250,6 +274,8 @@ class Engine(PrefixPrefill):
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
+            if self.config.skip_padding:
+                self._pad_skip.install(self.info)  # on the experts modules in place (offloaded ones included)
         except BaseException:
             self.close()
             raise
@@ -257,6 +283,7 @@ class Engine(PrefixPrefill):
 
     def close(self) -> None:
         self.meter.remove()
+        self._pad_skip.remove()
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -440,24 +467,32 @@ class Engine(PrefixPrefill):
             if governor is not None:
                 governor.update()  # in this thread: torch's thread count is per thread under OpenMP
             with self._lock:
-                busy = bool(self._running or self._roe_rows)
+                busy = self._busy()
                 while not self._stopping and not self._waiting and not busy:
                     self._lock.wait()
-                    busy = bool(self._running or self._roe_rows)
+                    busy = self._busy()
                 if self._stopping and not self._drain:
-                    self._cancelled.update(r.id for r in (*self._waiting, *self._running, *self._roe_rows))
+                    chunked = [c.req for c in self._chunked]
+                    self._cancelled.update(
+                        r.id for r in (*self._waiting, *self._running, *self._roe_rows, *chunked)
+                    )
                 if self._stopping and not self._waiting and not busy:
                     return
             self.step()
 
+    def _busy(self) -> bool:
+        return bool(self._running or self._roe_rows or self._chunked)
+
     def step(self) -> bool:
-        """One engine step: admit, drop cancelled, decode. Returns whether any work was done."""
+        """One engine step: admit, drop cancelled, prefill one chunk of a long prompt, decode.
+        Returns whether any work was done."""
         with torch.inference_mode(), attention_kernels(self.device):
             try:
                 admitted = self._admit()
                 self._drop_cancelled()
+                chunked = self._prefill_chunk()
                 if not self._running and not self._roe_rows:
-                    return admitted
+                    return admitted or chunked
                 if self._running:
                     self._decode()
                 self._roe_rows.step()
@@ -470,7 +505,7 @@ class Engine(PrefixPrefill):
         """Take waiting requests while the batch has room and prefill them: RoE requests by routing
         (``roe_rows``), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
-        used = sum(r.copies for r in self._running) + len(self._roe_rows)  # rows (repeats: K per request)
+        used = sum(r.copies for r in self._running) + len(self._roe_rows) + len(self._chunked)  # rows
         while used < self.config.max_batch and not (self.config.solo and (used or taken)):
             with self._lock:
                 if not self._waiting or used + self._waiting[0].copies > self.config.max_batch:
@@ -494,6 +529,16 @@ class Engine(PrefixPrefill):
                 [len(r.prompt) - p.length for r, p in hits], self.config.prefill_tokens
             ):
                 work.append((self._prefill_after, [hits[i] for i in group]))
+        long = [
+            r
+            for r in plain
+            if len(r.prompt) > self.config.prefill_chunk
+            and r.copies == 1
+            and not self.config.solo
+            and splittable(r.policies)
+        ]
+        self._chunked.extend(self._start_chunked(r) for r in long)
+        plain = [r for r in plain if all(r is not q for q in long)]
         for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
             reqs = [plain[i] for i in group]
             work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
@@ -552,8 +597,10 @@ class Engine(PrefixPrefill):
         )
         switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=self.device)
         self.meter.start(prev, switches, counting=False)
-        self._begin_traces(reqs, lengths, prefill=True)
-        self.meter.pads = [width - n for n, c in zip(lengths, copies, strict=True) for _ in range(c)]
+        self._begin_traces(reqs, lengths, [0] * len(reqs))
+        row_lengths = [n for n, c in zip(lengths, copies, strict=True) for _ in range(c)]
+        self.meter.pads = [width - n for n in row_lengths]
+        self._pad_skip.keep(row_lengths, width, self.device)
         self._log("prefill", k)
         try:
             out = self.model(
@@ -570,20 +617,21 @@ class Engine(PrefixPrefill):
         if not self._checked_cache and not self.config.solo:
             check_batchable(cache, self.model.config)
             self._checked_cache = True
-        self._join_prefilled(reqs, cache, mask, out.logits[:, -1], prev, switches)
+        self.counters["prefill_forwards"] += 1
+        self._join_rows(reqs, cache, mask, out.logits[:, -1], prev, switches)
 
-    def _join_prefilled(
+    def _join_rows(
         self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
     ) -> None:
-        """After a prefill forward: each one-copy row's prompt KV offered to the prefix cache, first
-        tokens sampled from ``logits`` [rows, V], the rows (cache marked by ``mask`` [rows, L]) joined."""
+        """Prefilled requests join the batch: each one-copy row's prompt KV offered to the prefix
+        cache, their first tokens sampled from ``logits`` [rows, V], their cache rows (left-padded as
+        ``mask`` [rows, L] marks), ω and switch counts appended to the batch's."""
         copies = [r.copies for r in reqs]
         for req, row in zip(reqs, row_starts(copies), strict=True):
             req.seen = len(req.prompt)
             if req.copies == 1:
                 self._store_prefix(req, cache, row, mask[row].bool())
         self.counters["prefills"] += len(reqs)
-        self.counters["prefill_forwards"] += 1
         tokens = self._choose(logits, reqs)
         self._cache, self._valid = join(self._cache, self._valid, cache, mask)
         self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
@@ -600,6 +648,57 @@ class Engine(PrefixPrefill):
         if finished:
             self._remove(finished)
 
+    def _start_chunked(self, req: _Request) -> _Chunked:
+        layers, experts = self.info.num_moe_layers, self.meter.num_experts
+        prev = torch.zeros(1, layers, experts, dtype=torch.bool, device=self.device)
+        switches = torch.zeros(1, layers, dtype=torch.long, device=self.device)
+        return _Chunked(req, new_cache(self.model), prev, switches)
+
+    def _prefill_chunk(self) -> bool:
+        """The next ``prefill_chunk`` tokens of the oldest chunked prompt through the model, on its
+        own cache (positions and routing offset continuing from the tokens before); after the last
+        chunk the request joins the batch. An error finishes that request alone."""
+        if not self._chunked:
+            return False
+        chunked = self._chunked[0]
+        req = chunked.req
+        start, n = req.seen, len(req.prompt)
+        stop = min(n, start + self.config.prefill_chunk)
+        ids = torch.tensor([req.prompt[start:stop]], device=self.device)
+        mask = torch.ones(1, stop, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, stop, device=self.device)[None]
+        groups = [Group(torch.zeros(1, dtype=torch.long), req.policies, start)] if req.policies else []
+        self.router.set_groups(groups, 1, self.device)
+        self.meter.start(chunked.prev, chunked.switches, counting=False)
+        self._begin_traces([req], [stop - start], [start])
+        self._log("chunk", 1)
+        try:
+            try:
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **with_cache(chunked.cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                self._between_steps()
+            chunked.cache = chunked.cache if cache_out(out) is None else cache_out(out)
+            if not self._checked_cache:
+                check_batchable(chunked.cache, self.model.config)
+                self._checked_cache = True
+        except Exception as err:
+            self._chunked.popleft()
+            self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+            return True
+        req.seen = stop
+        self.counters["prefill_forwards"] += 1
+        if stop == n:
+            self._chunked.popleft()
+            self._join_rows([req], chunked.cache, mask, out.logits[:, -1], chunked.prev, chunked.switches)
+        return True
+
     def _new_trace(self):
         if not self.config.record:
             return None
@@ -608,16 +707,17 @@ class Engine(PrefixPrefill):
         meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
         return RoutingTrace(self.info.num_moe_layers, meta)
 
-    def _begin_traces(self, reqs: list[_Request], lengths: list[int], prefill: bool) -> None:
+    def _begin_traces(self, reqs: list[_Request], lengths: list[int], offsets: list[int]) -> None:
         """Open a call in each recording request's trace (its own offset: the tokens it has seen;
         its own length: a prefill's rows record their own prompt, not its padding)."""
         if not self.config.record:
             self.meter.traces = None
             return
-        for req, length in zip(reqs, lengths, strict=True):
+        for req, length, offset in zip(reqs, lengths, offsets, strict=True):
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
+            prompt_len = len(req.prompt) if offset < len(req.prompt) else None
             for trace in _traces(req):
-                trace.begin_call(0 if prefill else req.seen, valid)
+                trace.begin_call(offset, valid, prompt_len)
         self.meter.traces = [t for r in reqs for t in _traces(r)]
 
     def _log(self, kind: str, rows: int) -> None:
@@ -625,19 +725,26 @@ class Engine(PrefixPrefill):
             self.forward_log.append((kind, rows))
 
     def _between_steps(self) -> None:
-        """Outside the engine's own forwards the model routes as it would without the engine."""
+        """After a forward: ω and switch counts updated; outside the engine's own forwards the model
+        routes as it would without the engine."""
+        self.meter.end()
         self.router.set_groups([], 0, self.device)
         self.meter.start(None, None, counting=False)
         self.meter.traces = self.meter.pads = None
+        self._pad_skip.keep(None)
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
-        logits = combine(logits, [r.copies for r in reqs])  # a request's K copies: one distribution
+        """Each request's next token (a request's K copies: one distribution, ``repeats.combine``):
+        greedy requests only need the argmax (no per-row tensors to build and copy, no device sync),
+        else ``choose_tokens`` with the requests' parameters (two copies)."""
+        logits = combine(logits, [r.copies for r in reqs])
+        if all(r.params.temperature == 0 for r in reqs):
+            return logits.argmax(-1)
         dev = logits.device
-        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
-        keys = torch.tensor([r.key for r in reqs], dtype=torch.int64, device=dev)
-        steps = torch.tensor([len(r.generated) for r in reqs], dtype=torch.int64, device=dev)
-        return choose_tokens(logits.float(), temperature, top_p, keys, steps)
+        floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32)
+        ints = torch.tensor([[r.key, len(r.generated)] for r in reqs], dtype=torch.int64)
+        floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+        return choose_tokens(logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1])
 
     def _groups(self) -> list[Group]:
         by_policies: dict[int, tuple[_Request, list[int]]] = {}
@@ -660,7 +767,7 @@ class Engine(PrefixPrefill):
         positions = torch.tensor(
             [[r.seen] for r in self._running for _ in range(r.copies)], device=self.device
         )
-        self._begin_traces(self._running, [1] * len(self._running), prefill=False)
+        self._begin_traces(self._running, [1] * len(self._running), [r.seen for r in self._running])
         self._log("decode", b)
         try:
             out = self.model(
@@ -712,7 +819,7 @@ class Engine(PrefixPrefill):
         if not eos:
             req.unsent.append(token)
         if reason is None:
-            if req.on_event is not None and piece:
+            if req.on_event is not None:  # every token, its text possibly held back (a client times tokens)
                 req.on_event(Event(req.id, req.unsent, piece))
                 req.unsent = []
             return False
@@ -751,6 +858,9 @@ class Engine(PrefixPrefill):
         rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
         if rows:
             self._remove(rows)
+        for chunked in [c for c in self._chunked if c.req.id in cancelled]:
+            self._chunked.remove(chunked)  # its cache goes with it
+            self._finish(chunked.req, "cancelled")
         self._roe_rows.cancel(cancelled)
         with self._lock:  # ones still waiting are finished when admitted
             self._cancelled |= {c for c in cancelled if any(r.id == c for r in self._waiting)}
@@ -809,7 +919,7 @@ class Engine(PrefixPrefill):
             waiting = len(self._waiting)
         out: dict[str, Any] = {
             **self.counters,
-            "running": len(self._running) + len(self._roe_rows),
+            "running": len(self._running) + len(self._roe_rows) + len(self._chunked),
             "waiting": waiting,
             "switch_rate": {
                 name or "default": (s["switches"] / s["steps"] if s["steps"] else None)

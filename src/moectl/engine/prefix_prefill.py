@@ -7,7 +7,7 @@ tokens follow, left-padded too, so a row's real columns are [pad | prefix | pad 
 2-D attention mask marks them and each row's positions continue from its prefix (m, m+1, …), as
 they would in a prefill of the whole prompt. Each row's routing sees its own remaining tokens at
 its own offset m (``rows.Group``). A mixin of ``Engine``: it uses the engine's model, router,
-meter and ``_join_prefilled``.
+meter and ``_join_rows``.
 """
 
 from __future__ import annotations
@@ -106,4 +106,5 @@ class PrefixPrefill:
             self._between_steps()
         cache = cache if cache_out(out) is None else cache_out(out)
         self.counters["prefix_tokens_reused"] += sum(starts)
-        self._join_prefilled(reqs, cache, mask, out.logits[:, -1], prev, switches)
+        self.counters["prefill_forwards"] += 1
+        self._join_rows(reqs, cache, mask, out.logits[:, -1], prev, switches)

@@ -15,7 +15,9 @@ controller, a document pool, Gumbel noise) is forked per request, so its state n
 records (``EngineConfig.record``), and counts, per row, how often each layer's expert set ω changes from one generated
 token to the next (TE-MoE §2.2): ω is the row's allowed mask where its routing restricts the layer,
 else the experts the router chose (the router as an option with k-hat = top-k). The prefill's last
-token starts the count ("from the last prompt token on"); only decoding steps are counted.
+token starts the count ("from the last prompt token on"); only decoding steps are counted. Each
+router's hook only keeps its call's last-token choice; ``SwitchMeter.end`` updates ω and the counts
+of every layer at once after the forward (a few tensor operations per step, not per layer).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.routing.pool import DocumentPool
+from moectl.routing.protocols import SeededPolicy
 from moectl.routing.routing_state import Policy, RouteContext, RoutingState
 
 
@@ -38,6 +42,21 @@ class Group:
     policies: list[Policy]
     offset: int
     pad: int = 0
+
+
+def splittable(policies: list[Policy]) -> bool:
+    """Whether a prompt routed by ``policies`` may be fed in several calls (chunked prefill) and be
+    routed exactly as in one: each call's group has the offset of the tokens before it, and
+    sequence state (a controller's options, a causal pool's sums, a positional mask) carries across
+    calls. Not so for a policy drawing from a seeded stream in call order (Gumbel noise, a sampling
+    controller: the draws would come in another order, layer by layer per chunk) nor for a pool over
+    the whole document (``DocumentPool`` mode 'full': a chunk's tokens would not see later ones)."""
+    for policy in policies:
+        if isinstance(policy, SeededPolicy) and policy.draws():
+            return False
+        if isinstance(policy, DocumentPool) and policy.mode == "full":
+            return False
+    return True
 
 
 class RowRouter:
@@ -119,6 +138,7 @@ class SwitchMeter:
         self.counting = False
         self.traces: list | None = None  # per row: its request's RoutingTrace (recording), or None
         self.pads: list[int] | None = None  # per row: leading padding columns of this call (None: none)
+        self._last: dict[int, Tensor] = {}  # per MoE layer: [B, k] experts chosen at each row's last token
         self._handles: list = []
 
     def install(self, model: nn.Module) -> None:
@@ -140,19 +160,38 @@ class SwitchMeter:
             chosen = chosen.reshape(b, -1, chosen.shape[-1])
             if self.traces is not None:
                 self._record(layer, output, chosen)
-            last = chosen[:, -1]  # [B, k] the call's last token per row
-            omega = torch.zeros(b, self.prev.shape[-1], dtype=torch.bool, device=last.device)
-            omega.scatter_(1, last.long(), True)
-            allowed = self.router.allowed.get(layer.index)
-            rows = self.router.restricted_rows
-            if allowed is not None and rows is not None:
-                omega = torch.where(rows[:, None], allowed[:, -1], omega)
-            prev = self.prev[:, layer.index].to(omega.device)
-            if self.counting:
-                self.switches[:, layer.index] += (omega != prev).any(-1).to(self.switches.device)
-            self.prev[:, layer.index] = omega.to(self.prev.device)
+            self._last[layer.index] = chosen[:, -1]  # [B, k] the call's last token per row
 
         return hook
+
+    def end(self) -> None:
+        """After a forward: ω of every layer that ran at each row's last token, switches counted
+        where ω changed (a decoding step), ω kept for the next call."""
+        last, self._last = self._last, {}
+        if self.prev is None or self.switches is None or not last:
+            return
+        layers = sorted(last)
+        device = self.prev.device
+        chosen = torch.stack([last[i].to(device).long() for i in layers], 1)  # [B, L', k]
+        omega = torch.zeros(*chosen.shape[:2], self.prev.shape[-1], dtype=torch.bool, device=device)
+        omega.scatter_(2, chosen, True)
+        rows = self.router.restricted_rows
+        if rows is not None:
+            restricted = rows.to(device)[:, None]
+            for j, layer in enumerate(layers):
+                allowed = self.router.allowed.get(layer)
+                if allowed is not None:
+                    omega[:, j] = torch.where(restricted, allowed[:, -1].to(device), omega[:, j])
+        if len(layers) == self.prev.shape[1]:  # every MoE layer ran: whole-tensor updates
+            if self.counting:
+                self.switches += (omega != self.prev).any(-1).to(self.switches.device)
+            self.prev.copy_(omega)
+            return
+        index = torch.tensor(layers, device=device)
+        if self.counting:
+            changed = (omega != self.prev[:, index]).any(-1).to(self.switches.device)
+            self.switches[:, index.to(self.switches.device)] += changed
+        self.prev[:, index] = omega
 
     def _record(self, layer, output, chosen: Tensor) -> None:
         """Each row's probs, chosen experts and (where its routing restricts) allowed set."""
@@ -171,5 +210,6 @@ class SwitchMeter:
 
     def start(self, prev: Tensor | None, switches: Tensor | None, counting: bool) -> None:
         """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]
-        (updated in place), and whether this call is a decoding step (switches count)."""
+        (updated in place by ``end``), and whether this call is a decoding step (switches count)."""
         self.prev, self.switches, self.counting = prev, switches, counting
+        self._last = {}

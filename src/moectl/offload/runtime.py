@@ -113,6 +113,12 @@ class OffloadedExperts(nn.Module):
         """Seconds in the experts forward not spent waiting for loads (settled loads only)."""
         return self.forward_s - self.res.timing.forward_wait_s
 
+    def keep_tokens(self, index: Tensor) -> None:
+        """This layer's next call brings only the tokens ``index`` of its router's call (the engine
+        drops a batched prefill's padding): the router probabilities kept for the policy are cut to them."""
+        if self.last_probs is not None:
+            self.last_probs = self.last_probs.reshape(-1, self.last_probs.shape[-1]).index_select(0, index)
+
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         idx = args[0] if args else kwargs.get("top_k_index", kwargs.get("router_indices"))
         if idx is None:

@@ -80,11 +80,12 @@ class RoutingTrace:
         return joined
 
     # -- recording ---------------------------------------------------------------------------
-    def begin_call(self, offset: int, valid: Tensor) -> None:
-        """Start a forward call: a new segment at offset 0, else continue the current one."""
+    def begin_call(self, offset: int, valid: Tensor, prompt_len: int | None = None) -> None:
+        """Start a forward call: a new segment at offset 0, else continue the current one.
+        ``prompt_len``: the prompt's length when it is fed in several calls (default: this call's)."""
         self.flush()
         if offset == 0 or not self._segments:
-            self._segments.append(_Segment(prompt_len=valid.shape[1]))
+            self._segments.append(_Segment(prompt_len=valid.shape[1] if prompt_len is None else prompt_len))
         self._call = _Call(self._segments[-1], valid.detach())
         self._cache.clear()
 
@@ -229,7 +230,9 @@ class RoutingTrace:
         try:
             tensors = load_file(str(path))
         except Exception as err:  # safetensors raises its own error types on a damaged file
-            raise FileFormatError(f"{path}: not a readable safetensors file ({' '.join(str(err).split())[:200]})") from None
+            raise FileFormatError(
+                f"{path}: not a readable safetensors file ({' '.join(str(err).split())[:200]})"
+            ) from None
         _check_trace_tensors(path, tensors, n)
         trace = cls(n, meta.get("meta"))
         cache: dict[str, Any] = {"valid": tensors["valid"], "prompt_len": tensors["prompt_len"]}

@@ -147,7 +147,7 @@ def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> F
                 error = APIError(500, f"generation failed: {(event.info or {}).get('error', 'engine error')}")
                 yield sse(error.body())
                 break
-            if event.text:
+            if event.text or event.token_ids:  # a chunk per generated token, its text possibly held back
                 yield sse(shape.chunk(event.text))
             if event.finish_reason is not None:
                 yield sse(shape.last_chunk(event.finish_reason, event.info))

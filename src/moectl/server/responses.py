@@ -71,7 +71,7 @@ class Shape:
         """One streamed chunk: a text delta (chat: ``role`` opens the message), or the finish."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
+            if text is not None:  # a token's chunk: its text, "" while held back
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
