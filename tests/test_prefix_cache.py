@@ -150,3 +150,14 @@ def test_a_model_with_sliding_window_layers_keeps_no_prefix():
     plain = Engine(model, tok).generate([BASE, BASE], PARAMS)
     assert [c.token_ids for c in engine.generate([BASE, BASE], PARAMS)] == [c.token_ids for c in plain]
     assert engine.stats()["prefix_tokens_reused"] == 0 and engine.prefixes.tokens == 0
+
+
+def test_a_prompt_prefilled_in_chunks_is_stored_and_a_later_one_reuses_it():
+    long = BASE + " " + " ".join(f"w{i}" for i in range(60))  # ~ 370 byte tokens: 6 chunks of 64
+    prompts = [long, long + " and more", "short one"]
+    plain = [c.token_ids for c in _engine(0).generate(prompts, PARAMS)]
+    engine = _engine(4096, max_batch=1, prefill_chunk=64, log_forwards=True)  # one by one: stored first
+    got = [c.token_ids for c in engine.generate(prompts, PARAMS)]
+    assert got == plain
+    assert ("chunk", 1) in engine.forward_log
+    assert engine.stats()["prefix_tokens_reused"] == len(moectl.engine.engine.encode(_loaded()[1], long))
