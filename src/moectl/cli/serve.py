@@ -98,6 +98,14 @@ def serve_command(
             "only the rest (routings without per-request state; 0: off).",
         ),
     ] = 2048,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            "--prefill-chunk",
+            help="Prompts longer than this many tokens are prefilled a chunk per step, between the running "
+            "requests' decoding steps.",
+        ),
+    ] = 512,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -140,6 +148,8 @@ def serve_command(
         raise ConfigError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
+    if prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be a number of tokens >= 1, got {prefill_chunk}")
     if prefix_cache < 0:
         raise ConfigError(f"--prefix-cache must be a number of tokens >= 0, got {prefix_cache}")
     if threads is not None and threads < 1:
@@ -171,6 +181,7 @@ def serve_command(
                 offload=offload,
                 adapt_threads=threads is None,
                 prefix_cache_tokens=prefix_cache,
+                prefill_chunk=prefill_chunk,
             ),
             routings=routings,
             reader=reader,
