@@ -602,15 +602,15 @@ class Engine(PrefixPrefill):
         self.meter.pads = [width - n for n in row_lengths]
         self._pad_skip.keep(row_lengths, width, self.device)
         self._log("prefill", k)
+        logits, cache = self._prefill_forward(ids, mask, positions, cache)
+        self._join_rows(reqs, cache, mask, logits, prev, switches)
+
+    def _prefill_forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> tuple[Tensor, Any]:
+        """One prefill forward (routing set up by the caller, torn down here): the last position's
+        logits and the cache; the first such forward checks that the cache can be re-batched."""
         try:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                **with_cache(cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache),
+                             use_cache=True, logits_to_keep=1)  # fmt: skip
         finally:
             self._between_steps()
         cache = cache if cache_out(out) is None else cache_out(out)
@@ -618,7 +618,7 @@ class Engine(PrefixPrefill):
             check_batchable(cache, self.model.config)
             self._checked_cache = True
         self.counters["prefill_forwards"] += 1
-        self._join_rows(reqs, cache, mask, out.logits[:, -1], prev, switches)
+        return out.logits[:, -1], cache
 
     def _join_rows(
         self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
@@ -673,30 +673,15 @@ class Engine(PrefixPrefill):
         self._begin_traces([req], [stop - start], [start])
         self._log("chunk", 1)
         try:
-            try:
-                out = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    **with_cache(chunked.cache),
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            finally:
-                self._between_steps()
-            chunked.cache = chunked.cache if cache_out(out) is None else cache_out(out)
-            if not self._checked_cache:
-                check_batchable(chunked.cache, self.model.config)
-                self._checked_cache = True
+            logits, chunked.cache = self._prefill_forward(ids, mask, positions, chunked.cache)
         except Exception as err:
             self._chunked.popleft()
             self._finish(req, "error", error=f"{type(err).__name__}: {err}")
             return True
         req.seen = stop
-        self.counters["prefill_forwards"] += 1
         if stop == n:
             self._chunked.popleft()
-            self._join_rows([req], chunked.cache, mask, out.logits[:, -1], chunked.prev, chunked.switches)
+            self._join_rows([req], chunked.cache, mask, logits, chunked.prev, chunked.switches)
         return True
 
     def _new_trace(self):

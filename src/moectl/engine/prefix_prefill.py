@@ -7,7 +7,7 @@ tokens follow, left-padded too, so a row's real columns are [pad | prefix | pad 
 2-D attention mask marks them and each row's positions continue from its prefix (m, m+1, …), as
 they would in a prefill of the whole prompt. Each row's routing sees its own remaining tokens at
 its own offset m (``rows.Group``). A mixin of ``Engine``: it uses the engine's model, router,
-meter and ``_join_rows``.
+meter, ``_prefill_forward`` and ``_join_rows``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from moectl.engine.batch import left_pad
 from moectl.engine.kv import new_cache
 from moectl.engine.prefix_cache import Prefix, supports
 from moectl.engine.rows import Group
-from moectl.routing.kv_cache import cache_out, with_cache
 
 if TYPE_CHECKING:
     from moectl.engine.engine import _Request
@@ -100,12 +99,6 @@ class PrefixPrefill:
         self.meter.start(prev, switches, counting=False)
         self._pad_skip.keep([len(r) for r in rest], ids.shape[1], dev)  # the rests' padding skips the experts
         self._log("prefill", k)
-        try:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache),
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
-        finally:
-            self._between_steps()
-        cache = cache if cache_out(out) is None else cache_out(out)
+        logits, cache = self._prefill_forward(ids, mask, positions, cache)
         self.counters["prefix_tokens_reused"] += sum(starts)
-        self.counters["prefill_forwards"] += 1
-        self._join_rows(reqs, cache, mask, out.logits[:, -1], prev, switches)
+        self._join_rows(reqs, cache, mask, logits, prev, switches)
