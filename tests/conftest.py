@@ -72,3 +72,13 @@ def corpus(tmp_path_factory):
                 keep.append({**doc, "text": doc["text"][:3000]})
         (root / f"{split}.jsonl").write_text("\n".join(json.dumps(d) for d in keep))
     return root
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    tiny models are fastest on one thread, and two threads stall badly on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,12 +24,7 @@ PROMPTS = [
 NOISY = RoEConfig(K=4, tau=0.5, seed=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

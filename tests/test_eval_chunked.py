@@ -19,13 +19,7 @@ from moectl.eval.request_noise import keyed_policies
 from moectl.eval.token_scores import routed_token_scores
 from moectl.metrics.memory import TensorMemory
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(vocab: int, lengths=(12, 7, 10), seed: int = 0) -> tuple[RequestBatch, torch.Tensor]:

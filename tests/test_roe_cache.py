@@ -13,13 +13,7 @@ from moectl.roe import Ensemble, RoEConfig
 from moectl.roe.clean_cache import cache_bytes, cache_tokens
 from moectl.routing.kv_cache import cache_out
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -14,13 +14,7 @@ from moectl.routing.kv_cache import cache_out, with_cache
 REQUIRED = ("olmoe", "qwen3_moe", "mixtral", "deepseek_v3", "qwen3_next")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are fastest on one thread; two threads stall badly when the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

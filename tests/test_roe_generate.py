@@ -16,12 +16,7 @@ from moectl.roe.ensemble import Ensemble
 PROMPTS = ["The quick brown fox", "Hi", "Mixture of experts"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

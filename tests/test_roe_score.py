@@ -17,12 +17,7 @@ from moectl.roe.score_data import ChoiceItem, LMItem
 TEXTS = ["The quick brown fox jumps.", "Hello there", "Experts route."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -6,7 +6,6 @@ import functools
 import json
 
 import pytest
-import torch
 
 import moectl
 from moectl.models.load import ByteTokenizer
@@ -18,12 +17,7 @@ pytest.importorskip("optuna")
 VAL = [LMItem("", "The quick brown fox."), LMItem("Hi", " there"), LMItem("", "Experts route tokens.")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
