@@ -592,10 +592,7 @@ class Engine(PrefixPrefill):
             k,
             self.device,
         )
-        prev = torch.zeros(
-            k, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=self.device
-        )
-        switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=self.device)
+        prev, switches = self.meter.new_rows(k, self.device)
         self.meter.start(prev, switches, counting=False)
         self._begin_traces(reqs, lengths, [0] * len(reqs))
         row_lengths = [n for n, c in zip(lengths, copies, strict=True) for _ in range(c)]
@@ -649,10 +646,7 @@ class Engine(PrefixPrefill):
             self._remove(finished)
 
     def _start_chunked(self, req: _Request) -> _Chunked:
-        layers, experts = self.info.num_moe_layers, self.meter.num_experts
-        prev = torch.zeros(1, layers, experts, dtype=torch.bool, device=self.device)
-        switches = torch.zeros(1, layers, dtype=torch.long, device=self.device)
-        return _Chunked(req, new_cache(self.model), prev, switches)
+        return _Chunked(req, new_cache(self.model), *self.meter.new_rows(1, self.device))
 
     def _prefill_chunk(self) -> bool:
         """The next ``prefill_chunk`` tokens of the oldest chunked prompt through the model, on its

@@ -94,8 +94,7 @@ class PrefixPrefill:
             k,
             dev,
         )
-        prev = torch.zeros(k, self.info.num_moe_layers, self.meter.num_experts, dtype=torch.bool, device=dev)
-        switches = torch.zeros(k, self.info.num_moe_layers, dtype=torch.long, device=dev)
+        prev, switches = self.meter.new_rows(k, dev)
         self.meter.start(prev, switches, counting=False)
         self._pad_skip.keep([len(r) for r in rest], ids.shape[1], dev)  # the rests' padding skips the experts
         self._log("prefill", k)

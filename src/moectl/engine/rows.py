@@ -208,6 +208,13 @@ class SwitchMeter:
                 keep = allowed[r : r + 1, p:] if restricted[r] else None
                 trace.record(layer.index, probs[r : r + 1, p:], chosen[r : r + 1, p:], keep)
 
+    def new_rows(self, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """ω [rows, L, E] (no expert yet) and switch counts [rows, L] (zero) for rows about to be
+        prefilled, to ``start`` their forward with and join the batch's."""
+        layers = self.info.num_moe_layers
+        prev = torch.zeros(rows, layers, self.num_experts, dtype=torch.bool, device=device)
+        return prev, torch.zeros(rows, layers, dtype=torch.long, device=device)
+
     def start(self, prev: Tensor | None, switches: Tensor | None, counting: bool) -> None:
         """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]
         (updated in place by ``end``), and whether this call is a decoding step (switches count)."""
