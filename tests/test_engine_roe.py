@@ -198,8 +198,9 @@ def test_adaptive_k_rows_join_mid_way():
     assert 1 < engine.stats()["roe_sample_tokens"] / engine.stats()["generated_tokens"] < NOISY.K
 
 
-def test_a_failing_shared_prefill_fails_only_the_bad_request(monkeypatch):
-    """A prefill of several RoE requests that fails is redone one by one: only the bad one fails."""
+@pytest.fixture
+def bad_prompts_fail(monkeypatch):
+    """An ensemble's prefill fails when its prompts hold the token of "!" (the others start as ever)."""
     _, tok, _ = _loaded("olmoe")
     bad = encode(tok, "!")[-1]
     start = Ensemble.start
@@ -210,6 +211,10 @@ def test_a_failing_shared_prefill_fails_only_the_bad_request(monkeypatch):
         return start(self, input_ids, attention_mask)
 
     monkeypatch.setattr(Ensemble, "start", failing_start)
+
+
+def test_a_failing_shared_prefill_fails_only_the_bad_request(bad_prompts_fail):
+    """A prefill of several RoE requests that fails is redone one by one: only the bad one fails."""
     engine, events = _engine(4), Events()
     with engine:
         ids = [
@@ -225,18 +230,8 @@ def test_a_failing_shared_prefill_fails_only_the_bad_request(monkeypatch):
     assert events.tokens[ids[0]] == _reference("good", NOISY, 4)
 
 
-def test_a_failing_prefill_leaves_the_running_roe_rows_alone(monkeypatch):
+def test_a_failing_prefill_leaves_the_running_roe_rows_alone(bad_prompts_fail):
     """A bad RoE request admitted alone while others run fails by itself; the running ones go on."""
-    _, tok, _ = _loaded("olmoe")
-    bad = encode(tok, "!")[-1]
-    start = Ensemble.start
-
-    def failing_start(self, input_ids, attention_mask=None):
-        if bool((input_ids == bad).any()):
-            raise RuntimeError("bad prompt")
-        return start(self, input_ids, attention_mask)
-
-    monkeypatch.setattr(Ensemble, "start", failing_start)
     engine, events = _engine(4), Events()
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     with engine:

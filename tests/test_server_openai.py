@@ -154,14 +154,16 @@ def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(client, offli
     assert together == solo
 
 
+def _stream_this(client, chat: bool):
+    """The create call and its arguments for the text "Stream this": a chat message or a prompt."""
+    if chat:
+        return client.chat.completions.create, {"messages": [{"role": "user", "content": "Stream this"}]}
+    return client.completions.create, {"prompt": "Stream this"}
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_chunks_concatenate_to_the_whole_text(client, chat):
-    if chat:
-        kwargs = {"messages": [{"role": "user", "content": "Stream this"}]}
-        create = client.chat.completions.create
-    else:
-        kwargs = {"prompt": "Stream this"}
-        create = client.completions.create
+    create, kwargs = _stream_this(client, chat)
     whole = create(model=MODEL, max_tokens=24, temperature=0, extra_body={"routing": "half"}, **kwargs)
     chunks = list(
         create(
@@ -187,12 +189,7 @@ def test_a_chunk_per_generated_token_even_while_its_text_is_held_back(client, ch
     """One chunk per generated token, as OpenAI-style servers stream (and clients time): a stop string
     that starts like the text holds its first tokens' text back, and their chunks still come, empty,
     before the text follows; the chunks concatenate to the non-streamed text."""
-    if chat:
-        kwargs = {"messages": [{"role": "user", "content": "Stream this"}]}
-        create = client.chat.completions.create
-    else:
-        kwargs = {"prompt": "Stream this"}
-        create = client.completions.create
+    create, kwargs = _stream_this(client, chat)
     extra = {"ignore_eos": True}
     whole = create(model=MODEL, max_tokens=12, temperature=0, extra_body=extra, **kwargs)
     full = whole.choices[0].message.content if chat else whole.choices[0].text
