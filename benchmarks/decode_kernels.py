@@ -13,7 +13,10 @@ weight bytes it reads per second, all in one run so the ratios hold on a busy ma
 - one batched matmul over the stacked selected experts (bf16 and fp32);
 - one ``grouped_mm`` over the experts, a row each (bf16 and fp32): what the offloaded slot forward
   (``offload/slot_forward.py``) and moectl's training experts run;
-- int8 weight-only (``aten._weight_int8pack_mm``, per-row scales): half the bytes of bf16, not exact.
+- int8 weight-only (``aten._weight_int8pack_mm``, per-row scales): half the bytes of bf16, not exact;
+- moectl's own bf16 kernel (``moectl.kernels.bf16_rows``: bf16 converted to fp32 in registers), per
+  expert and as one grouped call, which every moectl experts forward and ``nn.Linear`` run on the CPU;
+- bf16 ``F.linear`` and moectl's kernel with 8 rows (a batch of 8 decoding requests on one expert).
 
     OMP_NUM_THREADS=2 python benchmarks/decode_kernels.py --json benchmarks/results/decode_kernels.json
 """
@@ -113,6 +116,29 @@ def main(argv: list[str] | None = None) -> int:
             torch.ops.aten._weight_int8pack_mm(xb, q_gu[e], sgu[e])
             torch.ops.aten._weight_int8pack_mm(yb, q_d[e], sd[e])
 
+    from moectl.kernels import bf16_rows
+
+    def moectl_rows():
+        for e in range(n):
+            bf16_rows.linear(xb, gate_up[e])
+            bf16_rows.linear(yb, down[e])
+
+    def moectl_grouped():
+        bf16_rows.grouped(xs, gate_up, offsets)
+        bf16_rows.grouped(ys, down, offsets)
+
+    xb8, yb8 = xb.expand(8, h).contiguous(), yb.expand(8, i).contiguous()
+
+    def bf16_linear_8():
+        for e in range(n):
+            F.linear(xb8, gate_up[e])
+            F.linear(yb8, down[e])
+
+    def moectl_rows_8():
+        for e in range(n):
+            bf16_rows.linear(xb8, gate_up[e])
+            bf16_rows.linear(yb8, down[e])
+
     candidates = {
         "bf16 F.linear per expert": (bf16_linear, 2),
         "bf16 F.linear, row padded to 16": (bf16_linear_m16, 2),
@@ -123,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         "bf16 grouped_mm (serve slot forward)": (bf16_grouped_mm, 2),
         "fp32 grouped_mm": (fp32_grouped_mm, 4),
         "int8 weight-only per expert": (int8_weight_only, 1),
+        "moectl bf16_rows per expert": (moectl_rows, 2),
+        "moectl bf16_rows grouped (one call)": (moectl_grouped, 2),
+        "bf16 F.linear, 8 rows": (bf16_linear_8, 2),
+        "moectl bf16_rows, 8 rows": (moectl_rows_8, 2),
     }
+    if not bf16_rows.available():
+        for name in [k for k in candidates if k.startswith("moectl")]:
+            del candidates[name]
     rows = []
     for name, (fn, bytes_per_weight) in candidates.items():
         try:

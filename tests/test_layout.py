@@ -94,6 +94,12 @@ def test_io_imports_no_other_moectl_package(path):
     assert not others, f"io/{path.name} imports {sorted(others)}: io/ sits below everything (moectl.errors only)"
 
 
+@pytest.mark.parametrize("path", [p for p in _modules() if _package_of(p) == "kernels"], ids=lambda p: p.name)
+def test_kernels_import_no_other_moectl_package(path):
+    others = _packages_imported(path) - {"kernels"}
+    assert not others, f"kernels/{path.name} imports {sorted(others)}: kernels/ sits below everything, beside io/"
+
+
 @pytest.mark.parametrize(
     "path", [p for p in _modules() if _package_of(p) in FORBIDDEN], ids=lambda p: "/".join(p.parts[-2:])
 )

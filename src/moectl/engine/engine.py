@@ -63,6 +63,7 @@ from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream
 from moectl.errors import ConfigError, MoectlError
+from moectl.kernels.cpu_linear import install as install_cpu_linear
 from moectl.progress import progress_bar
 from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
@@ -199,6 +200,7 @@ class Engine(PrefixPrefill):
         reader=None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        install_cpu_linear(model)  # bf16 CPU products at the memory's speed (moectl.kernels.cpu_linear)
         self.config = config or EngineConfig()
         self.info = info or inspect(model)
         self.routings: dict[str, Routing] = resolve_all(routings, model, self.info)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moectl.kernels import bf16_rows
+
 
 @dataclass(frozen=True)
 class Grouping:
@@ -97,7 +99,12 @@ def combine(out: Tensor, weights: Tensor, grouping: Grouping, num_tokens: int) -
 
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """x [S, in] (rows sorted by expert) @ w[e] [in, out] per group; ``grouped_mm`` where it has a
-    kernel (float32, bf16, fp16), else a loop over experts (float64, for exactness tests)."""
+    kernel (float32, bf16, fp16), else a loop over experts (float64, for exactness tests). bf16
+    inference on the CPU runs ``moectl.kernels.bf16_rows.grouped`` (PyTorch's bf16 products there
+    are far below the memory's speed; see that module) when ``w`` is a transposed [E, out, in]."""
+    w_rows = w.transpose(-2, -1)
+    if bf16_rows.applies(x, w_rows):
+        return bf16_rows.grouped(x, w_rows, offsets)
     if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return F.grouped_mm(x, w, offs=offsets)
     bounds = [0, *offsets.tolist()]

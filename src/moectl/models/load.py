@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moectl.errors import ConfigError, FileFormatError, MoectlFileError
+from moectl.kernels.cpu_linear import install as install_cpu_linear
 from moectl.models.grouped_experts import prefer_on_cpu
 from moectl.models.shapes import MARKER, SPEC_PREFIX, build_shape, check_checkpoint, known_shapes
 from moectl.models.tiny import FAMILIES, tiny
@@ -143,6 +144,7 @@ def load_model(
         model = tiny(family, seed=seed, vocab_size=ByteTokenizer.vocab_size)
         if dtype != "auto":
             model = model.to(getattr(torch, dtype))
+        install_cpu_linear(model)
         return place(model, device, device_map), ByteTokenizer()
     if spec.startswith(SPEC_PREFIX):
         shape_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
@@ -150,6 +152,8 @@ def load_model(
             spec, dtype=shape_dtype, device=device if device_map is None else "cpu", seed=seed
         )
         model = place(model, device, device_map) if device_map else model
+        prefer_on_cpu(model)
+        install_cpu_linear(model)
         return model, byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,6 +175,7 @@ def load_model(
         tokenizer = byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
         model = model if device_map else model.to(device)
         prefer_on_cpu(model)
+        install_cpu_linear(model)
         return model.eval(), tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -178,6 +183,7 @@ def load_model(
         )
         model = model if device_map else model.to(device)
         prefer_on_cpu(model)  # padded groups: oneDNN compiles a bf16 kernel per new group size
+        install_cpu_linear(model)  # bf16 products on the CPU at the memory's speed (moectl.kernels)
         if not with_tokenizer:
             return model.eval(), None
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)

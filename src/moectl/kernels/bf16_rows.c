@@ -1,0 +1,139 @@
+/* Products of a few fp32 rows with bf16 weights, fp32 accumulation: y[r, n] = sum_k x[r, k] * w[n, k].
+ *
+ * moectl.kernels.bf16_rows loads this file, compiled for the machine it runs on (-march=native),
+ * and calls it for decoding on CPUs without AVX512-BF16, where PyTorch's bf16 products of a few
+ * rows read the weights at a fraction of the memory bandwidth (see that module's docstring).
+ *
+ * Each weight row is converted to fp32 in registers (a bf16 is the top half of an fp32) and
+ * multiplied with every input row while it is in cache, so rows cost compute, not bandwidth. A
+ * row's sum is accumulated in the same order whatever the number of rows, so a request's result
+ * does not depend on the batch it runs in. Threads: OpenMP, which resolves to PyTorch's own
+ * libgomp when PyTorch is loaded (one thread pool, no two runtimes spinning on the same cores).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+#else
+#define LANES 1
+#endif
+
+#define NB 4 /* weight rows per inner block */
+#define RB 4 /* input rows per inner block */
+#define BLOCK 32 /* weight rows per work item */
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+
+/* rb (<= RB) input rows x (stride ldx) against nb (<= NB) weight rows w (stride ldw), length K.
+ * Inlined with constant rb and nb where it can be, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, int rb, const uint16_t *w, int64_t ldw, int nb, int64_t K,
+                 float *y, int64_t ldy) {
+    int64_t k = 0;
+    float sums[RB][NB] = {{0}};
+#if LANES == 16
+    __m512 acc[RB][NB];
+    for (int r = 0; r < RB; r++)
+        for (int n = 0; n < NB; n++) acc[r][n] = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[NB];
+        for (int n = 0; n < nb; n++) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(w + n * ldw + k));
+            wv[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        for (int r = 0; r < rb; r++) {
+            __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+            for (int n = 0; n < nb; n++) acc[r][n] = _mm512_fmadd_ps(xv, wv[n], acc[r][n]);
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int n = 0; n < nb; n++) sums[r][n] = _mm512_reduce_add_ps(acc[r][n]);
+#elif LANES == 8
+    __m256 acc[RB][NB];
+    for (int r = 0; r < RB; r++)
+        for (int n = 0; n < NB; n++) acc[r][n] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NB];
+        for (int n = 0; n < nb; n++) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(w + n * ldw + k));
+            wv[n] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        for (int r = 0; r < rb; r++) {
+            __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+            for (int n = 0; n < nb; n++) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int n = 0; n < nb; n++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[r][n]);
+            float s = 0.0f;
+            for (int i = 0; i < 8; i++) s += lanes[i];
+            sums[r][n] = s;
+        }
+#endif
+    for (; k < K; k++)
+        for (int r = 0; r < rb; r++)
+            for (int n = 0; n < nb; n++) sums[r][n] += x[r * ldx + k] * bf16_to_f32(w[n * ldw + k]);
+    for (int r = 0; r < rb; r++)
+        for (int n = 0; n < nb; n++) y[r * ldy + n] = sums[r][n];
+}
+
+/* rows [r0, r1) of x against weight rows [n0, n1) of w */
+static void block(const float *x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t *w, int64_t ldw,
+                  int64_t n0, int64_t n1, int64_t K, float *y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n += NB) {
+        int nb = (int)(n1 - n < NB ? n1 - n : NB);
+        for (int64_t r = r0; r < r1; r += RB) {
+            int rb = (int)(r1 - r < RB ? r1 - r : RB);
+            const float *xr = x + r * ldx;
+            const uint16_t *wn = w + n * ldw;
+            float *yr = y + r * ldy + n;
+            if (nb != NB) tile(xr, ldx, rb, wn, ldw, nb, K, yr, ldy);
+            else if (rb == RB) tile(xr, ldx, RB, wn, ldw, NB, K, yr, ldy);
+            else if (rb == 1) tile(xr, ldx, 1, wn, ldw, NB, K, yr, ldy);
+            else if (rb == 2) tile(xr, ldx, 2, wn, ldw, NB, K, yr, ldy);
+            else tile(xr, ldx, rb, wn, ldw, NB, K, yr, ldy);
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] (fp32, row stride ldx) times w [N, K]^T (bf16 bits, row stride ldw) */
+void moectl_bf16_linear(const float *x, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw, int64_t N,
+                        int64_t K, float *y, int64_t ldy, int threads) {
+    int64_t items = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < items; i++) {
+        int64_t n0 = i * BLOCK, n1 = n0 + BLOCK < N ? n0 + BLOCK : N;
+        block(x, ldx, 0, M, w, ldw, n0, n1, K, y, ldy);
+    }
+}
+
+/* Grouped: rows ends[e-1]..ends[e] of x (sorted by group) against w + e * stride_e ([N, K] each);
+ * y [rows, N]. Groups without rows cost nothing. */
+void moectl_bf16_grouped(const float *x, int64_t ldx, const int64_t *ends, int64_t E, const uint16_t *w,
+                         int64_t stride_e, int64_t ldw, int64_t N, int64_t K, float *y, int64_t ldy,
+                         int threads) {
+    int64_t per = (N + BLOCK - 1) / BLOCK, used = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (ends[e] > (e ? ends[e - 1] : 0)) used++;
+    int64_t *group = (int64_t *)malloc(sizeof(int64_t) * (used ? used : 1));
+    used = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (ends[e] > (e ? ends[e - 1] : 0)) group[used++] = e;
+    int64_t items = used * per;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < items; i++) {
+        int64_t e = group[i / per], n0 = (i % per) * BLOCK, n1 = n0 + BLOCK < N ? n0 + BLOCK : N;
+        int64_t r0 = e ? ends[e - 1] : 0;
+        block(x, ldx, r0, ends[e], w + e * stride_e, ldw, n0, n1, K, y, ldy);
+    }
+    free(group);
+}

@@ -1,0 +1,160 @@
+"""bf16 weight products on the CPU for inference, at the speed the memory allows.
+
+On a CPU without AVX512-BF16 or AMX (most laptops and many servers), PyTorch's bf16 products are
+slow in two ways, measured on a 2-core AVX-512 machine (``benchmarks/decode_kernels.py``,
+``benchmarks/cpu_bf16_products.py``):
+
+- **a few rows** (decoding): ``F.linear`` reads the weights at 13 GB/s for one row and 4 GB/s for
+  8 rows, where the machine streams 25 GB/s; decoding a batch then costs per row, not per weight.
+  :func:`linear` and :func:`grouped` run ``bf16_rows.c`` instead: each weight row is converted to
+  fp32 in registers and multiplied with all the input rows while it is in cache;
+- **many rows** (prefill): bf16 ``F.linear`` computes 30 G multiply-adds/s, fp32 ``F.linear`` 120:
+  past :data:`FEW_ROWS` rows the weights are cast to fp32 a block at a time and multiplied in fp32.
+
+Both accumulate in fp32 and round the result to bf16, as PyTorch's bf16 products do; the sums run in
+another order, so results can differ from PyTorch's in the last bf16 bit. A row's result does not
+depend on how many rows run beside it (at most :data:`FEW_ROWS`). Used only where no gradient is
+needed, on CPU tensors in bf16, when the kernel could be built (:mod:`moectl.kernels.kernel_build`);
+``MOECTL_CPU_KERNELS=0`` turns them off. Elsewhere the callers keep PyTorch's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moectl.kernels.kernel_build import load
+
+FEW_ROWS = 48  # rows up to which the C kernel runs; past it, blocks cast to fp32 (measured crossover ≈ 64)
+WIDE_BLOCK_BYTES = 32 << 20  # fp32 bytes of weight cast at once on the many-rows path
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("MOECTL_CPU_KERNELS", "1") == "0":
+        return None
+    lib = load("bf16_rows")
+    if lib is None:
+        return None
+    lib.moectl_bf16_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _int]
+    lib.moectl_bf16_linear.restype = None
+    lib.moectl_bf16_grouped.argtypes = [
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _int,
+    ]
+    lib.moectl_bf16_grouped.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded on this machine."""
+    return _lib() is not None
+
+
+def applies(x: Tensor, w: Tensor) -> bool:
+    """Whether ``x`` @ ``w``ᵀ should run here: both bf16 on the CPU, no gradient wanted, ``w``'s rows
+    contiguous, and the kernel available."""
+    if (
+        x.device.type != "cpu"
+        or w.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or w.dtype != torch.bfloat16
+    ):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    return w.stride(-1) == 1 and available()
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, bias)`` for bf16 ``x`` [..., K] and ``w`` [N, K] where :func:`applies`."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = _wide(rows, w) if rows.shape[0] > FEW_ROWS else _few(rows, w)
+    out = out if bias is None else out + bias.float()
+    return out.to(torch.bfloat16).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _few(rows: Tensor, w: Tensor) -> Tensor:
+    x32 = rows.float().contiguous()
+    m, k = x32.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _lib().moectl_bf16_linear(
+            x32.data_ptr(), k, m, w.data_ptr(), w.stride(0), n, k, y.data_ptr(), n, torch.get_num_threads()
+        )
+    return y
+
+
+def _wide(rows: Tensor, w: Tensor) -> Tensor:
+    """fp32 products a block of weight rows at a time (the fp32 copy of ``w`` is never whole)."""
+    x32 = rows.float()
+    step = max(1, WIDE_BLOCK_BYTES // (4 * w.shape[1]))
+    if step >= w.shape[0]:
+        return F.linear(x32, w.float())
+    return torch.cat([F.linear(x32, w[i : i + step].float()) for i in range(0, w.shape[0], step)], dim=-1)
+
+
+def grouped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """Rows of ``x`` [S, K] sorted by group, times ``w[e]`` [N, K]ᵀ for group e (``offsets`` [E]: each
+    group's end row, as ``F.grouped_mm`` takes): [S, N] in bf16. ``w`` [E, N, K] with contiguous rows."""
+    ends = offsets.to(torch.int64)
+    if x.shape[0] > FEW_ROWS:  # a prefill: each group by its own size (one host read of the sizes)
+        bounds = [0, *ends.tolist()]
+        parts = [
+            (_few if b - a <= FEW_ROWS else _wide)(x[a:b], w[e])
+            for e, (a, b) in enumerate(itertools.pairwise(bounds))
+            if b > a
+        ]
+        out = torch.cat(parts) if parts else x.new_zeros(0, w.shape[1], dtype=torch.float32)
+        return _aligned_bf16(out)
+    x32 = x.float().contiguous()
+    s, k = x32.shape
+    n = w.shape[1]
+    y = torch.empty(s, n, dtype=torch.float32)
+    ends = ends.contiguous()
+    if s:
+        _lib().moectl_bf16_grouped(
+            x32.data_ptr(),
+            k,
+            ends.data_ptr(),
+            ends.numel(),
+            w.data_ptr(),
+            w.stride(0),
+            w.stride(1),
+            n,
+            k,
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+    return _aligned_bf16(y)
+
+
+def _aligned_bf16(y: Tensor) -> Tensor:
+    """``y`` [S, N] in bf16 with rows 16-byte aligned, as ``F.grouped_mm`` wants its inputs (a LoRA
+    rank of 4 gives 8-byte rows: the next grouped product of the chain takes this output)."""
+    n = y.shape[1]
+    padded = -(-n // 8) * 8
+    if padded == n:
+        return y.to(torch.bfloat16)
+    out = torch.empty(y.shape[0], padded, dtype=torch.bfloat16)[:, :n]
+    return out.copy_(y)
