@@ -17,6 +17,16 @@ from moectl.models.grouped_mm import grouped_mm
 needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no C compiler: the kernel is not built")
 
 
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The kernels in use whatever the CPU (on one with native bf16 products they are off by default)."""
+    monkeypatch.setenv("MOECTL_CPU_KERNELS", "1")
+    bf16_rows.refresh()
+    yield
+    monkeypatch.delenv("MOECTL_CPU_KERNELS")
+    bf16_rows.refresh()
+
+
 def _bf16(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
@@ -91,7 +101,7 @@ def test_grouped_output_feeds_torchs_grouped_mm():
 
 
 @needs_kernel
-def test_grouped_mm_takes_the_kernel_for_transposed_bf16(monkeypatch):
+def test_grouped_mm_takes_the_kernel_for_transposed_bf16(monkeypatch, kernels_on):
     """``models.grouped_mm`` (what every moectl experts forward runs) calls the kernel for inference
     and PyTorch's ``grouped_mm`` when a gradient is wanted."""
     w = _bf16(3, 16, 32, seed=12)
@@ -109,7 +119,7 @@ def test_grouped_mm_takes_the_kernel_for_transposed_bf16(monkeypatch):
     assert (fast.float() - slow.detach().float()).abs().max().item() <= slow.abs().max().item() * 2**-7
 
 
-def test_applies_only_to_bf16_cpu_inference():
+def test_applies_only_to_bf16_cpu_inference(kernels_on):
     x, w = _bf16(2, 32), _bf16(8, 32)
     assert bf16_rows.applies(x, w) == bf16_rows.available()
     assert not bf16_rows.applies(x.float(), w.float())
@@ -131,7 +141,7 @@ def test_install_changes_only_plain_bf16_cpu_linears():
     assert list(twin.state_dict()) == keys and type(twin[1]) is cpu_linear.CpuBf16Linear
 
 
-def test_installed_linear_keeps_gradients():
+def test_installed_linear_keeps_gradients(kernels_on):
     layer = nn.Linear(16, 8).bfloat16()
     cpu_linear.install(nn.Sequential(layer))
     x = _bf16(3, 16).requires_grad_(True)
@@ -145,16 +155,27 @@ def test_installed_linear_keeps_gradients():
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("MOECTL_CPU_KERNELS", "0")
-    bf16_rows._lib.cache_clear()
+    bf16_rows.refresh()
     try:
-        assert not bf16_rows.available()
+        assert not bf16_rows.available() and not bf16_rows.applies(_bf16(2, 16), _bf16(8, 16))
         layer = nn.Linear(16, 8).bfloat16()
         cpu_linear.install(nn.Sequential(layer))
         with torch.no_grad():
             assert torch.equal(layer(_bf16(2, 16)), F.linear(_bf16(2, 16), layer.weight, layer.bias))
     finally:
         monkeypatch.delenv("MOECTL_CPU_KERNELS")
-        bf16_rows._lib.cache_clear()
+        bf16_rows.refresh()
+
+
+def test_cpus_with_native_bf16_keep_pytorchs_products(monkeypatch):
+    monkeypatch.delenv("MOECTL_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(bf16_rows, "native_bf16", lambda: True)
+    bf16_rows.refresh()
+    try:
+        assert not bf16_rows.wanted() and not bf16_rows.applies(_bf16(2, 16), _bf16(8, 16))
+    finally:
+        monkeypatch.undo()
+        bf16_rows.refresh()
 
 
 def test_build_caches_atomically(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ before any model loads where the command line alone says it (no server is starte
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -12,6 +13,7 @@ from moectl.cli import app
 from moectl.cli.serve import parse_routings, served_name
 
 runner = CliRunner()
+TOKENIZER = str(Path(__file__).resolve().parents[1] / "models" / "moectl-small-standard")
 
 
 @pytest.mark.parametrize(
@@ -33,6 +35,8 @@ runner = CliRunner()
         (["serve", "tiny:olmoe", "--routing", "x=no/such/subset.json"], "no/such/subset.json"),
         (["serve", "tiny:olmoe", "--routing", "bad name=option:4"], "routing name 'bad name'"),
         (["serve", "tiny:olmoe", "--budget", "1"], "a budget of 1 resident experts is too small"),
+        (["serve", "tiny:olmoe", "--tokenizer", "no/such/tokenizer"], "no tokenizer loads from it"),
+        (["serve", "tiny:olmoe", "--tokenizer", TOKENIZER], "more than the model's vocabulary of 259"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args, words):
@@ -62,3 +66,13 @@ def test_routing_specs_and_served_names(tmp_path):
     assert served_name("allenai/OLMoE-1B-7B-0924") == "allenai/OLMoE-1B-7B-0924"
     (tmp_path / "emo-small").mkdir()
     assert served_name(str(tmp_path / "emo-small")) == "emo-small"
+
+
+def test_a_tokenizer_of_its_own_for_a_checkpoint_without_one():
+    """``--tokenizer``: a shape checkpoint (byte tokenizer) served with the tokenizer its GGUF carries."""
+    from moectl.models.load import tokenizer_for
+
+    tokenizer = tokenizer_for(TOKENIZER, 50304)
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
+    ids = tokenizer("The capital of France is")["input_ids"]
+    assert 0 < len(ids) < len("The capital of France is") and max(ids) < 50304

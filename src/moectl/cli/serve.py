@@ -129,6 +129,14 @@ def serve_command(
     store: Annotated[
         str | None, typer.Option(help="With --budget: disk | checkpoint | host (where other experts live).")
     ] = None,
+    tokenizer_path: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            help="Tokenizer folder or hub id to use instead of MODEL's own (a shape checkpoint's byte "
+            "tokenizer, e.g. the one its GGUF export carries).",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights.")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help=", ".join(LOG_LEVELS))] = "info",
     threads: ThreadsOpt = None,
@@ -172,6 +180,10 @@ def serve_command(
             net, tokenizer, reader = load_for_offload(spec, offload, dtype, device, seed)
         else:
             net, tokenizer = load(spec, device, dtype, seed=seed)
+        if tokenizer_path is not None:
+            from moectl.models.load import tokenizer_for
+
+            tokenizer = tokenizer_for(tokenizer_path, int(net.config.vocab_size))
         engine = Engine(
             net,
             tokenizer,

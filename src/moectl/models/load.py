@@ -193,7 +193,32 @@ def load_model(
         ) from err
     except ValueError as err:  # transformers refusing the folder's config (an unknown model_type, ...)
         raise FileFormatError(f"could not load {spec!r}: {err}") from err
+    return model.eval(), padding_left(tokenizer)
+
+
+def padding_left(tokenizer):
+    """``tokenizer`` padding on the left, with the EOS token as pad where it has none (what generation
+    of a batch wants); returned for chaining."""
     if getattr(tokenizer, "pad_token_id", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model.eval(), tokenizer
+    return tokenizer
+
+
+def tokenizer_for(path: str, vocab_size: int):
+    """The tokenizer in folder ``path`` (or a hub id) for a model of ``vocab_size`` ids, padding on
+    the left: a checkpoint without one of its own (moectl's shape checkpoints) served with the
+    tokenizer its GGUF export carries. ``ConfigError`` when it does not load or has ids past the
+    model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--tokenizer {path!r}: no tokenizer loads from it ({err})") from None
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(
+            f"--tokenizer {path!r} has {len(tokenizer)} tokens, more than the model's vocabulary of "
+            f"{vocab_size}: give the tokenizer the model was trained (or exported) with"
+        )
+    return padding_left(tokenizer)

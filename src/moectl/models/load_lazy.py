@@ -14,7 +14,7 @@ from pathlib import Path
 from moectl.errors import MoectlFileError
 from moectl.io.range_read import DEFAULT_READ_METHOD
 from moectl.models.lazy import load_skeleton
-from moectl.models.load import byte_tokenizer, check_model_folder
+from moectl.models.load import byte_tokenizer, check_model_folder, padding_left
 from moectl.models.shapes import MARKER
 
 
@@ -30,11 +30,7 @@ def load_tokenizer(folder: Path, vocab_size: int):
         return byte_tokenizer(vocab_size)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    if getattr(tokenizer, "pad_token_id", None) is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer
+    return padding_left(AutoTokenizer.from_pretrained(str(folder)))
 
 
 def load_lazy(
