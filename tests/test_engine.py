@@ -367,3 +367,21 @@ def test_prefill_groups_bound_padding_and_size():
     assert prefill_groups([600, 600, 600, 600], 2048) == [[0, 1, 2], [3]]  # 4 x 600 > 2048
     assert prefill_groups([3000, 2], 2048) == [[0], [1]]  # longer than the limit: alone
     assert prefill_groups([], 2048) == []
+
+
+@pytest.mark.parametrize("threads", [2, None])
+def test_the_loop_thread_runs_torch_with_the_configured_threads(threads):
+    """OpenMP's thread count is per thread: ``start()``'s loop sets ``EngineConfig.threads`` (else
+    the starting thread's count) in its own thread, so a server can load its model with one thread
+    (``moectl serve``: two threads with OpenMP pools of several slowed the loop) and decode with more."""
+    model, tok, _ = _loaded("olmoe")
+    seen = []
+    before = torch.get_num_threads()
+    engine = Engine(model, tok, EngineConfig(threads=threads)).start()
+    try:
+        engine.submit("abc", SamplingParams(max_tokens=2), on_event=lambda e: seen.append(torch.get_num_threads()))
+        engine.shutdown(drain=True)
+    finally:
+        engine.close()
+    assert seen and set(seen) == {threads or before}
+    assert torch.get_num_threads() == before  # the caller's own count is left as it was

@@ -172,6 +172,13 @@ def serve_command(
     from moectl.server.uvicorn_run import serve
 
     n_threads = use_threads(threads)
+    # Everything but the engine's loop thread runs torch with one thread: once OpenMP has a pool of
+    # several threads in two threads (the model loaded here, then the loop), the loop's products ran
+    # 20-30% slower (OLMoE width, 4 layers, 2 cores: 1 client 16.8-19.0 -> 21.6-22.2 tok/s, 8 clients
+    # 41.6-46.7 -> 58.7-59.7, benchmarks/serve_load.py). The loop sets its own count (EngineConfig.threads).
+    import torch
+
+    torch.set_num_threads(1)
     reader = None
     try:
         if offload is not None:  # a checkpoint's experts stay in its shards (moectl.offload.loading)
@@ -194,6 +201,7 @@ def serve_command(
                 adapt_threads=threads is None,
                 prefix_cache_tokens=prefix_cache,
                 prefill_chunk=prefill_chunk,
+                threads=n_threads,
             ),
             routings=routings,
             reader=reader,

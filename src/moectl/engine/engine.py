@@ -106,6 +106,7 @@ class EngineConfig:
     adapt_threads: bool = False  # started as a server: re-pick torch threads as the machine's load changes
     prefix_cache_tokens: int = 0  # prompt tokens whose KV is kept for later prompts (prefix_cache.py); 0: off
     solo: bool = False  # one request at a time, its own cache never padded or re-batched (``kv.batchable``)
+    threads: int | None = None  # torch threads of start()'s loop thread (None: the starting thread's count)
 
     def __post_init__(self) -> None:
         PrefixCache(self.prefix_cache_tokens)  # checks the size
@@ -305,11 +306,15 @@ class Engine(PrefixPrefill):
         self.close()
 
     def start(self) -> Engine:
-        """Run the step loop in a background thread (a server's mode)."""
+        """Run the step loop in a background thread (a server's mode), with ``config.threads`` torch
+        threads (else the calling thread's count). Keep other threads' torch work to one thread
+        meanwhile: OpenMP pools of several threads in two threads slow the loop's (``moectl serve``
+        loads the model with one thread for that reason; see ``cli/serve.py``)."""
         if self._thread is not None:
             return self
         self.open()
-        self._thread = threading.Thread(target=self._loop, name="moectl-engine", daemon=True)
+        threads = self.config.threads or torch.get_num_threads()  # OpenMP's thread count is per thread
+        self._thread = threading.Thread(target=self._loop, args=(threads,), name="moectl-engine", daemon=True)
         self._thread.start()
         return self
 
@@ -459,7 +464,8 @@ class Engine(PrefixPrefill):
         return done  # type: ignore[return-value]
 
     # -- the step -----------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, threads: int) -> None:
+        torch.set_num_threads(threads)
         governor = None
         if self.config.adapt_threads:
             from moectl.threads import ThreadGovernor
