@@ -203,3 +203,31 @@ def test_a_broken_source_or_no_compiler_gives_none(tmp_path, monkeypatch):
         assert [p for p in tmp_path.iterdir() if p.suffix == ".so"] == []
     monkeypatch.setenv("CC", os.path.join(str(tmp_path), "no-such-compiler"))
     assert build.build(source) is None
+
+
+@pytest.mark.parametrize("flags", [["-mavx2", "-mfma"], ["-march=x86-64"]], ids=["avx2", "scalar"])
+def test_the_other_cpus_paths_compute_the_same(tmp_path, flags):
+    """The AVX2 and plain-C paths of ``bf16_rows.c`` (what machines without AVX-512 build), compiled
+    here with those flags, against float64: N % 4 and K % 8 edges, 1 to 6 rows."""
+    import ctypes
+    import subprocess
+    from pathlib import Path
+
+    cc = build._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = Path(bf16_rows.__file__).with_name("bf16_rows.c")
+    lib_path = tmp_path / "k.so"
+    done = subprocess.run([cc, "-O2", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(lib_path)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(lib_path))
+    for rows, n, k in [(1, 37, 100), (5, 64, 130), (6, 9, 7)]:
+        x, w = _bf16(rows, k, seed=20), _bf16(n, k, seed=21)
+        x32, y = x.float().contiguous(), torch.empty(rows, n)
+        lib.moectl_bf16_linear(
+            ctypes.c_void_p(x32.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(rows),
+            ctypes.c_void_p(w.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(k),
+            ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n), ctypes.c_int(1),
+        )  # fmt: skip
+        _close(y.bfloat16(), x, w)
