@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moectl.kernels.kernel_build import load
+from moectl.kernels.kernel_build import cpu_flags, load
 
 FEW_ROWS = 48  # rows up to which the C kernel runs; past it, blocks cast to fp32 (measured crossover ≈ 64)
 WIDE_BLOCK_BYTES = 32 << 20  # fp32 bytes of weight cast at once on the many-rows path
@@ -45,11 +45,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (then PyTorch's bf16 products are fast)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_flags().split()
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 

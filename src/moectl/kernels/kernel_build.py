@@ -33,7 +33,8 @@ def cache_dir() -> Path:
     return Path(base) / "moectl" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's ``flags`` line of ``/proc/cpuinfo`` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -67,7 +68,7 @@ def build(source: Path) -> Path | None:
     except (OSError, subprocess.SubprocessError):
         return None
     key = hashlib.sha256(
-        source.read_bytes() + version.encode() + _cpu_flags().encode() + " ".join(FLAGS).encode()
+        source.read_bytes() + version.encode() + cpu_flags().encode() + " ".join(FLAGS).encode()
     ).hexdigest()[:16]
     folder = _writable(cache_dir())
     target = folder / f"{source.stem}-{key}.so"
