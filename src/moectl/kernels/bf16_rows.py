@@ -1,8 +1,8 @@
 """bf16 weight products on the CPU for inference, at the speed the memory allows.
 
 On a CPU without AVX512-BF16 or AMX (most laptops and many servers), PyTorch's bf16 products are
-slow in two ways, measured on a 2-core AVX-512 machine (``benchmarks/decode_kernels.py``,
-``benchmarks/cpu_bf16_products.py``):
+slow in two ways, measured on a 2-core AVX-512 machine on 2026-11-27 (decoding:
+``benchmarks/decode_kernels.py``; prefill: [512, 2048] × [2048, 2048] products timed on their own):
 
 - **a few rows** (decoding): ``F.linear`` reads the weights at 13 GB/s for one row and 4 GB/s for
   8 rows, where the machine streams 25 GB/s; decoding a batch then costs per row, not per weight.
@@ -151,8 +151,7 @@ def grouped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
             for e, (a, b) in enumerate(itertools.pairwise(bounds))
             if b > a
         ]
-        out = torch.cat(parts) if parts else x.new_zeros(0, w.shape[1], dtype=torch.float32)
-        return _aligned_bf16(out)
+        return _aligned_bf16(torch.cat(parts))  # more than FEW_ROWS rows: some group has rows
     x32 = x.float().contiguous()
     s, k = x32.shape
     n = w.shape[1]
