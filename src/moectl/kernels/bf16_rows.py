@@ -85,6 +85,7 @@ def _lib() -> ctypes.CDLL | None:
         _i64,
         _ptr,
         _i64,
+        _ptr,
         _int,
     ]
     lib.moectl_bf16_grouped.restype = None
@@ -157,6 +158,7 @@ def grouped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     n = w.shape[1]
     y = torch.empty(s, n, dtype=torch.float32)
     ends = ends.contiguous()
+    scratch = torch.empty(ends.numel(), dtype=torch.int64)  # the kernel's list of groups with rows
     if s:
         _lib().moectl_bf16_grouped(
             x32.data_ptr(),
@@ -170,6 +172,7 @@ def grouped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
             k,
             y.data_ptr(),
             n,
+            scratch.data_ptr(),
             torch.get_num_threads(),
         )
     return _aligned_bf16(y)
