@@ -217,7 +217,7 @@ def test_greedy_texts_are_model_generate(env, masked):
     assert texts == [_generate_reference(model, info, c, 8, policies) for c in contexts]
 
 
-@pytest.mark.parametrize("name", ["gumbel_k3", "pool_gumbel", "controller", "roe"])
+@pytest.mark.parametrize("name", ["gumbel", "gumbel_k3", "pool_gumbel", "controller", "roe"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_ignores_its_batch_mates(env, plans, name, temperature):
     """Batched with others or alone, a request decodes the same text (greedy and sampled)."""
@@ -228,6 +228,30 @@ def test_a_request_ignores_its_batch_mates(env, plans, name, temperature):
         generate_texts(model, byte_tokenizer(), [c], settings, plans[name], info, 1)[0] for c in CONTEXTS
     ]
     assert together == alone
+
+
+@pytest.mark.parametrize(("name", "copies"), [("gumbel", 1), ("gumbel_k3", 3)])
+def test_keyed_noise_requests_share_one_group_of_rows(env, plans, name, copies, monkeypatch):
+    """Request-keyed noise keeps nothing per request but its code: the requests of a batch share one
+    group of rows (one policy call per layer for all), each row drawing with its own code and
+    position, so each still decodes its recorded text (test above)."""
+    from moectl.engine.rows import RowRouter
+
+    sizes: list[list[int]] = []
+    original = RowRouter.set_groups
+
+    def spy(self, groups, batch, device):
+        sizes.append([int(g.rows.numel()) for g in groups])
+        return original(self, groups, batch, device)
+
+    monkeypatch.setattr(RowRouter, "set_groups", spy)
+    model, info = env
+    texts = generate_texts(model, byte_tokenizer(), CONTEXTS[:4], GenSettings((), 4), plans[name], info, 4)
+    assert [4 * copies] in sizes  # a decoding step: all four requests' rows in one group
+    assert texts == [
+        generate_texts(model, byte_tokenizer(), [c], GenSettings((), 4), plans[name], info, 1)[0]
+        for c in CONTEXTS[:4]
+    ]
 
 
 def test_sampling_is_seeded_per_evaluation(env, plans):

@@ -182,6 +182,17 @@ class _Chunked:
     switches: Tensor
 
 
+def _group(rows: list[int], members: list[_Request], offset: int, pad: int = 0) -> Group:
+    """The group of ``rows`` (``members``' rows, in order) routed by their shared policies; where the
+    policies are keyed by request (``Routing.row_codes``), each row's own code and tokens seen."""
+    routing = members[0].routing
+    if routing is None or routing.row_codes is None:
+        return Group(torch.tensor(rows, dtype=torch.long), members[0].policies, offset, pad)
+    codes = torch.cat([r.routing.row_codes for r in members])  # type: ignore[union-attr]
+    offsets = torch.tensor([r.seen for r in members for _ in range(r.copies)], dtype=torch.long)
+    return Group(torch.tensor(rows, dtype=torch.long), members[0].policies, offset, pad, offsets, codes)
+
+
 def _traces(req: _Request) -> list:
     """The request's trace per row it occupies."""
     return req.trace if isinstance(req.trace, list) else [req.trace]
@@ -591,14 +602,14 @@ class Engine(PrefixPrefill):
         ids, mask = left_pad([r.prompt for r in reqs for _ in range(r.copies)], self._pad_id, self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = None if self.config.solo else new_cache(self.model)  # solo: the model's own cache
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int], tuple[list[int], list[_Request]]] = {}
         for i, req in enumerate(reqs):
             if req.policies:
-                groups.setdefault((id(req.policies), width - lengths[i]), []).extend(rows_of(copies, [i]))
+                rows, members = groups.setdefault((id(req.policies), width - lengths[i]), ([], []))
+                rows.extend(rows_of(copies, [i]))
+                members.append(req)
         self.router.set_groups(
-            [Group(torch.tensor(rows), reqs[rows[0]].policies, 0, pad) for (_, pad), rows in groups.items()],
-            k,
-            self.device,
+            [_group(rows, members, 0, pad) for (_, pad), (rows, members) in groups.items()], k, self.device
         )
         prev, switches = self.meter.new_rows(k, self.device)
         self.meter.start(prev, switches, counting=False)
@@ -669,7 +680,7 @@ class Engine(PrefixPrefill):
         ids = torch.tensor([req.prompt[start:stop]], device=self.device)
         mask = torch.ones(1, stop, dtype=torch.long, device=self.device)
         positions = torch.arange(start, stop, device=self.device)[None]
-        groups = [Group(torch.zeros(1, dtype=torch.long), req.policies, start)] if req.policies else []
+        groups = [_group([0], [req], start)] if req.policies else []
         self.router.set_groups(groups, 1, self.device)
         self.meter.start(chunked.prev, chunked.switches, counting=False)
         self._begin_traces([req], [stop - start], [start])
@@ -734,16 +745,13 @@ class Engine(PrefixPrefill):
         return choose_tokens(logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1])
 
     def _groups(self) -> list[Group]:
-        by_policies: dict[int, tuple[_Request, list[int]]] = {}
+        by_policies: dict[int, tuple[list[int], list[_Request]]] = {}
         for req, start in zip(self._running, row_starts([r.copies for r in self._running]), strict=True):
             if req.policies:
-                by_policies.setdefault(id(req.policies), (req, []))[1].extend(
-                    range(start, start + req.copies)
-                )
-        groups = []
-        for first, rows in by_policies.values():
-            groups.append(Group(torch.tensor(rows, dtype=torch.long), first.policies, first.seen))
-        return groups
+                rows, members = by_policies.setdefault(id(req.policies), ([], []))
+                rows.extend(range(start, start + req.copies))
+                members.append(req)
+        return [_group(rows, members, members[0].seen) for rows, members in by_policies.values()]
 
     def _decode(self) -> None:
         assert self._valid is not None and self._last is not None

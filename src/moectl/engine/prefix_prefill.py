@@ -43,7 +43,10 @@ class PrefixPrefill:
             and not self.config.record
             and not self.config.solo
             and req.copies == 1
-            and (req.routing is None or (req.routing.roe is None and not req.routing.per_request))
+            and (
+                req.routing is None
+                or (req.routing.roe is None and not req.routing.per_request and req.routing.row_codes is None)
+            )
         )
         return ok, None if req.routing is None else req.routing.name
 

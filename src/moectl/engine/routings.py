@@ -41,12 +41,18 @@ class Routing:
     adaptive: float | None = None  # with ``roe``: adaptive K's clean-entropy threshold (nats; roe.adaptive)
     repeats: int = 1  # K routed copies per request (K rows), distributions averaged (engine/repeats.py)
     owned: bool = False  # the policies already belong to one request: used as they are, never forked
+    # Draws keyed by request (eval's request-keyed noise): this request's code per row [repeats].
+    # Requests whose routings hold one ``policies`` list then share one group of rows (one policy
+    # call per layer for all of them), each row drawing with its own code and position.
+    row_codes: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ConfigError(f"routing {self.name!r}: repeats must be an integer >= 1, got {self.repeats!r}")
         if self.roe is not None and self.repeats != 1:
             raise ConfigError(f"routing {self.name!r}: give repeats (independent copies) or roe, not both")
+        if self.row_codes is not None and (not self.owned or tuple(self.row_codes.shape) != (self.repeats,)):
+            raise ConfigError(f"routing {self.name!r}: row_codes needs owned policies and one code per copy")
 
     @classmethod
     def of(
@@ -57,10 +63,14 @@ class Routing:
         repeats: int = 1,
         roe: Any = None,
         owned: bool = False,
+        row_codes: Any = None,
     ) -> Routing:
         """A caller's own routing of bound policy objects (not registered; in process only).
-        ``owned``: the policies are one request's (its own forks / keyed copies), used as they are."""
-        return cls(name, "policies", list(policies), roe=roe, repeats=int(repeats), owned=owned)
+        ``owned``: the policies are one request's (its own forks / keyed copies), used as they are,
+        or (with ``row_codes``) a list of keyed policies shared by requests: pass the same list
+        object to each request's routing and they batch in one group."""
+        items = policies if owned and isinstance(policies, list) else list(policies)
+        return cls(name, "policies", items, roe=roe, repeats=int(repeats), owned=owned, row_codes=row_codes)
 
     @property
     def per_request(self) -> bool:

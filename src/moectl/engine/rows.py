@@ -10,6 +10,8 @@ sees exactly the [1, n, E] call of its request alone (absolute positions 0..n−
 from a generator) and padding stays unrestricted. A row with no routing is left as the model routes it. Stateless
 routings (an expert mask) share one group for all their rows; a policy with sequence state (a
 controller, a document pool, Gumbel noise) is forked per request, so its state never mixes rows.
+Draws keyed by request (evaluation's keyed noise) are stateless too: their requests share a group
+whose context carries each row's own offset and request code (``RouteContext.offsets``/``row_codes``).
 
 ``SwitchMeter`` records, per row, its routing into the request's own ``RoutingTrace`` when the engine
 records (``EngineConfig.record``), and counts, per row, how often each layer's expert set ω changes from one generated
@@ -42,6 +44,8 @@ class Group:
     policies: list[Policy]
     offset: int
     pad: int = 0
+    offsets: Tensor | None = None  # [n] each row's own tokens seen, where its rows are several requests
+    codes: Tensor | None = None  # [n] each row's request code, for policies keyed by request
 
 
 def splittable(policies: list[Policy]) -> bool:
@@ -124,6 +128,8 @@ class RowRouter:
             offset=group.offset,
             valid=None if ctx.valid is None else ctx.valid[rows.to(ctx.valid.device), group.pad :],
             calls=ctx.calls,
+            offsets=None if group.offsets is None else group.offsets.to(device),
+            row_codes=None if group.codes is None else group.codes.to(device),
         )
 
 

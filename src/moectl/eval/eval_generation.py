@@ -8,7 +8,10 @@ routing never depends on its batch-mates):
 
 - plain or policy routing: the request's rows routed by its policies (request-keyed noise with the
   request's codes, a stream-drawing policy forked with the seed ``reseed`` would give it alone,
-  per-sequence state forked; stateless policies shared by every request);
+  per-sequence state forked; stateless policies shared by every request). Where request-keyed
+  noise is all a routing holds per request, its requests share one instance of each policy and
+  batch in one group of rows, each row with its own code (``Routing.row_codes``) and position;
+  the draws are the same as each request's own copy would make;
 - ``repeats = K``: the engine's repeats row kind (``moectl.engine.repeats``): K routed copies per
   request, their distributions averaged in probability space, one shared token stream;
 - RoE (``routing.roe``): the engine's RoE path, ``moectl.roe.Ensemble`` — K routing samples per
@@ -23,6 +26,7 @@ a stop string; the text is cut before the first stop string, as lm-eval cuts it.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +41,15 @@ from moectl.engine.sampling import MAX_STOP_STRINGS
 from moectl.engine.text import cut_at_stop
 from moectl.errors import ConfigError
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, request_keys
-from moectl.eval.request_noise import per_request, request_codes, request_policies
+from moectl.eval.request_noise import (
+    RequestKeyed,
+    RequestRows,
+    keyed_alone,
+    per_request,
+    request_codes,
+    request_policies,
+    row_codes,
+)
 from moectl.models.tokens import encode, prefix_token
 from moectl.routing.protocols import carries_weights
 
@@ -68,6 +80,21 @@ class _Routings:
     def __init__(self, model: nn.Module, info: ModelInfo) -> None:
         self.model, self.info = model, info
         self.shared: dict[tuple, tuple[BatchRouting, Routing | None]] = {}
+        self.keyed: dict[tuple, tuple[list, list]] = {}  # same -> (the plan's policies, the shared copies)
+
+    def _keyed(self, same: tuple, policies: list) -> list:
+        """One list of the keyed policies' copies (no codes of their own: each call's rows bring
+        theirs), the others as they are, shared by every request of ``policies`` (one group)."""
+        if same not in self.keyed:
+            shared = []
+            for policy in policies:
+                if isinstance(policy, RequestKeyed):
+                    policy = copy.copy(policy)
+                    policy.request_rows = RequestRows()
+                policy.bind(self.info)
+                shared.append(policy)
+            self.keyed[same] = (policies, shared)  # the plan's policies kept: ``same`` holds their ids
+        return self.keyed[same][1]
 
     def __call__(self, routing: BatchRouting, key: str) -> Routing | None:
         policies = list(routing.policies)
@@ -78,6 +105,9 @@ class _Routings:
         for policy in policies:
             if carries_weights(policy):
                 policy.attach(self.model)  # a trained controller's weights, as route() merges them
+        if routing.roe is None and keyed_alone(policies):
+            return Routing.of(self._keyed(same, policies), name="eval", repeats=k, owned=True,
+                              row_codes=row_codes([key], k))  # fmt: skip
         if any(per_request(p) for p in policies):
             own = request_policies(policies, key, k)
             for policy in own:

@@ -75,10 +75,15 @@ class RequestRows:
         self.codes, self._ctx, self._positions, self._seen = codes, None, None, None
 
     def positions(self, ctx: RouteContext, device: torch.device) -> Tensor:
-        """[B, T] position of each token of the call ``ctx`` within its request (once per call)."""
+        """[B, T] position of each token of the call ``ctx`` within its request (once per call); from
+        each row's own offset where the call gives them (``ctx.offsets``: the engine's rows)."""
         if ctx is self._ctx and self._positions is not None:
             return self._positions
         valid = ctx.valid_mask(device).long()
+        if ctx.offsets is not None:
+            self._positions = (ctx.offsets.to(device)[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+            self._seen, self._ctx = None, ctx
+            return self._positions
         if ctx.offset == 0 or self._seen is None or self._seen.shape[0] != valid.shape[0]:
             seen = torch.zeros(valid.shape[0], dtype=torch.long, device=device)
         else:
@@ -90,10 +95,11 @@ class RequestRows:
 
     def uniforms(self, state: RoutingState, seed: int) -> Tensor:
         """[B, T, E] uniforms for ``state``'s layer, keyed by (seed, layer, request, position, expert)."""
-        if self.codes is None:
+        codes = state.ctx.row_codes if state.ctx.row_codes is not None else self.codes
+        if codes is None:
             raise RuntimeError("request-keyed routing used without request codes (set_request_codes)")
         b, _, e = state.logits.shape
-        codes = self.codes.to(state.logits.device)
+        codes = codes.to(state.logits.device)
         if codes.shape[0] != b:
             raise RuntimeError(f"{codes.shape[0]} request codes for a batch of {b} rows")
         positions = self.positions(state.ctx, state.logits.device)
@@ -165,17 +171,35 @@ def keyed_policies(policies: Sequence[Any]) -> list[Any]:
     return out
 
 
+def row_codes(keys: Sequence[str], copies: int = 1) -> Tensor:
+    """[len(keys) * copies] int64: the code of each row of requests ``keys`` (``copies`` routed
+    copies per request, request-major; copy c draws its own)."""
+    codes = request_codes(keys)
+    if copies > 1:
+        copy = torch.arange(copies, dtype=torch.int64).repeat(len(keys)) * 0x2545F491 & M32
+        codes = mix(codes.repeat_interleave(copies) ^ copy)
+    return codes
+
+
 def set_request_codes(policies: Sequence[Any], keys: Sequence[str], copies: int = 1) -> None:
     """Give the keyed policies the codes of a batch's rows (``copies`` routed copies per request, request-major)."""
     keyed = [p.request_rows for p in policies if isinstance(p, RequestKeyed)]
     if not keyed:
         return
-    codes = request_codes(keys)
-    if copies > 1:  # copy c of a request: its own draws
-        copy = torch.arange(copies, dtype=torch.int64).repeat(len(keys)) * 0x2545F491 & M32
-        codes = mix(codes.repeat_interleave(copies) ^ copy)
+    codes = row_codes(keys, copies)
     for rows in keyed:
         rows.set(codes)
+
+
+def keyed_alone(policies: Sequence[Any]) -> bool:
+    """Whether every policy of ``policies`` that needs something per request is keyed by request
+    (and the rest are shared as they are): then requests can share one instance of each, every row
+    drawing with its own code and position (``RouteContext.row_codes``/``offsets``) — one call per
+    layer for a batch of requests instead of one per request."""
+    own = [p for p in policies if per_request(p)]
+    return bool(own) and all(
+        isinstance(p, RequestKeyed) and getattr(p, "row_scale", None) is None for p in own
+    )
 
 
 def needs_isolation(policy: Any) -> bool:

@@ -17,7 +17,9 @@ class RouteContext:
     """The forward call being routed: batch shape, absolute offset, valid (non-padding) tokens.
 
     ``offset`` is the number of positions already in the KV cache (0 for a fresh sequence);
-    the call covers absolute positions ``offset .. offset + T - 1``.
+    the call covers absolute positions ``offset .. offset + T - 1``. Where the rows are different
+    sequences (the engine's batch), ``offsets`` [B] gives each row's own count of tokens seen, and
+    ``row_codes`` [B] each row's key for draws keyed by request (``moectl.eval.request_noise``).
     """
 
     batch: int = 0
@@ -25,6 +27,8 @@ class RouteContext:
     offset: int = 0
     valid: Tensor | None = None  # [B, T] bool; None: every token is valid
     calls: int = 0  # forward calls since the session started
+    offsets: Tensor | None = None  # [B] int64 tokens each row has seen before this call; None: ``offset``
+    row_codes: Tensor | None = None  # [B] int64 32-bit keys of the rows' requests; None: the policy's own
 
     def valid_mask(self, device: torch.device) -> Tensor:
         if self.valid is None:
