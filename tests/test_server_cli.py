@@ -37,6 +37,7 @@ TOKENIZER = str(Path(__file__).resolve().parents[1] / "models" / "moectl-small-s
         (["serve", "tiny:olmoe", "--budget", "1"], "a budget of 1 resident experts is too small"),
         (["serve", "tiny:olmoe", "--tokenizer", "no/such/tokenizer"], "no tokenizer loads from it"),
         (["serve", "tiny:olmoe", "--tokenizer", TOKENIZER], "more than the model's vocabulary of 259"),
+        (["serve", "tiny:olmoe", "--routing", "a=option:4", "--default-routing", "b"], "not a --routing NAME; registered: a"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args, words):

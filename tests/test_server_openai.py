@@ -224,7 +224,7 @@ def test_the_stream_ends_with_done(server):
 
 BAD = [  # (request body, status, param, words in the message)
     ({"model": MODEL}, 400, "prompt", "missing required field 'prompt'"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "0 only with echo"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 1024}, 400, "max_tokens", "at most 1023"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
     ({"model": "gpt-4o", "prompt": "x"}, 404, "model", "serves 'tiny:olmoe'"),
@@ -232,9 +232,13 @@ BAD = [  # (request body, status, param, words in the message)
     ({"model": MODEL, "prompt": "x", "routing": "/etc/passwd"}, 400, "routing", "registered: half, opt4, roe"),
     ({"model": MODEL, "prompt": "x", "routing": "option:2"}, 400, "routing", "registered: half, opt4, roe"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "one choice"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "not supported"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "list of one string"),
+    ({"model": MODEL, "prompt": "x", "echo": True, "stream": True}, 400, "echo", "not supported with stream"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "from 0 to 20"),
+    ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400, "prompt", "single prompt"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt", "1 to 64"),
+    ({"model": MODEL, "prompt": [1, 2, 100000]}, 400, "prompt", "outside the vocabulary"),
+    ({"model": MODEL, "prompt": [[]]}, 400, "prompt", "at least one id"),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "routing": "roe"}, 400, None, "not RoE"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
     ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, None, "up to 16 non-empty"),
 ]

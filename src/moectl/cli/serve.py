@@ -86,6 +86,14 @@ def serve_command(
             "policy file, option:K, controller:DIR (`moectl.load_policy`). No routing: the model as trained.",
         ),
     ] = None,
+    default_routing: Annotated[
+        str | None,
+        typer.Option(
+            "--default-routing",
+            help="A registered routing NAME for requests that name none (clients that cannot send the "
+            "routing field, e.g. lm-eval's local-completions); unset: the model as trained.",
+        ),
+    ] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences generated together.")] = 8,
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests waiting for a row; past it requests get 429.")
@@ -152,6 +160,9 @@ def serve_command(
     from moectl.errors import ConfigError
 
     routings = parse_routings(routing or [])
+    if default_routing is not None and default_routing not in routings:
+        names = ", ".join(sorted(routings)) or "none"
+        raise ConfigError(f"--default-routing {default_routing!r} is not a --routing NAME; registered: {names}")
     if max_batch < 1:
         raise ConfigError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 1:
@@ -210,9 +221,12 @@ def serve_command(
     except (ValueError, OSError, RuntimeError, MemoryError) as err:
         fail(err)
     name = served_name(spec)
-    app = create_app(engine, name, api_key=api_key)
+    app = create_app(engine, name, api_key=api_key, default_routing=default_routing)
     names = ", ".join(sorted(routings)) or "none"
-    console.print(f"serving {name} on http://{host}:{port}/v1 (routings: {names}; {n_threads} torch threads)")
+    default = f", default {default_routing}" if default_routing else ""
+    console.print(
+        f"serving {name} on http://{host}:{port}/v1 (routings: {names}{default}; {n_threads} torch threads)"
+    )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(
             f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it"

@@ -53,6 +53,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.attention import attention_kernels
 from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
+from moectl.engine.logprobs import TokenLogprob, capture_hidden, of_logits, prompt_logprobs
 from moectl.engine.pad_skip import PadSkip
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
@@ -130,6 +131,8 @@ class Event:
     finish_reason: str | None = None
     usage: dict | None = None
     info: dict | None = None
+    logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids`` (``SamplingParams.logprobs``)
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the last event (``SamplingParams.prompt_logprobs``)
 
 
 @dataclass
@@ -146,6 +149,8 @@ class Completion:
     error: str | None = None
     trace: Any = None  # its RoutingTrace (EngineConfig.record), as route(record=True) records one prompt
     stop_token: int | None = None  # the EOS token that ended it (not in ``token_ids``)
+    logprobs: list[TokenLogprob] | None = None  # per generated token (``SamplingParams.logprobs``)
+    prompt_logprobs: list[TokenLogprob] | None = None  # per prompt token after the first (``prompt_logprobs``)
 
 
 @dataclass
@@ -169,6 +174,10 @@ class _Request:
     trace: Any = None  # its RoutingTrace; a list of one per copy when it runs as several rows
     copies: int = 1  # batch rows it occupies (``Routing.repeats``: K routed copies, one token stream)
     stop_token: int | None = None  # the EOS token that ended it
+    chosen_lp: TokenLogprob | None = None  # the latest chosen token's log-probability, for ``_emit``
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every generated token's
+    unsent_lp: list[TokenLogprob] = field(default_factory=list)  # those of ``unsent``
+    prompt_lp: list[TokenLogprob] | None = None  # the prompt's, once prefilled (``prompt_logprobs``)
 
 
 @dataclass
@@ -373,6 +382,8 @@ class Engine(PrefixPrefill):
             )
         chosen = routing if isinstance(routing, Routing) or routing is None else self.routings.get(routing)
         copies = chosen.repeats if chosen is not None else 1
+        if params.prompt_logprobs is not None and (copies > 1 or (chosen is not None and chosen.roe is not None)):
+            raise ConfigError("prompt log-probabilities (echo) need a routing of one row per request, not RoE or repeats")
         if copies > self.config.max_batch:
             raise ConfigError(f"repeats = {copies} needs more rows than max_batch = {self.config.max_batch}")
         seed = request_seed(params)
@@ -553,6 +564,7 @@ class Engine(PrefixPrefill):
             for r in plain
             if len(r.prompt) > self.config.prefill_chunk
             and r.copies == 1
+            and r.params.prompt_logprobs is None  # echo: the whole prompt's states in one forward
             and not self.config.solo
             and splittable(r.policies)
         ]
@@ -618,7 +630,14 @@ class Engine(PrefixPrefill):
         self.meter.pads = [width - n for n in row_lengths]
         self._pad_skip.keep(row_lengths, width, self.device)
         self._log("prefill", k)
-        logits, cache = self._prefill_forward(ids, mask, positions, cache)
+        echo = [i for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None]
+        with capture_hidden(self.model, bool(echo)) as hidden:
+            logits, cache = self._prefill_forward(ids, mask, positions, cache)
+        for i in echo:  # position j of a prompt predicts its token j + 1
+            req, row = reqs[i], row_starts(copies)[i]
+            states = hidden[-1][row, width - lengths[i] : width - 1]
+            req.prompt_lp = prompt_logprobs(self.model, states, req.prompt[1:], req.params.prompt_logprobs or 0)
+        del hidden
         self._join_rows(reqs, cache, mask, logits, prev, switches)
 
     def _prefill_forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> tuple[Tensor, Any]:
@@ -737,12 +756,21 @@ class Engine(PrefixPrefill):
         else ``choose_tokens`` with the requests' parameters (two copies)."""
         logits = combine(logits, [r.copies for r in reqs])
         if all(r.params.temperature == 0 for r in reqs):
-            return logits.argmax(-1)
-        dev = logits.device
-        floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32)
-        ints = torch.tensor([[r.key, len(r.generated)] for r in reqs], dtype=torch.int64)
-        floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-        return choose_tokens(logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1])
+            tokens = logits.argmax(-1)
+        else:
+            dev = logits.device
+            floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32)
+            ints = torch.tensor([[r.key, len(r.generated)] for r in reqs], dtype=torch.int64)
+            floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+            tokens = choose_tokens(logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1])
+        wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if wanted:  # only requests that ask pay for the softmax and its host copy
+            top = max(reqs[i].params.logprobs or 0 for i in wanted)
+            index = torch.tensor(wanted, device=logits.device)
+            for i, one in zip(wanted, of_logits(logits[index], tokens[index], top), strict=True):
+                n = reqs[i].params.logprobs or 0
+                reqs[i].chosen_lp = TokenLogprob(one.token, one.logprob, one.top[:n])
+        return tokens
 
     def _groups(self) -> list[Group]:
         by_policies: dict[int, tuple[list[int], list[_Request]]] = {}
@@ -813,10 +841,15 @@ class Engine(PrefixPrefill):
             reason = None
         if not eos:
             req.unsent.append(token)
+            if req.chosen_lp is not None:
+                req.logprobs.append(req.chosen_lp)
+                req.unsent_lp.append(req.chosen_lp)
+        req.chosen_lp = None
         if reason is None:
             if req.on_event is not None:  # every token, its text possibly held back (a client times tokens)
-                req.on_event(Event(req.id, req.unsent, piece))
-                req.unsent = []
+                lps = req.unsent_lp if req.params.logprobs is not None else None
+                req.on_event(Event(req.id, req.unsent, piece, logprobs=lps))
+                req.unsent, req.unsent_lp = [], []
             return False
         req.ending = (reason, piece)  # finished when its row is removed
         return True
@@ -887,6 +920,8 @@ class Engine(PrefixPrefill):
             error,
             req.trace,
             req.stop_token,
+            list(req.logprobs) if req.params.logprobs is not None else None,
+            req.prompt_lp,
         )
         req.completion = completion
         self.counters["finished"] += 1
@@ -903,8 +938,9 @@ class Engine(PrefixPrefill):
             info = {"routing": name, "switch_rate": switch_rate}
             if error is not None:
                 info["error"] = error
-            req.on_event(Event(req.id, req.unsent, piece, reason, usage, info))
-            req.unsent = []
+            lps = req.unsent_lp if req.params.logprobs is not None else None
+            req.on_event(Event(req.id, req.unsent, piece, reason, usage, info, lps, req.prompt_lp))
+            req.unsent, req.unsent_lp = [], []
         req.done.set()
 
     # -- figures ------------------------------------------------------------------------------

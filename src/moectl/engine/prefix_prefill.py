@@ -51,6 +51,8 @@ class PrefixPrefill:
         return ok, None if req.routing is None else req.routing.name
 
     def _stored_prefix(self: Any, req: _Request) -> Prefix | None:
+        if req.params.prompt_logprobs is not None:
+            return None  # echo needs every prompt position's hidden state: prefilled whole
         ok, key = self._prefix_key(req)
         return self.prefixes.lookup(key, req.prompt) if ok else None
 

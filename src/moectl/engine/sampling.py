@@ -25,8 +25,9 @@ MAX_STOP_STRINGS = 16
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes: OpenAI's knobs (``max_tokens``, ``temperature``, ``top_p``,
-    ``seed``, ``stop``) and ``ignore_eos`` (generate ``max_tokens`` whatever the model says, as
-    TE-MoE §3.1 measures switch rates on a fixed number of tokens). ``temperature = 0``: greedy."""
+    ``seed``, ``stop``, ``logprobs``; ``prompt_logprobs`` for ``echo``) and ``ignore_eos`` (generate
+    ``max_tokens`` whatever the model says, as TE-MoE §3.1 measures switch rates on a fixed number
+    of tokens). ``temperature = 0``: greedy."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -34,8 +35,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
     ignore_eos: bool = False
+    logprobs: int | None = None  # each generated token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (OpenAI's echo)
 
     def __post_init__(self) -> None:
+        from moectl.engine.logprobs import check_count
+
+        for name in ("logprobs", "prompt_logprobs"):
+            try:
+                check_count(getattr(self, name), name)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or (

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from moectl.server.api_errors import APIError, install_error_handlers
 from moectl.server.auth import APIKeyMiddleware
 from moectl.server.engine_events import Generation, collect
+from moectl.server.logprob_bodies import chat_logprobs, completion_logprobs
 from moectl.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from moectl.server.prompts import chat_ids, completion_ids
 from moectl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -48,12 +49,23 @@ class EngineStream(StreamingResponse):
             self.generation.cancel()
 
 
-def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> FastAPI:
-    """The app serving ``engine``'s model as ``model_name``; ``api_key`` guards every path but /health."""
+def vocab_of(model: Any, tokenizer: Any) -> int:
+    """Token ids a prompt may hold: the rows of the model's output embedding (else the tokenizer's size)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else len(tokenizer)
+
+
+def create_app(
+    engine: Any, model_name: str, *, api_key: str | None = None, default_routing: str | None = None
+) -> FastAPI:
+    """The app serving ``engine``'s model as ``model_name``; ``api_key`` guards every path but /health;
+    ``default_routing``: the registered routing of requests that name none (None: the model as trained)."""
     from moectl.engine import SamplingParams
 
     metrics = ServerMetrics(engine)
     tokenizer = engine.tokenizer
+    vocab = vocab_of(engine.model, tokenizer)
     started = int(time.time())
 
     @asynccontextmanager
@@ -82,19 +94,23 @@ def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> F
             )
 
     def check_routing(name: str | None) -> str | None:
-        if name is None or name in engine.routings:
+        if name is None:
+            return default_routing
+        if name in engine.routings:
             return name
         names = ", ".join(routing_names()) or "none"
         raise APIError(
             400,
             f"routing {name!r} is not registered on this server; registered: {names} "
-            "(leave routing out for the model as trained)",
+            f"(leave routing out for {repr(default_routing) if default_routing else 'the model as trained'})",
             param="routing",
         )
 
     def max_tokens_for(body: SamplingFields, prompt_len: int, default: int | None, param: str) -> int:
         """The request's max_tokens, checked against the context (a 400 naming what fits); chat's
         default is the rest of the context."""
+        if body.max_tokens == 0:  # echo scoring the prompt alone (CompletionRequest.check): one token, left out
+            return 1
         context = engine.max_context
         room = None if context is None else context - prompt_len
         if room is not None and room < 1:
@@ -111,11 +127,24 @@ def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> F
             )
         return body.max_tokens
 
-    async def respond(
-        request: Request, body: SamplingFields, ids: list[int], shape: Shape, default: int | None, param: str
-    ) -> Response:
+    def prompt_ids(prompt: str | list[int]) -> list[int]:
+        """A completion prompt's ids: text through the tokenizer, token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return completion_ids(tokenizer, prompt)
+        if not prompt:
+            raise APIError(400, "a prompt of token ids must hold at least one id", param="prompt")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        return [int(t) for t in prompt]
+
+    def start(
+        request: Request, body: SamplingFields, ids: list[int], default: int | None, param: str,
+        logprobs: int | None = None, prompt_logprobs: int | None = None,
+    ) -> Generation:  # fmt: skip
+        """The request's sampling checked (400 for what the engine refuses) and handed to the engine."""
         routing = check_routing(body.routing)
-        try:  # what the engine refuses beyond the request's own checks (e.g. too many stop strings)
+        try:
             params = SamplingParams(
                 max_tokens=max_tokens_for(body, len(ids), default, param),
                 temperature=body.temperature,
@@ -123,32 +152,98 @@ def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> F
                 seed=body.seed,
                 stop=body.stop_list(),
                 ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as err:
             raise APIError(400, str(err)) from err
         generation = Generation(engine, metrics, request.state.arrived)
         generation.submit(ids, params, routing)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EngineStream(generation, stream(generation, shape, usage))
-        done = await collect(generation, request.receive)
-        if done is None:
-            return Response(status_code=499)  # the client has gone: nobody reads this
-        text, last = done
+        return generation
+
+    def failed(last: Any) -> None:
         if last.finish_reason == "error":
             raise APIError(500, f"generation failed: {(last.info or {}).get('error', 'engine error')}")
-        return JSONResponse(shape.body(text, last.finish_reason, last.usage, last.info))
 
-    async def stream(generation: Generation, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+    async def respond(
+        request: Request, body: SamplingFields, ids: list[int], shape: Shape, default: int | None, param: str,
+        logprobs: int | None = None,
+    ) -> Response:  # fmt: skip
+        """One prompt: streamed, or one choice."""
+        generation = start(request, body, ids, default, param, logprobs)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EngineStream(generation, stream(generation, shape, usage, logprobs is not None))
+        done = await collect([generation], request.receive)
+        if done is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        got = done[0]
+        failed(got.last)
+        lps = None
+        if logprobs is not None:
+            lps = (
+                chat_logprobs(tokenizer, got.logprobs or [])
+                if shape.chat
+                else completion_logprobs(tokenizer, got.token_ids, got.logprobs or [])[0]
+            )
+        return JSONResponse(shape.body(got.text, got.last.finish_reason, got.last.usage, got.last.info, lps))
+
+    async def complete_all(request: Request, body: CompletionRequest, shape: Shape) -> Response:
+        """Completions not streamed: every prompt its own engine request, decoded together; with
+        ``echo`` the prompt's text (and log-probabilities) first; ``max_tokens: 0`` the prompt alone."""
+        prompts = body.prompts()
+        ids_list = [prompt_ids(p) for p in prompts]
+        generations: list[Generation] = []
+        try:
+            for ids in ids_list:
+                echo_lp = body.logprobs if body.echo else None
+                generations.append(
+                    start(request, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", body.logprobs, echo_lp)
+                )
+        except BaseException:
+            for generation in generations:
+                generation.cancel()
+            raise
+        done = await collect(generations, request.receive)
+        if done is None:
+            return Response(status_code=499)
+        keep = body.max_tokens != 0
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for index, (prompt, ids, got) in enumerate(zip(prompts, ids_list, done, strict=True)):
+            failed(got.last)
+            token_ids = got.token_ids if keep else []
+            text = got.text if keep else ""
+            if body.echo:
+                text = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) + text
+            lps = None
+            if body.logprobs is not None:
+                tokens, entries = ([*ids], [None, *(got.last.prompt_logprobs or [])]) if body.echo else ([], [])
+                lps = completion_logprobs(tokenizer, tokens + token_ids, entries + (got.logprobs or [])[: len(token_ids)])[0]
+            finish = got.last.finish_reason if keep else "length"
+            choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": finish})
+            prompt_tokens += len(ids)
+            completion_tokens += len(token_ids)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        return JSONResponse(shape.choices(choices, usage, done[0].last.info))
+
+    async def stream(
+        generation: Generation, shape: Shape, include_usage: bool, logprobs: bool = False
+    ) -> AsyncIterator[bytes]:
         if shape.chat:
             yield sse(shape.chunk(None, role=True))
+        offset = 0
         async for event in generation.events():
             if event.finish_reason == "error":
                 error = APIError(500, f"generation failed: {(event.info or {}).get('error', 'engine error')}")
                 yield sse(error.body())
                 break
             if event.text or event.token_ids:  # a chunk per generated token, its text possibly held back
-                yield sse(shape.chunk(event.text))
+                lps = None
+                if logprobs and shape.chat:
+                    lps = chat_logprobs(tokenizer, event.logprobs or [])
+                elif logprobs:
+                    lps, offset = completion_logprobs(tokenizer, event.token_ids, event.logprobs or [], offset)
+                yield sse(shape.chunk(event.text, logprobs=lps))
             if event.finish_reason is not None:
                 yield sse(shape.last_chunk(event.finish_reason, event.info))
                 if include_usage:
@@ -172,21 +267,26 @@ def create_app(engine: Any, model_name: str, *, api_key: str | None = None) -> F
             "owned_by": "moectl",
             "max_model_len": engine.max_context,
             "routings": routing_names(),
+            "default_routing": default_routing,
         }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check()
         check_model(body.model)
-        ids = completion_ids(tokenizer, body.text())
-        return await respond(request, body, ids, Shape(model_name, chat=False), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        shape = Shape(model_name, chat=False)
+        if not body.stream:
+            return await complete_all(request, body, shape)
+        ids = prompt_ids(body.prompts()[0])
+        return await respond(request, body, ids, shape, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", body.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         check_model(body.model)
         ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        return await respond(request, body, ids, Shape(model_name, chat=True), None, "messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await respond(request, body, ids, Shape(model_name, chat=True), None, "messages", logprobs)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from moectl.server.api_errors import APIError
@@ -85,22 +86,41 @@ async def wait_disconnect(receive: Any) -> None:
         pass
 
 
-async def collect(generation: Generation, receive: Any) -> tuple[str, Any] | None:
-    """All of a request's text and its last event; None (and the request cancelled) when the client
-    disconnects first."""
+@dataclass
+class Collected:
+    """A finished request as a non-streamed response needs it: its text, its last event (finish
+    reason, usage, routing), its token ids and (where asked for) their log-probabilities."""
 
-    async def gather() -> tuple[str, Any]:
-        parts, event = [], None
-        async for event in generation.events():
-            parts.append(event.text or "")
-        return "".join(parts), event
+    text: str
+    last: Any
+    token_ids: list[int]
+    logprobs: list | None
 
-    work, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(wait_disconnect(receive))
+
+async def gather(generation: Generation) -> Collected:
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list | None = None
+    event = None
+    async for event in generation.events():
+        parts.append(event.text or "")
+        ids += event.token_ids
+        if event.logprobs is not None:
+            lps = (lps or []) + list(event.logprobs)
+    return Collected("".join(parts), event, ids, lps)
+
+
+async def collect(generations: list[Generation], receive: Any) -> list[Collected] | None:
+    """Each request's :class:`Collected`, in order; None (and every request cancelled) when the
+    client disconnects first."""
+    work = asyncio.ensure_future(asyncio.gather(*(gather(g) for g in generations)))
+    gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not work.done():  # the client left first, or this handler was cancelled
             work.cancel()
-            generation.cancel()
-    return work.result() if work.done() and not work.cancelled() else None
+            for generation in generations:
+                generation.cancel()
+    return list(work.result()) if work.done() and not work.cancelled() else None

@@ -2,8 +2,11 @@
 
 Fields follow OpenAI's completions and chat completions APIs. Unknown fields are accepted and
 ignored (clients send ``user``, ``stream_options`` and the like); a field moectl cannot honour
-with a value that would change the answer (``n`` > 1, ``echo``, ``logprobs``, penalties, tools)
-is refused with 400 naming it, never silently dropped. Two fields are moectl's own (the
+with a value that would change the answer (``n`` > 1, penalties, tools, ``echo`` with ``stream``)
+is refused with 400 naming it, never silently dropped. A completion's prompt may be text or token
+ids, one or several (as lm-eval's ``local-completions`` sends them); ``logprobs`` (up to
+``MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and log-probabilities first;
+``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's legacy API does. Two fields are moectl's own (the
 ``openai`` client sends them with ``extra_body``): ``routing``, the name of a routing the server
 registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM names it), to generate
 ``max_tokens`` tokens whatever the model says (load tests, fixed-length switch-rate measurements).
@@ -15,7 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from moectl.engine.logprobs import MAX_LOGPROBS
 from moectl.server.api_errors import APIError
+
+MAX_PROMPTS = 64  # prompts in one completions request (each one engine request, in the same queue)
 
 
 class StreamOptions(BaseModel):
@@ -51,7 +57,9 @@ class SamplingFields(BaseModel):
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: moectl serve returns one choice (n=1)", param="n")
         if self.max_tokens is not None and self.max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+            raise APIError(
+                400, f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}", param="max_tokens"
+            )
         if not 0.0 <= self.temperature <= 2.0:
             raise APIError(
                 400, f"temperature must be in [0, 2] (0 is greedy), got {self.temperature}", param="temperature"
@@ -67,33 +75,51 @@ class SamplingFields(BaseModel):
             raise APIError(400, "stop strings must not be empty", param="stop")
 
 
-class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: one prompt string (or a list holding one)."""
+def check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be from 0 to {MAX_LOGPROBS}, got {value}", param=param)
 
-    prompt: str | list[str]
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: a prompt as text or token ids, or a list of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     def check(self) -> None:
+        scores_only = self.echo and self.max_tokens == 0  # the prompt's log-probabilities, nothing generated
+        if scores_only:
+            self.max_tokens = 1  # the engine generates one token; the response leaves it out
         super().check()
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+        if scores_only:
+            self.max_tokens = 0
+        prompts = self.prompts()
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
             raise APIError(
-                400, f"prompt must be a string or a list of one string, got a list of {len(self.prompt)}",
+                400, f"prompt must be text, token ids, or a list of 1 to {MAX_PROMPTS} of them; got {len(prompts)}",
                 param="prompt",
             )
-        if self.echo:
-            raise APIError(400, "echo is not supported: leave it out or false", param="echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported: leave it out", param="logprobs")
+        if self.stream and len(prompts) != 1:
+            raise APIError(400, "stream needs a single prompt", param="prompt")
+        if self.echo and self.stream:
+            raise APIError(400, "echo is not supported with stream: leave one of them out", param="echo")
+        check_logprobs(self.logprobs, "logprobs")
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of} is not supported: leave it out or 1", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported: leave it out", param="suffix")
 
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string, or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):
@@ -137,8 +163,9 @@ class ChatCompletionRequest(SamplingFields):
         super().check()
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs is not supported: leave it out or false", param="logprobs")
+        check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported: leave them out", param="tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

@@ -52,30 +52,35 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, text: str, finish_reason: str | None, usage: dict | None, info: dict | None) -> dict[str, Any]:
-        """The whole response of a request that was not streamed."""
+    def body(
+        self, text: str, finish_reason: str | None, usage: dict | None, info: dict | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """The whole response of a request that was not streamed (one choice)."""
         if self.chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage_body(usage), **routing_fields(info)}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage_body(usage), **routing_fields(info)}
+        return self.choices([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}], usage, info)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+    def choices(self, choices: list[dict[str, Any]], usage: dict | None, info: dict | None) -> dict[str, Any]:
+        """A completions response of several choices (one per prompt)."""
+        return {**self._head("text_completion"), "choices": choices, "usage": usage_body(usage), **routing_fields(info)}
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, role: bool = False, logprobs: Any = None
+    ) -> dict[str, Any]:
         """One streamed chunk: a text delta (chat: ``role`` opens the message), or the finish."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:  # a token's chunk: its text, "" while held back
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def last_chunk(self, finish_reason: str | None, info: dict | None) -> dict[str, Any]:
