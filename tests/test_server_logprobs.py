@@ -209,3 +209,32 @@ def test_a_default_routing_serves_requests_that_name_none(tmp_path):
         running.stop()
     assert plain["routing"] == "half" and plain["choices"][0]["text"] == named["choices"][0]["text"]
     assert card["default_routing"] == "half"
+
+
+def test_tokenizer_endpoints_serve_the_models_tokenizer(server, offline):
+    _, tok = offline
+    ids = post(server, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False})
+    assert ids["tokens"] == tok.encode("Hello there", add_special_tokens=False) and ids["count"] == len(ids["tokens"])
+    assert post(server, "/detokenize", {"tokens": ids["tokens"]})["prompt"] == "Hello there"
+    info = httpx.get(f"{server.base}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == tok.eos_token
+    bad = httpx.post(f"{server.base}/detokenize", json={"tokens": [10**6]}, timeout=10)
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_lm_eval_finds_the_servers_tokenizer_by_itself(server):
+    """``local-completions`` with no tokenizer given detects the tokenizer endpoints and scores as it
+    does with the same tokenizer loaded locally."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    url = f"{server.base}/v1/completions"
+    remote = LocalCompletionsAPI(base_url=url, model=NAME, num_concurrent=1, max_retries=1)
+    local = LocalCompletionsAPI(
+        base_url=url, model=NAME, tokenizer=MODEL, tokenizer_backend="huggingface", num_concurrent=1, max_retries=1
+    )
+    assert remote.tokenizer_backend == "remote"
+    requests = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0)]
+    (value, greedy), = remote.loglikelihood(requests)
+    (expect, expect_greedy), = local.loglikelihood(requests)
+    assert value == pytest.approx(expect, abs=1e-6) and greedy == expect_greedy

@@ -1,7 +1,8 @@
 """``create_app(engine, model_name)``: the OpenAI-compatible FastAPI app over a :class:`moectl.engine.Engine`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
-as server-sent events), ``GET /health``, ``GET /metrics``. A request may name one of the
+as server-sent events), ``GET /health``, ``GET /metrics``, and vLLM's tokenizer endpoints
+(``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) that lm-eval's remote tokenizer uses. A request may name one of the
 engine's registered routings (``"routing": NAME``); it never names a server-side path — anything
 but a registered name is a 400 listing them. The app owns the engine's thread: it starts the
 engine when the server starts, and when the server stops (uvicorn's SIGTERM handling: no new
@@ -26,7 +27,13 @@ from moectl.server.engine_events import Generation, collect
 from moectl.server.logprob_bodies import chat_logprobs, completion_logprobs
 from moectl.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from moectl.server.prompts import chat_ids, completion_ids
-from moectl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from moectl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 from moectl.server.responses import DONE, Shape, sse
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -287,6 +294,38 @@ def create_app(
         ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(request, body, ids, Shape(model_name, chat=True), None, "messages", logprobs)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's tokenizer endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``): lm-eval's
+        ``local-completions`` finds them and tokenizes with the served tokenizer, no local copy needed."""
+        body.check()
+        if body.model is not None:
+            check_model(body.model)
+        if body.messages is not None:
+            ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        else:
+            ids = [int(i) for i in tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)]
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": engine.max_context}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            value = getattr(tokenizer, name, None)
+            info[name] = value if isinstance(value, str) else None
+        template = getattr(tokenizer, "chat_template", None)
+        info["chat_template"] = template if isinstance(template, str) else None
+        return info
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

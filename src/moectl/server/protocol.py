@@ -172,3 +172,28 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "response_format other than text is not supported", param="response_format")
         for message in self.messages:
             message.text()
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape, which lm-eval's remote tokenizer calls): a prompt's text, or
+    a chat's messages through the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give prompt (text) or messages (a chat), one of them", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
