@@ -2,11 +2,12 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
 as server-sent events), ``GET /health``, ``GET /metrics``, and vLLM's tokenizer endpoints
-(``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) that lm-eval's remote tokenizer uses. A request may name one of the
-engine's registered routings (``"routing": NAME``); it never names a server-side path — anything
-but a registered name is a 400 listing them. The app owns the engine's thread: it starts the
-engine when the server starts, and when the server stops (uvicorn's SIGTERM handling: no new
-connections, in-flight responses finished) it drains the engine before the process exits.
+(``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) that lm-eval's remote tokenizer
+uses. A request may name one of the engine's registered routings (``"routing": NAME``; none: the
+default routing, if the server has one); it never names a server-side path — anything but a
+registered name is a 400 listing them. The app owns the engine's thread: it starts the engine when
+the server starts, and when the server stops (uvicorn's SIGTERM handling: no new connections,
+in-flight responses finished) it drains the engine before the process exits.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def create_app(
     ) -> Generation:  # fmt: skip
         """The request's sampling checked (400 for what the engine refuses) and handed to the engine."""
         routing = check_routing(body.routing)
-        try:
+        try:  # what the engine refuses beyond the request's own checks (e.g. too many stop strings)
             params = SamplingParams(
                 max_tokens=max_tokens_for(body, len(ids), default, param),
                 temperature=body.temperature,
@@ -201,9 +202,9 @@ def create_app(
         prompts = body.prompts()
         ids_list = [prompt_ids(p) for p in prompts]
         generations: list[Generation] = []
+        echo_lp = body.logprobs if body.echo else None
         try:
             for ids in ids_list:
-                echo_lp = body.logprobs if body.echo else None
                 generations.append(
                     start(request, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", body.logprobs, echo_lp)
                 )
