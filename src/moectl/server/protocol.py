@@ -6,10 +6,11 @@ with a value that would change the answer (``n`` > 1, penalties, tools, ``echo``
 is refused with 400 naming it, never silently dropped. A completion's prompt may be text or token
 ids, one or several (as lm-eval's ``local-completions`` sends them); ``logprobs`` (up to
 ``MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and log-probabilities first;
-``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's legacy API does. Two fields are moectl's own (the
-``openai`` client sends them with ``extra_body``): ``routing``, the name of a routing the server
-registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM names it), to generate
-``max_tokens`` tokens whatever the model says (load tests, fixed-length switch-rate measurements).
+``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's legacy API does. Two
+fields are moectl's own (the ``openai`` client sends them with ``extra_body``): ``routing``, the
+name of a routing the server registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM
+names it), to generate ``max_tokens`` tokens whatever the model says (load tests, fixed-length
+switch-rate measurements).
 """
 
 from __future__ import annotations
