@@ -238,3 +238,22 @@ def test_lm_eval_finds_the_servers_tokenizer_by_itself(server):
     (value, greedy), = remote.loglikelihood(requests)
     (expect, expect_greedy), = local.loglikelihood(requests)
     assert value == pytest.approx(expect, abs=1e-6) and greedy == expect_greedy
+
+
+def test_the_lm_eval_server_benchmark_runs_and_agrees(capsys):
+    """``benchmarks/lm_eval_server.py`` on a few pairs: both ways score the same; bad input exits 2."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import lm_eval_server
+
+    result = lm_eval_server.main(
+        ["--model", MODEL, "--pairs", "6", "--batch", "3", "--threads", "1", "--dtype", "float32"]
+    )
+    assert result["max_abs_loglikelihood_difference"] < 1e-4 and result["greedy_flags_equal"] == 6
+    assert result["served_pairs_per_s"] > 0 and result["server_exit_status"] == 0
+    for bad in (["--pairs", "0"], ["--model", str(REPO / "benchmarks")]):
+        with pytest.raises(SystemExit) as stopped:
+            lm_eval_server.main(bad)
+        assert stopped.value.code == 2
+    assert capsys.readouterr().err.count("error:") == 2

@@ -20,6 +20,10 @@ The offload runtime (``moectl.offload.offload``) can sit underneath: the batch's
 resident expert set, and an expert that any row needs is loaded once per step; ``stats()`` reports
 the union of the rows' experts per layer against the budget (above it, a step must reload experts).
 
+A request that asks for log-probabilities (``SamplingParams.logprobs`` / ``prompt_logprobs``) gets
+them per generated token and, from its prefill's final hidden states, per prompt token
+(``logprobs.py``; such a prompt is prefilled whole).
+
 A request whose routing has ``repeats = K`` takes K rows, its copies' next-token distributions
 averaged into one token stream (``repeats.py``). ``EngineConfig(solo=True)`` runs one request at a
 time on the model's own cache, for models whose cache cannot be padded and re-batched
