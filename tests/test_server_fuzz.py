@@ -32,7 +32,8 @@ COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "s
                      "logprobs", "echo", "routing", "ignore_eos", "best_of", "suffix", "stream_options",
                      "presence_penalty", "logit_bias", "user"]  # fmt: skip
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
-               "stream", "logprobs", "top_logprobs", "routing", "tools", "response_format", "n"]  # fmt: skip
+               "stream", "logprobs", "top_logprobs", "routing", "tools", "response_format", "n",
+               "chat_template_kwargs"]  # fmt: skip
 MESSAGES = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
                            "content": st.one_of(st.text(max_size=8), st.none(), st.integers(),

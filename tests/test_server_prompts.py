@@ -37,6 +37,23 @@ def test_a_chat_goes_through_the_tokenizers_template_once(templated):
     assert expected.count(templated.bos_token_id) == 1  # the template's BOS, none added again
 
 
+def test_chat_template_kwargs_reach_the_template(templated):
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``, say) are the template's variables;
+    the ones the server sets itself are refused."""
+    thinking = templated.chat_template
+    templated.chat_template = thinking.replace("<|assistant|>", "<|assistant|>{% if not think %}<|nothink|>{% endif %}")
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        quiet = templated.decode(chat_ids(templated, messages, {"think": False}))
+        loud = templated.decode(chat_ids(templated, messages, {"think": True}))
+        with pytest.raises(APIError, match="may not set add_generation_prompt") as err:
+            chat_ids(templated, messages, {"add_generation_prompt": False})
+    finally:
+        templated.chat_template = thinking
+    assert quiet.endswith("<|assistant|><|nothink|>") and loud.endswith("<|assistant|>")
+    assert err.value.status == 400 and err.value.param == "chat_template_kwargs"
+
+
 def test_a_template_that_refuses_the_messages_is_a_400(templated):
     with pytest.raises(APIError, match="chat template refused these messages: tool messages") as err:
         chat_ids(templated, [{"role": "tool", "content": "x"}])

@@ -292,7 +292,8 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         check_model(body.model)
-        ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = chat_ids(tokenizer, messages, body.chat_template_kwargs)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(request, body, ids, Shape(model_name, chat=True), None, "messages", logprobs)
 
@@ -304,7 +305,7 @@ def create_app(
         if body.model is not None:
             check_model(body.model)
         if body.messages is not None:
-            ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages], body.chat_template_kwargs)
         else:
             ids = [int(i) for i in tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)]
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}

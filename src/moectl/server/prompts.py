@@ -32,13 +32,22 @@ def plain_chat(messages: list[dict[str, str]]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+TEMPLATE_OWNED = ("messages", "add_generation_prompt", "tokenize", "conversation", "tools")
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of a chat: the tokenizer's chat template with the generation prompt (its
-    special tokens come from the template, none added again), else :func:`plain_chat`."""
+    special tokens come from the template, none added again), else :func:`plain_chat`.
+    ``template_kwargs``: the request's variables for the template (vLLM's ``chat_template_kwargs``,
+    e.g. Qwen3's ``enable_thinking``); the ones this function sets itself are refused."""
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(set(kwargs) & set(TEMPLATE_OWNED))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     if not getattr(tokenizer, "chat_template", None):
         return completion_ids(tokenizer, plain_chat(messages), param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as err:  # the template's own checks (e.g. roles must alternate) raise anything
         raise APIError(400, f"the model's chat template refused these messages: {err}", param="messages") from err
     ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]

@@ -153,6 +153,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
 
     def check(self) -> None:
         if self.max_tokens is None:
@@ -185,6 +186,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
