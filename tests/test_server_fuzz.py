@@ -53,7 +53,8 @@ def client():
 
 def body_of(fields: list[str], base: dict, data) -> dict:
     body = dict(base)
-    for name in data.draw(st.lists(st.sampled_from(fields), unique=True, max_size=6)):
+    chosen = [] if data.draw(st.integers(0, 4)) == 0 else data.draw(st.lists(st.sampled_from(fields), unique=True, max_size=6))
+    for name in chosen:  # a fifth of the bodies only the required fields: valid ones reach generation
         body[name] = data.draw(MESSAGES if name == "messages" else VALUES, label=name)
     if data.draw(st.booleans(), label="drop a required field"):
         body.pop(data.draw(st.sampled_from(sorted(base))), None)
@@ -120,7 +121,7 @@ def test_the_server_still_answers_after_the_fuzz(client):
     """After the fuzz (which must have reached generation as well as the refusals)."""
     if not SEEN:
         pytest.skip("checks what the fuzz tests above reached: run the module")
-    assert SEEN[200] >= 10 and SEEN[400] >= 10, SEEN
+    assert SEEN[200] >= 10 and SEEN[400] >= 10, SEEN  # a fifth of 240 bodies are valid
     assert client.get("/health").status_code == 200
     out = client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 2})
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] >= 1
