@@ -58,21 +58,15 @@ def _rows(tokens: list, chosen: list, ids: list, values: list) -> list[TokenLogp
 @contextmanager
 def capture_hidden(model: nn.Module, wanted: bool) -> Iterator[list[Tensor]]:
     """While open, each forward of ``model`` appends its decoder's final hidden state [B, T, H]
-    (after the final norm) to the yielded list; nothing is hooked when not ``wanted``."""
-    box: list[Tensor] = []
+    (after the final norm) to the yielded list (``roe.spans.keeping_final_hidden``); nothing is
+    hooked when not ``wanted``."""
     if not wanted:
-        yield box
+        yield []
         return
-    from moectl.roe.spans import decoder_of
+    from moectl.roe.spans import decoder_of, keeping_final_hidden
 
-    def keep(module: nn.Module, args: tuple, output) -> None:
-        box.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
-
-    handle = decoder_of(model).register_forward_hook(keep)
-    try:
+    with keeping_final_hidden(decoder_of(model)) as box:
         yield box
-    finally:
-        handle.remove()
 
 
 def prompt_logprobs(model: nn.Module, hidden: Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,10 @@ def decoder_of(model: nn.Module) -> nn.Module:
     raise UnsupportedModelError(f"{type(model).__name__}: cannot find the decoder under the LM head")
 
 
-def final_hidden(model: nn.Module, decoder: nn.Module, **inputs) -> Tensor:
-    """The decoder's last hidden state [B, T, H] for ``inputs``, from a forward of the whole model.
-
-    The whole model runs (so every hook a routing session put on it fires as usual) with
-    ``logits_to_keep=1``: the LM head sees one position; the caller runs it on the rest in chunks.
-    """
+@contextmanager
+def keeping_final_hidden(decoder: nn.Module) -> Iterator[list[Tensor]]:
+    """While open, each forward of ``decoder`` appends its last hidden state [B, T, H] (after the
+    final norm) to the yielded list."""
     box: list[Tensor] = []
 
     def keep(module: nn.Module, args: tuple, output) -> None:
@@ -75,9 +74,19 @@ def final_hidden(model: nn.Module, decoder: nn.Module, **inputs) -> Tensor:
 
     handle = decoder.register_forward_hook(keep)
     try:
-        model(**inputs, logits_to_keep=1)
+        yield box
     finally:
         handle.remove()
+
+
+def final_hidden(model: nn.Module, decoder: nn.Module, **inputs) -> Tensor:
+    """The decoder's last hidden state [B, T, H] for ``inputs``, from a forward of the whole model.
+
+    The whole model runs (so every hook a routing session put on it fires as usual) with
+    ``logits_to_keep=1``: the LM head sees one position; the caller runs it on the rest in chunks.
+    """
+    with keeping_final_hidden(decoder) as box:
+        model(**inputs, logits_to_keep=1)
     return box[-1]
 
 
