@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from moectl.roe.head import vocab_size
 from moectl.server.api_errors import APIError, install_error_handlers
 from moectl.server.auth import APIKeyMiddleware
 from moectl.server.engine_events import Generation, collect
@@ -57,13 +58,6 @@ class EngineStream(StreamingResponse):
             self.generation.cancel()
 
 
-def vocab_of(model: Any, tokenizer: Any) -> int:
-    """Token ids a prompt may hold: the rows of the model's output embedding (else the tokenizer's size)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if weight is not None else len(tokenizer)
-
-
 def create_app(
     engine: Any, model_name: str, *, api_key: str | None = None, default_routing: str | None = None
 ) -> FastAPI:
@@ -73,7 +67,7 @@ def create_app(
 
     metrics = ServerMetrics(engine)
     tokenizer = engine.tokenizer
-    vocab = vocab_of(engine.model, tokenizer)
+    vocab = vocab_size(engine.model)  # the token ids a prompt may hold
     started = int(time.time())
 
     @asynccontextmanager
@@ -135,15 +129,18 @@ def create_app(
             )
         return body.max_tokens
 
+    def check_ids(ids: list[int], what: str, param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{what} {bad} is outside the vocabulary [0, {vocab})", param=param)
+
     def prompt_ids(prompt: str | list[int]) -> list[int]:
         """A completion prompt's ids: text through the tokenizer, token ids checked against the vocabulary."""
         if isinstance(prompt, str):
             return completion_ids(tokenizer, prompt)
         if not prompt:
             raise APIError(400, "a prompt of token ids must hold at least one id", param="prompt")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        check_ids(prompt, "prompt token id", "prompt")
         return [int(t) for t in prompt]
 
     def start(
@@ -314,9 +311,7 @@ def create_app(
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             check_model(body.model)
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        check_ids(body.tokens, "token id", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/tokenizer_info")

@@ -106,7 +106,8 @@ async def gather(generation: Generation) -> Collected:
         parts.append(event.text or "")
         ids += event.token_ids
         if event.logprobs is not None:
-            lps = (lps or []) + list(event.logprobs)
+            lps = lps if lps is not None else []
+            lps.extend(event.logprobs)
     return Collected("".join(parts), event, ids, lps)
 
 

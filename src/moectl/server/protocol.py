@@ -5,7 +5,7 @@ ignored (clients send ``user``, ``stream_options`` and the like); a field moectl
 with a value that would change the answer (``n`` > 1, penalties, tools, ``echo`` with ``stream``)
 is refused with 400 naming it, never silently dropped. A completion's prompt may be text or token
 ids, one or several (as lm-eval's ``local-completions`` sends them); ``logprobs`` (up to
-``MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and log-probabilities first;
+``engine.logprobs.MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and log-probabilities first;
 ``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's legacy API does. Two
 fields are moectl's own (the ``openai`` client sends them with ``extra_body``): ``routing``, the
 name of a routing the server registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from moectl.engine.logprobs import MAX_LOGPROBS
+from moectl.engine.logprobs import check_count
 from moectl.server.api_errors import APIError
 
 MAX_PROMPTS = 64  # prompts in one completions request (each one engine request, in the same queue)
@@ -53,11 +53,12 @@ class SamplingFields(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def check(self) -> None:
-        """400 naming the first field moectl refuses."""
+    def check(self, zero_tokens: bool = False) -> None:
+        """400 naming the first field moectl refuses; ``zero_tokens``: ``max_tokens: 0`` is allowed
+        (a completion's echo scoring the prompt alone)."""
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: moectl serve returns one choice (n=1)", param="n")
-        if self.max_tokens is not None and self.max_tokens <= 0:
+        if self.max_tokens is not None and self.max_tokens < (0 if zero_tokens else 1):
             raise APIError(
                 400, f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}", param="max_tokens"
             )
@@ -77,8 +78,11 @@ class SamplingFields(BaseModel):
 
 
 def check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise APIError(400, f"{param} must be from 0 to {MAX_LOGPROBS}, got {value}", param=param)
+    """The engine's bound (``engine.logprobs.check_count``) as a 400 naming ``param``."""
+    try:
+        check_count(value, param)
+    except ValueError as err:
+        raise APIError(400, str(err), param=param) from err
 
 
 class CompletionRequest(SamplingFields):
@@ -91,12 +95,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def check(self) -> None:
-        scores_only = self.echo and self.max_tokens == 0  # the prompt's log-probabilities, nothing generated
-        if scores_only:
-            self.max_tokens = 1  # the engine generates one token; the response leaves it out
-        super().check()
-        if scores_only:
-            self.max_tokens = 0
+        super().check(zero_tokens=self.echo)  # echo with max_tokens 0: the prompt's log-probabilities alone
         prompts = self.prompts()
         if not 1 <= len(prompts) <= MAX_PROMPTS:
             raise APIError(
