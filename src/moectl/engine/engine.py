@@ -637,8 +637,9 @@ class Engine(PrefixPrefill):
         echo = [i for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None]
         with capture_hidden(self.model, bool(echo)) as hidden:
             logits, cache = self._prefill_forward(ids, mask, positions, cache)
+        starts = row_starts(copies)
         for i in echo:  # position j of a prompt predicts its token j + 1
-            req, row = reqs[i], row_starts(copies)[i]
+            req, row = reqs[i], starts[i]
             states = hidden[-1][row, width - lengths[i] : width - 1]
             req.prompt_lp = prompt_logprobs(self.model, states, req.prompt[1:], req.params.prompt_logprobs or 0)
         del hidden
