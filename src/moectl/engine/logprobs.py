@@ -73,14 +73,11 @@ def prompt_logprobs(model: nn.Module, hidden: Tensor, targets: Sequence[int], to
     """The log-probability of each of ``targets`` [n] (and the ``top`` alternatives) from the
     hidden states [n, H] of the positions that predict them, the LM head run on a few positions at a
     time (``roe.head.head_rows``)."""
-    from moectl.roe.head import head_rows, output_head, vocab_size
+    from moectl.roe.head import head_chunks, head_rows, output_head, vocab_size
 
-    head = output_head(model)
-    step = head_rows(vocab_size(model))
-    out: list[TokenLogprob] = []
     ids = torch.tensor(list(targets), dtype=torch.long, device=hidden.device)
-    for first in range(0, len(ids), step):
-        logits = head(hidden[first : first + step])
-        out += of_logits(logits, ids[first : first + step], top)
+    out: list[TokenLogprob] = []
+    for span, logits in head_chunks(output_head(model), hidden, head_rows(vocab_size(model))):
+        out += of_logits(logits, ids[span], top)
         del logits
     return out

@@ -25,7 +25,7 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.engine.batch import TokenScores
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, to_left_padding
 from moectl.eval.request_noise import needs_isolation, reseed, set_request_codes
-from moectl.roe.head import HEAD_BYTES, Head, compute_dtype, head_rows, output_head, vocab_size
+from moectl.roe.head import HEAD_BYTES, Head, compute_dtype, head_chunks, head_rows, output_head, vocab_size
 from moectl.routing.session import route
 
 
@@ -36,21 +36,16 @@ def head_scores(head: Head, hidden: Tensor, targets: Tensor, rows: int) -> tuple
     hidden states at a time; nothing of size V outlives a chunk.
     """
     n, k = hidden.shape[0], hidden.shape[1]
-    dtype = compute_dtype(hidden.dtype)
-    logprob = torch.empty(n, dtype=dtype, device=hidden.device)
+    logprob = torch.empty(n, dtype=compute_dtype(hidden.dtype), device=hidden.device)
     greedy = torch.empty(n, dtype=torch.bool, device=hidden.device)
-    step = max(1, rows // k)
-    for first in range(0, n, step):  # chunks of positions: N / step head calls
-        stop = min(first + step, n)
-        logits = head(hidden[first:stop]).to(dtype)  # [n, K, V]
-        target = targets[first:stop, None]
+    for span, logits in head_chunks(head, hidden, max(1, rows // k)):  # logits [n, K, V]
         if k == 1:
             logits = logits[:, 0]
-            logprob[first:stop] = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, -1)
+            logprob[span] = logits.gather(-1, targets[span, None]).squeeze(-1) - torch.logsumexp(logits, -1)
         else:
             logits = torch.logsumexp(torch.log_softmax(logits, -1), dim=1) - math.log(k)
-            logprob[first:stop] = logits.gather(-1, target).squeeze(-1)
-        greedy[first:stop] = logits.argmax(-1) == targets[first:stop]
+            logprob[span] = logits.gather(-1, targets[span, None]).squeeze(-1)
+        greedy[span] = logits.argmax(-1) == targets[span]
         del logits
     return logprob, greedy
 

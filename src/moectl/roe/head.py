@@ -2,16 +2,18 @@
 "Memory by design").
 
 Scoring a token needs log p(x) = logit_x − log Σ_v exp(logit_v): one number per token, not the
-[tokens, V] logits. :func:`target_logprobs` runs the head on chunks of ``rows`` tokens and keeps
-only the target's log-probability; :func:`add_log_probs` folds one sample's next-token
-distributions into a running [B, P, V] accumulator (probability or log-probability sums over
-the K samples of RoE, §3.1) for the callers that need a whole distribution (greedy checks, an
-evaluation harness). The vocabulary-wide float buffers of one call are at most ``rows`` · V.
+[tokens, V] logits. :func:`head_chunks` is the one loop that runs the head on ``rows`` positions at
+a time; each caller reduces a chunk's logits as they come. :func:`target_logprobs` keeps only the
+target's log-probability; :func:`add_log_probs` folds one sample's next-token distributions into a
+running [B, P, V] accumulator (probability or log-probability sums over the K samples of RoE, §3.1)
+for the callers that need a whole distribution (greedy checks, an evaluation harness);
+``eval.token_scores.head_scores`` and ``engine.logprobs.prompt_logprobs`` are the others. The
+vocabulary-wide float buffers of one call are at most ``rows`` · V.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -61,15 +63,24 @@ def head_rows(vocab: int, budget: int = HEAD_BYTES) -> int:
     return max(1, budget // max(1, 3 * 4 * vocab))
 
 
+def head_chunks(head: Head, hidden: Tensor, rows: int, dim: int = 0) -> Iterator[tuple[slice, Tensor]]:
+    """(positions, logits) for ``rows`` positions of ``hidden`` at a time along ``dim`` (hidden
+    [..., H] → logits [..., V] in the compute dtype). A chunk's logits are the caller's to reduce
+    and drop (``del``) before asking for the next, so that one chunk's buffers are alive at a time."""
+    dtype = compute_dtype(hidden.dtype)
+    for first in range(0, hidden.shape[dim], rows):
+        span = slice(first, first + rows)
+        logits = head(hidden.narrow(dim, first, min(rows, hidden.shape[dim] - first))).to(dtype)
+        yield span, logits
+        del logits
+
+
 def target_logprobs(head: Head, hidden: Tensor, targets: Tensor, rows: int) -> Tensor:
     """log softmax(head(hidden))[target] for hidden [N, H], targets [N]: [N] in the compute dtype."""
-    dtype = compute_dtype(hidden.dtype)
-    out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
-    for first in range(0, hidden.shape[0], rows):  # chunks of tokens, a few per sequence
-        logits = head(hidden[first : first + rows]).to(dtype)
-        target = logits.gather(-1, targets[first : first + rows, None]).squeeze(-1)
-        out[first : first + rows] = target - torch.logsumexp(logits, dim=-1)
-        del logits
+    out = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden.dtype), device=hidden.device)
+    for span, logits in head_chunks(head, hidden, rows):  # chunks of tokens, a few per sequence
+        out[span] = logits.gather(-1, targets[span, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        del logits  # before the next chunk's logits exist
     return out
 
 
@@ -81,19 +92,18 @@ def add_log_probs(head: Head, hidden: Tensor, acc: Tensor | None, how: str, rows
     """
     b, p = hidden.shape[:2]
     step = max(1, rows // max(1, b))
-    dtype = compute_dtype(hidden.dtype)
     fresh = acc is None
-    for first in range(0, p, step):  # chunks of positions, a few per sequence
-        logp = torch.log_softmax(head(hidden[:, first : first + step]).to(dtype), dim=-1)
+    for span, logits in head_chunks(head, hidden, step, dim=1):  # chunks of positions, a few per sequence
+        logp = torch.log_softmax(logits, dim=-1)
         if acc is None:
-            acc = torch.empty((b, p, logp.shape[-1]), dtype=dtype, device=hidden.device)
-        part = acc[:, first : first + step]
+            acc = torch.empty((b, p, logp.shape[-1]), dtype=logp.dtype, device=hidden.device)
+        part = acc[:, span]
         if fresh:
             part.copy_(logp)
         elif how == "prob_mean":
             torch.logaddexp(part, logp, out=part)
         else:
             part += logp
-        del logp
+        del logits, logp
     assert acc is not None
     return acc
