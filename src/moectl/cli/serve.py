@@ -83,7 +83,8 @@ def serve_command(
         typer.Option(
             "--routing",
             help='NAME=SPEC (repeatable): a routing requests may name with "routing": NAME — a subset or '
-            "policy file, option:K, controller:DIR (`moectl.load_policy`). No routing: the model as trained.",
+            'policy file (Gumbel noise: {"type": "gumbel", "tau": 0.5}), option:K, controller:DIR '
+            "(`moectl.load_policy`), or a RoE profile (`moectl roe tune --out`). No routing: the model as trained.",
         ),
     ] = None,
     default_routing: Annotated[
