@@ -30,10 +30,12 @@ VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4), st.lists(st.integers(
                    st.dictionaries(st.text(max_size=5), SCALARS, max_size=3))  # fmt: skip
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
                      "logprobs", "echo", "routing", "ignore_eos", "best_of", "suffix", "stream_options",
-                     "presence_penalty", "logit_bias", "user"]  # fmt: skip
+                     "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
+                     "repetition_penalty", "user"]  # fmt: skip
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                "stream", "logprobs", "top_logprobs", "routing", "tools", "response_format", "n",
-               "chat_template_kwargs"]  # fmt: skip
+               "chat_template_kwargs", "seed", "presence_penalty", "logit_bias", "top_k", "min_p",
+               "repetition_penalty"]  # fmt: skip
 MESSAGES = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
                            "content": st.one_of(st.text(max_size=8), st.none(), st.integers(),

@@ -59,6 +59,7 @@ from moectl.engine.batch import left_pad, prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.logprobs import TokenLogprob, capture_hidden, of_logits, prompt_logprobs
 from moectl.engine.pad_skip import PadSkip
+from moectl.engine.penalties import check_bias_ids, penalise
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
@@ -70,6 +71,7 @@ from moectl.engine.text import TextStream
 from moectl.errors import ConfigError, MoectlError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
 from moectl.progress import progress_bar
+from moectl.roe.head import vocab_size
 from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
 
@@ -182,6 +184,7 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # every generated token's
     unsent_lp: list[TokenLogprob] = field(default_factory=list)  # those of ``unsent``
     prompt_lp: list[TokenLogprob] | None = None  # the prompt's, once prefilled (``prompt_logprobs``)
+    prompt_seen: Tensor | None = None  # [V] its prompt's tokens, for ``repetition_penalty`` (penalties.py)
 
 
 @dataclass
@@ -231,6 +234,7 @@ class Engine(PrefixPrefill):
         self.routings: dict[str, Routing] = resolve_all(routings, model, self.info)
         self.reader = reader
         self.device = next(p.device for p in model.parameters())
+        self.vocab = vocab_size(model)  # rows of the logits: the token ids a request may name
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = (
@@ -373,6 +377,7 @@ class Engine(PrefixPrefill):
         on_event: Callable[[Event], None] | None,
     ) -> _Request:
         params = params or SamplingParams()
+        check_bias_ids(params, self.vocab)
         ids = encode(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ConfigError("the prompt is empty (no tokens)")
@@ -756,18 +761,27 @@ class Engine(PrefixPrefill):
         self._pad_skip.keep(None)
 
     def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
-        """Each request's next token (a request's K copies: one distribution, ``repeats.combine``):
+        """Each request's next token (a request's K copies: one distribution, ``repeats.combine``),
+        after the penalties and bias of the requests that ask for them (``penalties.penalise``):
         greedy requests only need the argmax (no per-row tensors to build and copy, no device sync),
-        else ``choose_tokens`` with the requests' parameters (two copies)."""
-        logits = combine(logits, [r.copies for r in reqs])
+        else ``choose_tokens`` with the requests' parameters (two copies). Reported log-probabilities
+        are the model's, before penalties, temperature and filters."""
+        raw = combine(logits, [r.copies for r in reqs])
+        logits = penalise(raw, reqs)
         if all(r.params.temperature == 0 for r in reqs):
             tokens = logits.argmax(-1)
         else:
             dev = logits.device
-            floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32)
-            ints = torch.tensor([[r.key, len(r.generated)] for r in reqs], dtype=torch.int64)
+            p = [r.params for r in reqs]
+            floats = torch.tensor([[q.temperature, q.top_p, q.min_p] for q in p], dtype=torch.float32)
+            ints = torch.tensor([[r.key, len(r.generated), r.params.top_k] for r in reqs], dtype=torch.int64)
             floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-            tokens = choose_tokens(logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1])
+            filters = any(q.top_k or q.min_p for q in p)
+            tokens = choose_tokens(
+                logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1],
+                top_k=ints[:, 2] if filters else None, min_p=floats[:, 2] if filters else None,
+            )  # fmt: skip
+        logits = raw
         wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if wanted:  # only requests that ask pay for the softmax and its host copy
             top = max(reqs[i].params.logprobs or 0 for i in wanted)

@@ -1,6 +1,9 @@
-"""Choosing each row's next token: greedy, or temperature + top-p sampling with a seed per request.
+"""Choosing each row's next token: greedy, or temperature + top-k / top-p / min-p sampling with a
+seed per request.
 
-Sampling is Gumbel-max over the (temperature-scaled, top-p filtered) logits, the Gumbel draws a
+Sampling is Gumbel-max over the temperature-scaled logits, filtered as transformers' warpers and
+vLLM's sampler filter them: top-k first, then top-p on what top-k kept (renormalised), then min-p
+(tokens below ``min_p`` times the most likely one's probability). The Gumbel draws are a
 counter-based hash of (request seed, generated-token index, vocabulary index)
 (``moectl.routing.keyed_hash``): a request's tokens depend on its own seed only, never on which
 other requests share its batch or in what order they arrived. Rows are handled together, one
@@ -25,9 +28,11 @@ MAX_STOP_STRINGS = 16
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes: OpenAI's knobs (``max_tokens``, ``temperature``, ``top_p``,
-    ``seed``, ``stop``, ``logprobs``; ``prompt_logprobs`` for ``echo``) and ``ignore_eos`` (generate
-    ``max_tokens`` whatever the model says, as TE-MoE §3.1 measures switch rates on a fixed number
-    of tokens). ``temperature = 0``: greedy."""
+    ``seed``, ``stop``, ``logprobs``; ``prompt_logprobs`` for ``echo``; ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias``), vLLM's and transformers' (``top_k``, ``min_p``,
+    ``repetition_penalty``: ``engine.penalties``) and ``ignore_eos`` (generate ``max_tokens`` whatever
+    the model says, as TE-MoE §3.1 measures switch rates on a fixed number of tokens).
+    ``temperature = 0``: greedy (penalties and the bias still apply; the filters do not matter)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -37,6 +42,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (OpenAI's echo)
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability (0: none)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated so far
+    repetition_penalty: float = 1.0  # transformers' (CTRL): logits of prompt and generated tokens / p (× p if < 0)
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())  # OpenAI's: (token id, added to its logit)
 
     def __post_init__(self) -> None:
         from moectl.engine.logprobs import check_count
@@ -62,6 +73,16 @@ class SamplingParams:
         if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
             raise ConfigError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        from moectl.engine.penalties import check_penalties
+
+        check_penalties(self)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits are changed before choosing (penalties or a bias)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
@@ -83,21 +104,45 @@ def outside_nucleus(sorted_probs: Tensor, top_p: Tensor | float) -> Tensor:
 
 def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
     """[B, V] True for the tokens outside each row's nucleus (``outside_nucleus``) of top_p[b]."""
+    return filter_mask(logits, top_p)
+
+
+def filter_mask(logits: Tensor, top_p: Tensor, top_k: Tensor | None = None, min_p: Tensor | None = None) -> Tensor:
+    """[B, V] True for the tokens each row's filters drop: outside its ``top_k`` [B] most likely
+    (0: none dropped), then outside the nucleus of ``top_p`` [B] of what top-k kept (renormalised,
+    as transformers' ``TopPLogitsWarper`` sees the output of ``TopKLogitsWarper``), then below
+    ``min_p`` [B] times the most likely token's probability. One sort per call."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    drop_sorted = outside_nucleus(sorted_logits.softmax(-1), top_p[:, None])
-    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop = rank >= torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    drop = drop | outside_nucleus(probs, top_p[:, None])
+    if min_p is not None:
+        drop = drop | (probs < min_p[:, None] * probs[:, :1])
+    return torch.zeros_like(drop).scatter(-1, order, drop)
 
 
-def choose_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
+def choose_tokens(
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    keys: Tensor,
+    steps: Tensor,
+    top_k: Tensor | None = None,
+    min_p: Tensor | None = None,
+) -> Tensor:
     """Next token [B] from logits [B, V] (float32), each row with its own ``temperature`` [B],
-    ``top_p`` [B], seed key ``keys`` [B] (int64, ``seed_key(seed)``) and generated-token index
-    ``steps`` [B] (int64)."""
+    ``top_p`` [B], seed key ``keys`` [B] (int64, ``seed_key(seed)``), generated-token index
+    ``steps`` [B] (int64), and optionally ``top_k`` [B] (int64, 0: off) and ``min_p`` [B]."""
     greedy = logits.argmax(-1)
     sampled_rows = temperature > 0
     if not bool(sampled_rows.any()):
         return greedy
     scaled = logits / temperature.clamp(min=1e-6)[:, None]
-    scaled = scaled.masked_fill(top_p_mask(scaled, top_p), float("-inf"))
+    scaled = scaled.masked_fill(filter_mask(scaled, top_p, top_k, min_p), float("-inf"))
     code = mix(keys.to(logits.device) ^ (steps.to(logits.device) * 0x2545F491 & M32))
     gumbel = -torch.log(-torch.log(uniforms(code, logits.shape[-1])))
     sampled = (scaled + gumbel).argmax(-1)

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from moectl.roe.head import vocab_size
 from moectl.server.api_errors import APIError, install_error_handlers
 from moectl.server.auth import APIKeyMiddleware
-from moectl.server.engine_events import Generation, collect
+from moectl.server.engine_events import Generation, collect, merged
 from moectl.server.logprob_bodies import chat_logprobs, completion_logprobs
 from moectl.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from moectl.server.prompts import chat_ids, completion_ids
@@ -42,20 +42,21 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 
 
 class EngineStream(StreamingResponse):
-    """A stream that cancels its request however it ends early: the client disconnected (Starlette
+    """A stream that cancels its requests however it ends early: the client disconnected (Starlette
     cancels the body iterator), a send failed, or the iterator never started."""
 
-    def __init__(self, generation: Generation, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, generations: list[Generation], content: AsyncIterator[bytes]) -> None:
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.cancel()
+            for generation in self.generations:
+                generation.cancel()
 
 
 def create_app(
@@ -145,20 +146,27 @@ def create_app(
 
     def start(
         request: Request, body: SamplingFields, ids: list[int], default: int | None, param: str,
-        logprobs: int | None = None, prompt_logprobs: int | None = None,
+        logprobs: int | None = None, prompt_logprobs: int | None = None, choice: int = 0,
     ) -> Generation:  # fmt: skip
-        """The request's sampling checked (400 for what the engine refuses) and handed to the engine."""
+        """The request's sampling checked (400 for what the engine refuses) and handed to the engine;
+        ``choice`` j of ``n`` draws with ``seed + j`` when the request gives a seed."""
         routing = check_routing(body.routing)
         try:  # what the engine refuses beyond the request's own checks (e.g. too many stop strings)
             params = SamplingParams(
                 max_tokens=max_tokens_for(body, len(ids), default, param),
                 temperature=body.temperature,
                 top_p=body.top_p,
-                seed=body.seed,
+                seed=None if body.seed is None else body.seed + choice,
                 stop=body.stop_list(),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                top_k=max(0, body.top_k),
+                min_p=body.min_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=body.bias_pairs(),
             )
         except ValueError as err:
             raise APIError(400, str(err)) from err
@@ -166,55 +174,65 @@ def create_app(
         generation.submit(ids, params, routing)
         return generation
 
-    def failed(last: Any) -> None:
-        if last.finish_reason == "error":
-            raise APIError(500, f"generation failed: {(last.info or {}).get('error', 'engine error')}")
-
-    async def respond(
-        request: Request, body: SamplingFields, ids: list[int], shape: Shape, default: int | None, param: str,
-        logprobs: int | None = None,
-    ) -> Response:  # fmt: skip
-        """One prompt: streamed, or one choice."""
-        generation = start(request, body, ids, default, param, logprobs)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EngineStream(generation, stream(generation, shape, usage, logprobs is not None))
-        done = await collect([generation], request.receive)
-        if done is None:
-            return Response(status_code=499)  # the client has gone: nobody reads this
-        got = done[0]
-        failed(got.last)
-        lps = None
-        if logprobs is not None:
-            lps = (
-                chat_logprobs(tokenizer, got.logprobs or [])
-                if shape.chat
-                else completion_logprobs(tokenizer, got.token_ids, got.logprobs or [])[0]
-            )
-        return JSONResponse(shape.body(got.text, got.last.finish_reason, got.last.usage, got.last.info, lps))
-
-    async def complete_all(request: Request, body: CompletionRequest, shape: Shape) -> Response:
-        """Completions not streamed: every prompt its own engine request, decoded together; with
-        ``echo`` the prompt's text (and log-probabilities) first; ``max_tokens: 0`` the prompt alone."""
-        prompts = body.prompts()
-        ids_list = [prompt_ids(p) for p in prompts]
+    def start_all(
+        request: Request, body: SamplingFields, ids_list: list[list[int]], default: int | None, param: str,
+        logprobs: int | None = None, prompt_logprobs: int | None = None,
+    ) -> list[Generation]:  # fmt: skip
+        """``n`` engine requests per prompt, prompt-major (choice ``i · n + j``); all of them
+        cancelled if one is refused."""
         generations: list[Generation] = []
-        echo_lp = body.logprobs if body.echo else None
         try:
             for ids in ids_list:
-                generations.append(
-                    start(request, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", body.logprobs, echo_lp)
-                )
+                for j in range(body.n):
+                    generations.append(start(request, body, ids, default, param, logprobs, prompt_logprobs, j))
         except BaseException:
             for generation in generations:
                 generation.cancel()
             raise
+        return generations
+
+    def failed(last: Any) -> None:
+        if last.finish_reason == "error":
+            raise APIError(500, f"generation failed: {(last.info or {}).get('error', 'engine error')}")
+
+    def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+    async def chat_all(request: Request, body: ChatCompletionRequest, ids: list[int], shape: Shape) -> Response:
+        """A chat completion: ``n`` choices of one conversation, streamed or whole."""
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        generations = start_all(request, body, [ids], None, "messages", logprobs)
+        if body.stream:
+            return EngineStream(generations, stream(generations, shape, body, logprobs is not None))
+        done = await collect(generations, request.receive)
+        if done is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        choices, completion_tokens = [], 0
+        for index, got in enumerate(done):
+            failed(got.last)
+            lps = None if logprobs is None else chat_logprobs(tokenizer, got.logprobs or [])
+            choices.append(shape.choice(index, got.text, got.last.finish_reason, lps))
+            completion_tokens += len(got.token_ids)
+        return JSONResponse(shape.choices(choices, usage_of(len(ids), completion_tokens), done[0].last.info))
+
+    async def complete_all(request: Request, body: CompletionRequest, shape: Shape) -> Response:
+        """Completions: every prompt ``n`` engine requests, decoded together, streamed (no echo) or
+        whole; with ``echo`` the prompt's text (and log-probabilities) first; ``max_tokens: 0`` the
+        prompt alone."""
+        prompts = body.prompts()
+        ids_list = [prompt_ids(p) for p in prompts]
+        echo_lp = body.logprobs if body.echo else None
+        default = COMPLETION_DEFAULT_MAX_TOKENS
+        generations = start_all(request, body, ids_list, default, "prompt", body.logprobs, echo_lp)
+        if body.stream:
+            return EngineStream(generations, stream(generations, shape, body, body.logprobs is not None))
         done = await collect(generations, request.receive)
         if done is None:
             return Response(status_code=499)
         keep = body.max_tokens != 0
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for index, (prompt, ids, got) in enumerate(zip(prompts, ids_list, done, strict=True)):
+        choices, completion_tokens = [], 0
+        for index, got in enumerate(done):
+            prompt, ids = prompts[index // body.n], ids_list[index // body.n]
             failed(got.last)
             token_ids = got.token_ids if keep else []
             text = got.text if keep else ""
@@ -225,19 +243,23 @@ def create_app(
                 tokens, entries = ([*ids], [None, *(got.last.prompt_logprobs or [])]) if body.echo else ([], [])
                 lps = completion_logprobs(tokenizer, tokens + token_ids, entries + (got.logprobs or [])[: len(token_ids)])[0]
             finish = got.last.finish_reason if keep else "length"
-            choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": finish})
-            prompt_tokens += len(ids)
+            choices.append(shape.choice(index, text, finish, lps))
             completion_tokens += len(token_ids)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        usage = usage_of(sum(map(len, ids_list)), completion_tokens)  # a prompt counted once, as OpenAI does
         return JSONResponse(shape.choices(choices, usage, done[0].last.info))
 
     async def stream(
-        generation: Generation, shape: Shape, include_usage: bool, logprobs: bool = False
+        generations: list[Generation], shape: Shape, body: SamplingFields, logprobs: bool
     ) -> AsyncIterator[bytes]:
+        """Server-sent events of every choice as its tokens come, each chunk naming its choice
+        (``index``); the usage (``stream_options.include_usage``) after the last choice finished."""
         if shape.chat:
-            yield sse(shape.chunk(None, role=True))
-        offset = 0
-        async for event in generation.events():
+            for index in range(len(generations)):
+                yield sse(shape.chunk(None, role=True, index=index))
+        offsets = [0] * len(generations)
+        prompt_tokens = sum(len(g.prompt_ids) for g in generations[:: body.n])
+        completion_tokens = 0
+        async for index, event in merged(generations):
             if event.finish_reason == "error":
                 error = APIError(500, f"generation failed: {(event.info or {}).get('error', 'engine error')}")
                 yield sse(error.body())
@@ -247,12 +269,16 @@ def create_app(
                 if logprobs and shape.chat:
                     lps = chat_logprobs(tokenizer, event.logprobs or [])
                 elif logprobs:
-                    lps, offset = completion_logprobs(tokenizer, event.token_ids, event.logprobs or [], offset)
-                yield sse(shape.chunk(event.text, logprobs=lps))
+                    lps, offsets[index] = completion_logprobs(
+                        tokenizer, event.token_ids, event.logprobs or [], offsets[index]
+                    )
+                yield sse(shape.chunk(event.text, logprobs=lps, index=index))
             if event.finish_reason is not None:
-                yield sse(shape.last_chunk(event.finish_reason, event.info))
-                if include_usage:
-                    yield sse(shape.usage_chunk(event.usage))
+                yield sse(shape.last_chunk(event.finish_reason, event.info, index=index))
+                completion_tokens += int((event.usage or {}).get("completion_tokens", 0))
+        else:
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse(shape.usage_chunk(usage_of(prompt_tokens, completion_tokens)))
         yield DONE
 
     @app.get("/v1/models")
@@ -279,11 +305,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check()
         check_model(body.model)
-        shape = Shape(model_name, chat=False)
-        if not body.stream:
-            return await complete_all(request, body, shape)
-        ids = prompt_ids(body.prompts()[0])
-        return await respond(request, body, ids, shape, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", body.logprobs)
+        return await complete_all(request, body, Shape(model_name, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -291,8 +313,7 @@ def create_app(
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = chat_ids(tokenizer, messages, body.chat_template_kwargs)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(request, body, ids, Shape(model_name, chat=True), None, "messages", logprobs)
+        return await chat_all(request, body, ids, Shape(model_name, chat=True))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

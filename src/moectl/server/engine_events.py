@@ -30,6 +30,7 @@ class Generation:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.request_id: Any = None
+        self.prompt_ids: list[int] = []
         self.finished = False
 
     def _on_event(self, event: Any) -> None:
@@ -54,6 +55,7 @@ class Generation:
             raise APIError(400, str(err)) from err
         except RuntimeError as err:  # the engine stopped accepting (shutting down)
             raise APIError(503, f"the server is shutting down: {err}", headers={"Retry-After": "5"}) from err
+        self.prompt_ids = prompt_ids
         self.metrics.prompt_tokens.inc(len(prompt_ids))
 
     async def events(self) -> AsyncIterator[Any]:
@@ -78,6 +80,29 @@ class Generation:
         if self.request_id is not None and not self.finished:
             self.finished = True
             self.engine.cancel(self.request_id)
+
+
+async def merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, event) of every generation's events as they come (a request's ``n`` choices or its
+    prompts, streamed together), each generation's in its order, until all have finished. Events
+    that are ready together come in index order."""
+    streams = [g.events() for g in generations]
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            ready, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(ready, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    event = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, event
+                if event.finish_reason is None:
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 async def wait_disconnect(receive: Any) -> None:

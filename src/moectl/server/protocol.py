@@ -2,9 +2,13 @@
 
 Fields follow OpenAI's completions and chat completions APIs. Unknown fields are accepted and
 ignored (clients send ``user``, ``stream_options`` and the like); a field moectl cannot honour
-with a value that would change the answer (``n`` > 1, penalties, tools, ``echo`` with ``stream``)
-is refused with 400 naming it, never silently dropped. A completion's prompt may be text or token
-ids, one or several (as lm-eval's ``local-completions`` sends them); ``logprobs`` (up to
+with a value that would change the answer (tools, ``suffix``, ``echo`` with ``stream``) is refused
+with 400 naming it, never silently dropped. OpenAI's ``n``, ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` are honoured, and so are the sampling fields vLLM adds
+(``top_k``, ``min_p``, ``repetition_penalty``; ``engine.sampling``, ``engine.penalties``). A
+completion's prompt may be text or token ids, one or several (as lm-eval's ``local-completions``
+sends them); ``n`` choices are drawn per prompt, prompt-major, ``seed + j`` for choice j of a
+prompt when a seed is given. ``logprobs`` (up to
 ``engine.logprobs.MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and log-probabilities first;
 ``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's legacy API does. Two
 fields are moectl's own (the ``openai`` client sends them with ``extra_body``): ``routing``, the
@@ -22,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from moectl.engine.logprobs import check_count
 from moectl.server.api_errors import APIError
 
-MAX_PROMPTS = 64  # prompts in one completions request (each one engine request, in the same queue)
+MAX_PROMPTS = 64  # choices in one request, prompts × n (each one engine request, in the same queue)
 
 
 class StreamOptions(BaseModel):
@@ -47,8 +51,22 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    top_k: int = 0  # vLLM's; -1 or 0: all tokens
+    min_p: float = 0.0  # vLLM's
+    repetition_penalty: float = 1.0  # vLLM's (transformers' meaning)
     routing: str | None = None
     ignore_eos: bool = False  # moectl's (and vLLM's) extra: generate max_tokens whatever the model says
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            pairs.append((token, value))
+        return tuple(pairs)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -56,8 +74,8 @@ class SamplingFields(BaseModel):
     def check(self, zero_tokens: bool = False) -> None:
         """400 naming the first field moectl refuses; ``zero_tokens``: ``max_tokens: 0`` is allowed
         (a completion's echo scoring the prompt alone)."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: moectl serve returns one choice (n=1)", param="n")
+        if not 1 <= self.n <= MAX_PROMPTS:
+            raise APIError(400, f"n must be from 1 to {MAX_PROMPTS}, got {self.n}", param="n")
         if self.max_tokens is not None and self.max_tokens < (0 if zero_tokens else 1):
             raise APIError(
                 400, f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}", param="max_tokens"
@@ -68,11 +86,9 @@ class SamplingFields(BaseModel):
             )
         if not 0.0 < self.top_p <= 1.0:
             raise APIError(400, f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported: leave it out or 0", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported: leave it out", param="logit_bias")
+        if self.top_k < -1:
+            raise APIError(400, f"top_k must be -1 or 0 (all tokens) or a count, got {self.top_k}", param="top_k")
+        self.bias_pairs()
         if any(not s for s in self.stop_list()):
             raise APIError(400, "stop strings must not be empty", param="stop")
 
@@ -97,18 +113,20 @@ class CompletionRequest(SamplingFields):
     def check(self) -> None:
         super().check(zero_tokens=self.echo)  # echo with max_tokens 0: the prompt's log-probabilities alone
         prompts = self.prompts()
-        if not 1 <= len(prompts) <= MAX_PROMPTS:
+        if not prompts or len(prompts) * self.n > MAX_PROMPTS:
             raise APIError(
-                400, f"prompt must be text, token ids, or a list of 1 to {MAX_PROMPTS} of them; got {len(prompts)}",
+                400,
+                f"prompt must be text, token ids, or a list of them, at most {MAX_PROMPTS} choices in all "
+                f"(prompts × n); got {len(prompts)} prompts × n = {self.n}",
                 param="prompt",
             )
-        if self.stream and len(prompts) != 1:
-            raise APIError(400, "stream needs a single prompt", param="prompt")
         if self.echo and self.stream:
             raise APIError(400, "echo is not supported with stream: leave one of them out", param="echo")
         check_logprobs(self.logprobs, "logprobs")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of={self.best_of} is not supported: leave it out or 1", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise APIError(
+                400, f"best_of={self.best_of} is not supported: leave it out or equal to n", param="best_of"
+            )
         if self.suffix:
             raise APIError(400, "suffix is not supported: leave it out", param="suffix")
 

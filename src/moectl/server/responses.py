@@ -52,40 +52,37 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(
-        self, text: str, finish_reason: str | None, usage: dict | None, info: dict | None, logprobs: Any = None
-    ) -> dict[str, Any]:
-        """The whole response of a request that was not streamed (one choice)."""
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        """One choice of a response that was not streamed."""
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage_body(usage), **routing_fields(info)}
-        return self.choices([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}], usage, info)
+            message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def choices(self, choices: list[dict[str, Any]], usage: dict | None, info: dict | None) -> dict[str, Any]:
-        """A completions response of several choices (one per prompt)."""
-        return {**self._head("text_completion"), "choices": choices, "usage": usage_body(usage), **routing_fields(info)}
+        """The whole response of a request that was not streamed: its choices (``choice``), the usage
+        and moectl's routing fields."""
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage_body(usage), **routing_fields(info)}
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, *, role: bool = False, logprobs: Any = None
-    ) -> dict[str, Any]:
-        """One streamed chunk: a text delta (chat: ``role`` opens the message), or the finish."""
+        self, text: str | None, finish_reason: str | None = None, *, role: bool = False, logprobs: Any = None,
+        index: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One streamed chunk of choice ``index``: a text delta (chat: ``role`` opens the message),
+        or the finish."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:  # a token's chunk: its text, "" while held back
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def last_chunk(self, finish_reason: str | None, info: dict | None) -> dict[str, Any]:
-        """The chunk that closes the choice, with moectl's routing fields."""
-        return {**self.chunk(None, finish_reason), **routing_fields(info)}
+    def last_chunk(self, finish_reason: str | None, info: dict | None, index: int = 0) -> dict[str, Any]:
+        """The chunk that closes choice ``index``, with moectl's routing fields."""
+        return {**self.chunk(None, finish_reason, index=index), **routing_fields(info)}
 
     def usage_chunk(self, usage: dict | None) -> dict[str, Any]:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""

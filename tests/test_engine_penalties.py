@@ -1,0 +1,157 @@
+"""The engine's penalties, bias and filters (``engine.penalties``, ``engine.sampling``): equal to
+OpenAI's formulas and transformers' processors, per row whatever the batch, checked at the boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import moectl
+from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.engine.penalties import apply_penalties, prompt_mask
+from moectl.engine.sampling import filter_mask
+from moectl.errors import ConfigError
+
+V = 50
+
+
+def reference(logits: torch.Tensor, params: SamplingParams, generated: list[int], prompt: list[int]) -> torch.Tensor:
+    """One row, token by token: OpenAI's bias and penalties, transformers' repetition penalty."""
+    out = logits.clone()
+    for token, bias in params.logit_bias:
+        out[token] += bias
+    seen = set(generated) | set(prompt)
+    rep = RepetitionPenaltyLogitsProcessor(params.repetition_penalty) if params.repetition_penalty != 1 else None
+    if rep is not None and seen:
+        out = rep(torch.tensor([sorted(seen)]), out[None])[0]
+    for token in set(generated):
+        c = generated.count(token)
+        out[token] -= c * params.frequency_penalty + params.presence_penalty
+    return out
+
+
+def test_penalties_equal_the_formulas_row_by_row():
+    torch.manual_seed(0)
+    rows = [
+        (SamplingParams(presence_penalty=0.5, frequency_penalty=1.5), [3, 3, 7], [1, 2]),
+        (SamplingParams(repetition_penalty=1.3), [4, 9, 9], [1, 4, 11]),
+        (SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias={5: 3.0, 9: -100}), [], [6]),
+        (SamplingParams(logit_bias={0: 1.0}), [0] * 5, [2]),
+    ]
+    logits = torch.randn(len(rows), V) * 3
+    masks = [prompt_mask(p, V, logits.device) if s.repetition_penalty != 1 else None for s, _, p in rows]
+    got = apply_penalties(logits, [s for s, _, _ in rows], [g for _, g, _ in rows], masks)
+    for i, (params, generated, prompt) in enumerate(rows):
+        want = reference(logits[i], params, generated, prompt if params.repetition_penalty != 1 else [])
+        torch.testing.assert_close(got[i], want)
+
+
+def test_filters_equal_transformers_warpers():
+    """top-k, then top-p on what it kept, then min-p: the tokens dropped are those transformers'
+    TopK → TopP → MinP warpers set to -inf, each row with its own values."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 200) * 2
+    top_k = torch.tensor([0, 5, 50, 1, 0, 20])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.9, 1.0, 0.8])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.05])
+    drop = filter_mask(logits, top_p, top_k, min_p)
+    for i in range(6):
+        row = logits[i : i + 1].clone()
+        if top_k[i] > 0:
+            row = TopKLogitsWarper(int(top_k[i]))(None, row)
+        if top_p[i] < 1:
+            row = TopPLogitsWarper(float(top_p[i]))(None, row)
+        if min_p[i] > 0:
+            row = MinPLogitsWarper(float(min_p[i]))(None, row)
+        assert drop[i].tolist() == torch.isinf(row[0]).tolist(), i
+    assert filter_mask(logits, top_p).tolist() == filter_mask(logits, top_p, torch.zeros(6, dtype=torch.long)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer, _ = moectl.load("tiny:olmoe", dtype="float32")
+    return model, tokenizer
+
+
+def test_repetition_penalty_greedy_equals_transformers_generate(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4))
+    prompts = ["Once upon a time", "2 + 2 =", "Hello there"]
+    for penalty in (1.3, 0.7):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=penalty)
+        for prompt, got in zip(prompts, engine.generate(prompts, params), strict=True):
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                repetition_penalty=penalty, pad_token_id=0,
+            )  # fmt: skip
+            assert got.token_ids == out[0, ids.shape[1] :].tolist(), (penalty, prompt)
+
+
+def test_each_request_is_penalised_as_it_would_be_alone(tiny):
+    """A batch mixing penalised, biased, filtered and plain requests: each equals itself run alone."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=8))
+    asks = [
+        ("Once upon a time", SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.0)),
+        ("Once upon a time", SamplingParams(max_tokens=10, ignore_eos=True)),
+        ("2 + 2 =", SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=2.0, logit_bias={7: 5.0})),
+        ("Hello", SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=3, top_k=5, min_p=0.05)),
+        ("Hello", SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=4, repetition_penalty=1.2)),
+    ]
+    together = [c.token_ids for c in engine.generate([p for p, _ in asks], [s for _, s in asks])]
+    alone = [engine.generate([p], s)[0].token_ids for p, s in asks]
+    assert together == alone
+    assert together[0] != together[1]  # the penalty changed the text
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2))
+    forced = engine.generate(["Hello"], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={7: 100.0}))
+    assert forced[0].token_ids == [7] * 6
+    plain = engine.generate(["Hello"], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    banned = engine.generate(
+        ["Hello"], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=dict.fromkeys(set(plain), -100.0))
+    )[0].token_ids
+    assert not set(banned) & set(plain)
+
+
+def test_top_k_of_one_samples_the_greedy_token(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2))
+    greedy = engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    sampled = engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True, temperature=2.0, top_k=1))
+    assert sampled[0].token_ids == greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"presence_penalty": 3.0}, "presence_penalty must be a number in [-2, 2]"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be a number in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a number > 0"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"min_p": 2.0}, "min_p must be in [0, 1]"),
+        ({"logit_bias": {"7": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {7: 200.0}}, "logit_bias values must be numbers in [-100, 100]"),
+        ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "at most 300"),
+    ],
+)
+def test_bad_sampling_values_are_refused(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        SamplingParams(**kwargs)
+    assert words in str(err.value)
+
+
+def test_a_biased_token_outside_the_vocabulary_is_refused(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=1))
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.submit("Hello", SamplingParams(logit_bias={10**6: 1.0}))
