@@ -155,3 +155,58 @@ def test_a_biased_token_outside_the_vocabulary_is_refused(tiny):
     engine = Engine(model, tokenizer, EngineConfig(max_batch=1))
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.submit("Hello", SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_stop_token_ids_end_a_request_as_eos_does(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2))
+    plain = engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    third = plain.token_ids[2]
+    first = plain.token_ids.index(third)  # the first time it comes
+    got = engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(third,)))[0]
+    assert got.finish_reason == "stop" and got.token_ids == plain.token_ids[:first] and got.stop_token == third
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(tiny):
+    """EOS pushed up by a bias: without min_tokens the request ends at once; with min_tokens = 5 it
+    cannot choose EOS before its 5th token and ends right after. A stop string in its first tokens'
+    text does not count."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2))
+    eos = tokenizer.eos_token_id
+    pushed = SamplingParams(max_tokens=12, logit_bias={eos: 100.0})
+    assert engine.generate(["Hello"], pushed)[0].token_ids == []
+    held = engine.generate(["Hello"], SamplingParams(max_tokens=12, logit_bias={eos: 100.0}, min_tokens=5))[0]
+    assert len(held.token_ids) == 5 and held.finish_reason == "stop" and held.stop_token == eos
+    plain = engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop = plain.text[:2]
+    assert stop and engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True, stop=stop))[0].text == ""
+    late = engine.generate(["Hello"], SamplingParams(max_tokens=8, ignore_eos=True, stop=stop, min_tokens=8))[0]
+    assert late.text == plain.text  # its only occurrence lies in the first tokens' text
+
+
+def test_the_generation_configs_eos_ids_stop_too(tiny):
+    """Qwen3 and gpt-oss list several EOS ids in generation_config: the engine stops at each, as
+    ``model.generate`` does."""
+    model, tokenizer = tiny
+    plain = Engine(model, tokenizer, EngineConfig(max_batch=2)).generate(
+        ["Hello"], SamplingParams(max_tokens=8, ignore_eos=True)
+    )[0]
+    before = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, plain.token_ids[3]]
+    try:
+        got = Engine(model, tokenizer, EngineConfig(max_batch=2)).generate(["Hello"], SamplingParams(max_tokens=8))[0]
+    finally:
+        model.generation_config.eos_token_id = before
+    first = plain.token_ids.index(plain.token_ids[3])
+    assert got.token_ids == plain.token_ids[:first] and got.finish_reason == "stop"
+
+
+def test_bad_stop_token_ids_and_min_tokens_are_refused(tiny):
+    with pytest.raises(ConfigError, match="min_tokens must be an integer from 0 to max_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ConfigError, match="stop_token_ids must be token ids"):
+        SamplingParams(stop_token_ids=(-1,))
+    model, tokenizer = tiny
+    with pytest.raises(ConfigError, match="stop_token_ids token id 1000000 is outside the vocabulary"):
+        Engine(model, tokenizer, EngineConfig(max_batch=1)).submit("Hi", SamplingParams(stop_token_ids=(10**6,)))

@@ -103,3 +103,53 @@ def test_throughput_counts_the_window_only(monkeypatch):
     assert rate.rate() == pytest.approx((50 + 30) / 10.0)
     clock[0] = 116.0
     assert rate.rate() == pytest.approx(30 / 10.0)  # the 50 left the window
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(templated):
+    """OpenAI's ``reasoning_effort`` (gpt-oss's template reads it) is a template variable; an explicit
+    ``chat_template_kwargs`` entry wins."""
+    effort = templated.chat_template
+    templated.chat_template = effort.replace("<|assistant|>", "<|assistant|>{{ reasoning_effort | default('none') }}")
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        body = ChatCompletionRequest(model="m", messages=messages, reasoning_effort="high")
+        high = templated.decode(chat_ids(templated, messages, body.template_kwargs()))
+        plain = ChatCompletionRequest(model="m", messages=messages)
+        none = templated.decode(chat_ids(templated, messages, plain.template_kwargs()))
+        both = ChatCompletionRequest(
+            model="m", messages=messages, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
+        )
+        low = templated.decode(chat_ids(templated, messages, both.template_kwargs()))
+    finally:
+        templated.chat_template = effort
+    assert high.endswith("<|assistant|>high") and none.endswith("<|assistant|>none") and low.endswith("low")
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"use_beam_search": True}, True),
+        ({"use_beam_search": False}, False),
+        ({"guided_json": {"type": "object"}}, True),
+        ({"guided_choice": None}, False),
+        ({"prompt_logprobs": 1}, True),
+        ({"skip_special_tokens": False}, True),
+        ({"skip_special_tokens": True}, False),
+        ({"include_stop_str_in_output": True}, True),
+        ({"add_generation_prompt": False}, True),
+        ({"bad_words": []}, False),
+        ({"bad_words": ["x"]}, True),
+        ({"user": "someone", "parallel_tool_calls": True}, False),
+    ],
+)
+def test_vllm_extras_that_would_change_the_answer_are_refused(extra, refused):
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], **extra)
+    if not refused:
+        body.check()
+        return
+    with pytest.raises(APIError) as err:
+        body.check()
+    name = next(iter(extra))
+    assert err.value.status == 400 and err.value.param == name and "not supported" in str(err.value)
+    if name == "prompt_logprobs":
+        assert "echo and logprobs" in str(err.value)

@@ -132,3 +132,36 @@ def test_a_refused_request_of_n_choices_leaves_nothing_running(server):
     assert response.status_code == 400 and "outside the vocabulary" in response.json()["error"]["message"]
     health = httpx.get(f"{server.base}/health").json()
     assert health["running"] == 0 and health["waiting"] == 0
+
+
+def test_vllm_stop_token_ids_and_min_tokens(client, offline):
+    from moectl.engine import Engine, EngineConfig, SamplingParams
+
+    model, tokenizer = offline
+    plain = Engine(model, tokenizer, EngineConfig(max_batch=1)).generate(
+        ["Hello"], SamplingParams(max_tokens=8, ignore_eos=True)
+    )[0]  # the server's greedy ids (test_server_openai: greedy equals offline)
+    ids = plain.token_ids
+    stop_id = ids[2]
+    got = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
+    )  # fmt: skip
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == ids.index(stop_id)
+    eos = tokenizer.eos_token_id
+    held = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 3},
+    )  # fmt: skip
+    assert held.usage.completion_tokens == 3 and held.choices[0].finish_reason == "stop"
+
+
+def test_vllm_extras_moectl_does_not_do_are_refused(server):
+    for body, param in [
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"min_tokens": 5, "max_tokens": 4}, None),
+    ]:
+        response = httpx.post(f"{server.base}/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == param

@@ -127,3 +127,29 @@ def test_a_decode_that_is_not_additive_still_ends_with_everything_shown():
     tok = Tidy(("▁the", "▁cat", "▁.", "▁a"))
     stream, shown, _ = _stream(tok, [0, 1, 2, 3])
     assert "".join(shown) == stream.text == "the cat. a"
+
+
+class Bytes:
+    """Token id = one byte."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_stop_strings_count_only_from_min_ids_on():
+    """vLLM's min_tokens: a stop string whose text ends within the first ``min_ids`` - 1 ids does not
+    stop (the text shows whole, nothing held back); one that ends at a later id does, also when it
+    began earlier (then what was already shown stays)."""
+    ids = list(b"abcabc")
+    early = TextStream(Bytes(), ["bc"], min_ids=4)
+    pieces = [early.push([i]) for i in ids]
+    assert [stopped for _, stopped in pieces] == [False] * 5 + [True]
+    assert "".join(p for p, _ in pieces) == "abca"  # the first "bc" shown, the text cut before the second
+    across = TextStream(Bytes(), ["ca"], min_ids=4)
+    got = [across.push([i]) for i in ids[:4]]
+    assert [stopped for _, stopped in got] == [False, False, False, True]
+    assert "".join(p for p, _ in got) == "abc"
+    never = TextStream(Bytes(), ["bc"], min_ids=7)
+    assert not any(never.push([i])[1] for i in ids)
+    never.finish()
+    assert never.text == "abcabc"

@@ -76,6 +76,17 @@ from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
 
 
+def eos_ids(model: nn.Module, tokenizer) -> set[int]:
+    """The tokens that end a request: the tokenizer's EOS and the model's ``generation_config``
+    ones, as ``model.generate`` and vLLM stop (Qwen3's and gpt-oss's list several)."""
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if value is not None:
+            ids.update(int(e) for e in (value if isinstance(value, (list, tuple)) else [value]))
+    return ids
+
+
 def encode(tokenizer, text: str) -> list[int]:
     """A prompt's token ids as the tokenizer makes them for a batch of one (special tokens included,
     as ``tokenizer([text])`` gives ``model.generate``)."""
@@ -236,10 +247,7 @@ class Engine(PrefixPrefill):
         self.device = next(p.device for p in model.parameters())
         self.vocab = vocab_size(model)  # rows of the logits: the token ids a request may name
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids = (
-            set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-        )
+        self.eos_ids = eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         self.router = RowRouter()
@@ -410,7 +418,7 @@ class Engine(PrefixPrefill):
                 policies=policies,
                 key=seed_key(seed),
                 on_event=on_event,
-                stream=TextStream(self.tokenizer, params.stop),
+                stream=TextStream(self.tokenizer, params.stop, params.min_tokens),
                 trace=self._new_trace() if copies == 1 else [self._new_trace() for _ in range(copies)],
                 copies=copies,
             )
@@ -767,7 +775,7 @@ class Engine(PrefixPrefill):
         else ``choose_tokens`` with the requests' parameters (two copies). Reported log-probabilities
         are the model's, before penalties, temperature and filters."""
         raw = combine(logits, [r.copies for r in reqs])
-        logits = penalise(raw, reqs)
+        logits = penalise(raw, reqs, self.eos_ids)
         if all(r.params.temperature == 0 for r in reqs):
             tokens = logits.argmax(-1)
         else:
@@ -844,7 +852,7 @@ class Engine(PrefixPrefill):
     def _emit(self, req: _Request, token: int) -> bool:
         """Hand one new token to its request; finish it if it is done. Returns whether it finished."""
         self.counters["generated_tokens"] += 1
-        eos = token in self.eos_ids and not req.params.ignore_eos
+        eos = token in req.params.stop_token_ids or (token in self.eos_ids and not req.params.ignore_eos)
         if eos:
             piece, stopped = req.stream.finish(), True
             req.stop_token = token

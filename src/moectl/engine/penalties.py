@@ -8,6 +8,10 @@ and vLLM apply it): every token seen in the prompt or the completion gets logit 
 logit is positive and logit · p where it is negative. The order is vLLM's: the bias, then the
 repetition penalty, then frequency and presence.
 
+``min_tokens`` (vLLM's): until a request has that many tokens, its stop tokens cannot be chosen
+(their scores set to −inf, as vLLM's ``MinTokensLogitsProcessor`` does) and its stop strings do not
+count (``engine.text.TextStream``).
+
 The requests of a step are handled together: one [R, V] count per step from the rows' generated
 ids, R = the requests that ask for any of this (the others are not touched). The prompt's tokens
 for ``repetition_penalty`` are kept per request as a [V] mask, built once. A request of K routed
@@ -19,7 +23,7 @@ request reports are the model's, before any of this (vLLM's default, ``raw_logpr
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -62,13 +66,22 @@ def check_penalties(params: Any) -> None:
             raise ConfigError(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r}")
         clean.append((int(token), float(value)))
     object.__setattr__(params, "logit_bias", tuple(clean))
+    ids = params.stop_token_ids
+    ids = (ids,) if isinstance(ids, int) and not isinstance(ids, bool) else tuple(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ConfigError(f"stop_token_ids must be token ids (integers >= 0), got {params.stop_token_ids!r}")
+    object.__setattr__(params, "stop_token_ids", ids)
+    m = params.min_tokens
+    if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= params.max_tokens:
+        raise ConfigError(f"min_tokens must be an integer from 0 to max_tokens ({params.max_tokens}), got {m!r}")
 
 
 def check_bias_ids(params: Any, vocab: int) -> None:
-    """``ConfigError`` for a biased token id outside the vocabulary [0, ``vocab``)."""
-    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-    if bad is not None:
-        raise ConfigError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+    """``ConfigError`` for a biased or stop token id outside the vocabulary [0, ``vocab``)."""
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ConfigError(f"{name} token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def prompt_mask(prompt: Sequence[int], vocab: int, device: torch.device) -> Tensor:
@@ -118,10 +131,11 @@ def apply_penalties(
     return out
 
 
-def penalise(scores: Tensor, reqs: Sequence[Any]) -> Tensor:
+def penalise(scores: Tensor, reqs: Sequence[Any], eos_ids: Collection[int] = ()) -> Tensor:
     """``scores`` [N, V] (one row per request) with the penalties and bias of the requests whose
     ``params.penalised``; the others' rows as they were. A request's prompt mask is built at its
-    first token and kept on it (``prompt_seen``)."""
+    first token and kept on it (``prompt_seen``). Before its ``min_tokens``, a request cannot
+    choose its stop tokens: its ``stop_token_ids`` and, unless it ignores EOS, ``eos_ids``."""
     which = [i for i, r in enumerate(reqs) if r.params.penalised]
     if not which:
         return scores
@@ -134,8 +148,19 @@ def penalise(scores: Tensor, reqs: Sequence[Any]) -> Tensor:
     chosen = [reqs[i] for i in which]
     args = ([r.params for r in chosen], [r.generated for r in chosen], masks)
     if len(which) == len(reqs):
-        return apply_penalties(scores, *args)
-    index = torch.tensor(which, device=scores.device)
-    out = scores.float().clone()
-    out[index] = apply_penalties(scores[index], *args)
+        out = apply_penalties(scores, *args)
+    else:
+        index = torch.tensor(which, device=scores.device)
+        out = scores.float().clone()
+        out[index] = apply_penalties(scores[index], *args)
+    banned = [
+        (i, t)
+        for i in which
+        if len(reqs[i].generated) < reqs[i].params.min_tokens
+        for t in {*reqs[i].params.stop_token_ids, *(() if reqs[i].params.ignore_eos else eos_ids)}
+        if t < out.shape[-1]
+    ]
+    if banned:
+        rows, tokens = zip(*banned, strict=True)
+        out[torch.tensor(rows, device=out.device), torch.tensor(tokens, device=out.device)] = float("-inf")
     return out

@@ -30,7 +30,7 @@ class SamplingParams:
     """How one request decodes: OpenAI's knobs (``max_tokens``, ``temperature``, ``top_p``,
     ``seed``, ``stop``, ``logprobs``; ``prompt_logprobs`` for ``echo``; ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias``), vLLM's and transformers' (``top_k``, ``min_p``,
-    ``repetition_penalty``: ``engine.penalties``) and ``ignore_eos`` (generate ``max_tokens`` whatever
+    ``repetition_penalty``: ``engine.penalties``; ``stop_token_ids``, ``min_tokens``) and ``ignore_eos`` (generate ``max_tokens`` whatever
     the model says, as TE-MoE §3.1 measures switch rates on a fixed number of tokens).
     ``temperature = 0``: greedy (penalties and the bias still apply; the filters do not matter)."""
 
@@ -48,6 +48,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated so far
     repetition_penalty: float = 1.0  # transformers' (CTRL): logits of prompt and generated tokens / p (× p if < 0)
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # OpenAI's: (token id, added to its logit)
+    stop_token_ids: tuple[int, ...] = field(default=())  # vLLM's: tokens that end the request as EOS does
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
 
     def __post_init__(self) -> None:
         from moectl.engine.logprobs import check_count
@@ -79,9 +81,13 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Whether the logits are changed before choosing (penalties or a bias)."""
+        """Whether the logits may be changed before choosing (penalties, a bias, ``min_tokens``)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
         )
 
     @property

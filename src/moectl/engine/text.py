@@ -6,8 +6,10 @@ space at the start of a decode), so a step costs the same at the 10th token as a
 scheme of vLLM's and transformers' streamers (two offsets into the ids). Only what cannot change
 any more is shown: a tail that may still grow into a stop string, or an incomplete UTF-8 character
 (decoded as U+FFFD), is held back until the next token or the end. Stop strings are looked for
-only where a new one can begin. ``finish()`` decodes all the ids once, so the final text is the
-tokenizer's own decode of them; the concatenation of the pieces equals it.
+only where a new one can begin, and not before ``min_ids`` ids (vLLM's ``min_tokens``: a stop
+string then counts only where it ends in the text of later ids). ``finish()`` decodes all the ids
+once, so the final text is the tokenizer's own decode of them; the concatenation of the pieces
+equals it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 class TextStream:
     """``push(ids)`` after each step returns (new text, stopped); ``finish()`` the rest at the end."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_ids: int = 0) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.min_ids = min_ids
+        self.floor = 0  # stop strings end past decoded[:floor] (the text before min_ids ids)
         self.ids: list[int] = []
         self.decoded = ""  # the text of ids[: self.read]
         self.prefix = 0  # ids[prefix:read] are decoded again as the context of what follows them
@@ -54,6 +58,9 @@ class TextStream:
         if piece and not piece.endswith("\ufffd"):  # complete characters: they can no longer change
             self.decoded += piece
             self.prefix, self.read = self.read, len(self.ids)
+        if len(self.ids) < self.min_ids:  # no stop string yet: all the complete text can be shown
+            self.searched = self.floor = len(self.decoded)
+            return self._show(self.decoded), False
         longest = max((len(s) for s in self.stop), default=1)
         text, stopped = cut_at_stop(self.decoded, self.stop, max(0, self.searched - longest + 1))
         self.searched = len(self.decoded)
@@ -65,7 +72,8 @@ class TextStream:
         full = self._decode(self.ids)
         if not full.startswith(self.decoded):  # a tokenizer whose decode is not additive
             full = self.decoded + self._pending()
-        return self._show(cut_at_stop(full, self.stop)[0])
+        longest = max((len(s) for s in self.stop), default=1)
+        return self._show(cut_at_stop(full, self.stop, max(0, self.floor - longest + 1) if self.floor else 0)[0])
 
     def _show(self, visible: str) -> str:
         self.text = visible if visible.startswith(self.shown) else self.shown

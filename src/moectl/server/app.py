@@ -167,6 +167,8 @@ def create_app(
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,
                 logit_bias=body.bias_pairs(),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                min_tokens=body.min_tokens,
             )
         except ValueError as err:
             raise APIError(400, str(err)) from err
@@ -312,7 +314,7 @@ def create_app(
         body.check()
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = chat_ids(tokenizer, messages, body.chat_template_kwargs)
+        ids = chat_ids(tokenizer, messages, body.template_kwargs())
         return await chat_all(request, body, ids, Shape(model_name, chat=True))
 
     @app.post("/tokenize")

@@ -5,7 +5,10 @@ ignored (clients send ``user``, ``stream_options`` and the like); a field moectl
 with a value that would change the answer (tools, ``suffix``, ``echo`` with ``stream``) is refused
 with 400 naming it, never silently dropped. OpenAI's ``n``, ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` are honoured, and so are the sampling fields vLLM adds
-(``top_k``, ``min_p``, ``repetition_penalty``; ``engine.sampling``, ``engine.penalties``). A
+(``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``min_tokens``;
+``engine.sampling``, ``engine.penalties``); vLLM's extras that moectl does not do
+(:data:`UNSUPPORTED_EXTRAS`: beam search, guided decoding, …) are refused unless they hold the value
+that changes nothing. A
 completion's prompt may be text or token ids, one or several (as lm-eval's ``local-completions``
 sends them); ``n`` choices are drawn per prompt, prompt-major, ``seed + j`` for choice j of a
 prompt when a seed is given. ``logprobs`` (up to
@@ -27,6 +30,26 @@ from moectl.engine.logprobs import check_count
 from moectl.server.api_errors import APIError
 
 MAX_PROMPTS = 64  # choices in one request, prompts × n (each one engine request, in the same queue)
+
+# vLLM's request extras that change the answer and that moectl does not do: refused (400) unless
+# they hold the value that changes nothing (None: absent or null).
+UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True),
+}
+HINTS = {"prompt_logprobs": ": ask /v1/completions with echo and logprobs"}
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +77,8 @@ class SamplingFields(BaseModel):
     top_k: int = 0  # vLLM's; -1 or 0: all tokens
     min_p: float = 0.0  # vLLM's
     repetition_penalty: float = 1.0  # vLLM's (transformers' meaning)
+    stop_token_ids: list[int] | None = None  # vLLM's
+    min_tokens: int = 0  # vLLM's
     routing: str | None = None
     ignore_eos: bool = False  # moectl's (and vLLM's) extra: generate max_tokens whatever the model says
 
@@ -89,6 +114,10 @@ class SamplingFields(BaseModel):
         if self.top_k < -1:
             raise APIError(400, f"top_k must be -1 or 0 (all tokens) or a count, got {self.top_k}", param="top_k")
         self.bias_pairs()
+        for name, fine in UNSUPPORTED_EXTRAS.items():
+            value = (self.model_extra or {}).get(name)
+            if not any(value is f or (f is not None and value == f and type(value) is type(f)) for f in fine):
+                raise APIError(400, f"{name}={value!r} is not supported{HINTS.get(name, '')}", param=name)
         if any(not s for s in self.stop_list()):
             raise APIError(400, "stop strings must not be empty", param="stop")
 
@@ -171,6 +200,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
+    reasoning_effort: str | None = None  # OpenAI's: gpt-oss's chat template reads it (low, medium, high)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: ``reasoning_effort`` (as vLLM passes it to gpt-oss's
+        template), then ``chat_template_kwargs``."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     def check(self) -> None:
         if self.max_tokens is None:
