@@ -161,3 +161,34 @@ def test_a_prompt_prefilled_in_chunks_is_stored_and_a_later_one_reuses_it():
     assert got == plain
     assert ("chunk", 1) in engine.forward_log
     assert engine.stats()["prefix_tokens_reused"] == len(moectl.engine.engine.encode(_loaded()[1], long))
+
+
+@pytest.mark.parametrize("routing", [None, "mask"])
+def test_the_same_prompt_admitted_together_is_prefilled_once(routing):
+    """n choices of one prompt (or clients sending the same one at once): the first is prefilled, its
+    twins wait one step and prefill only their last token from its stored KV; each draws as alone."""
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=3)
+    plain = [c.token_ids for c in _engine(0).generate([BASE] * 4, sampled, routing=routing, seed_per_prompt=True)]
+    engine = _engine(4096, max_batch=8, log_forwards=True)
+    got = [c.token_ids for c in engine.generate([BASE] * 4, sampled, routing=routing, seed_per_prompt=True)]
+    assert got == plain and len({tuple(g) for g in got}) > 1
+    n = len(moectl.engine.engine.encode(_loaded()[1], BASE))
+    assert engine.stats()["prefix_tokens_reused"] == 3 * (n - 1)
+    assert [entry for entry in engine.forward_log if entry[0] == "prefill"] == [("prefill", 1), ("prefill", 3)]
+
+
+def test_a_twin_of_a_prompt_prefilled_in_chunks_waits_for_its_chunks():
+    long = BASE + " " + " ".join(f"w{i}" for i in range(60))
+    plain = [c.token_ids for c in _engine(0).generate([long, long, "short one"], PARAMS)]
+    engine = _engine(4096, max_batch=4, prefill_chunk=64, log_forwards=True)
+    got = [c.token_ids for c in engine.generate([long, long, "short one"], PARAMS)]
+    assert got == plain
+    n = len(moectl.engine.engine.encode(_loaded()[1], long))
+    assert engine.forward_log.count(("chunk", 1)) == -(-n // 64)  # one prompt's chunks, not two
+    assert engine.stats()["prefix_tokens_reused"] == n - 1
+
+
+def test_without_a_prefix_cache_twins_prefill_together():
+    engine = _engine(0, max_batch=8, log_forwards=True)
+    engine.generate([BASE] * 3, PARAMS)
+    assert engine.forward_log[0] == ("prefill", 3)

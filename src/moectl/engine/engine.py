@@ -564,6 +564,7 @@ class Engine(PrefixPrefill):
                 continue
             taken.append(req)
             used += req.copies
+        taken = self._defer_twins(taken)
         roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
         plain = [r for r in taken if r.routing is None or r.routing.roe is None]
         work: list[tuple[Callable[[Any], None], Any]] = [
@@ -598,6 +599,30 @@ class Engine(PrefixPrefill):
                     self._waiting.extendleft(reversed(later))
                 raise err
         return bool(taken)
+
+    def _defer_twins(self, taken: list[_Request]) -> list[_Request]:
+        """``taken`` without the requests whose prompt and routing equal an earlier one's of this
+        admission or of a prompt still being prefilled in chunks, where that prompt's KV will be in
+        the prefix cache: they go back to the front of the queue and, at the next step, prefill
+        only their last token from it (``n`` choices of one prompt, clients sending the same one)."""
+        seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        kept: list[_Request] = []
+        deferred: list[_Request] = []
+        for req in [c.req for c in self._chunked] + taken:
+            ok, key = self._prefix_key(req)
+            twin = (key, tuple(req.prompt))
+            cacheable = ok and req.params.prompt_logprobs is None and len(req.prompt) <= self.prefixes.max_tokens
+            if cacheable and twin in seen and self._stored_prefix(req) is None:
+                deferred.append(req)
+                continue
+            if cacheable:
+                seen.add(twin)
+            if any(req is t for t in taken):
+                kept.append(req)
+        if deferred:
+            with self._lock:
+                self._waiting.extendleft(reversed(deferred))
+        return kept
 
     def _prefill_shared(self, reqs: list[_Request]) -> None:
         """Several requests in one forward; if it fails, each alone, so only a bad one fails."""
