@@ -100,14 +100,7 @@ def apply_penalties(
     a new tensor; rows whose parameters ask for nothing are left as they were."""
     r, vocab = logits.shape
     dev = logits.device
-    longest = max((len(g) for g in generated), default=0)
     out = logits.float().clone()
-    counts = torch.zeros(r, vocab + 1, dtype=torch.float32, device=dev)  # column V: padding
-    if longest:
-        ids = torch.tensor([[*g, *([vocab] * (longest - len(g)))] for g in generated], dtype=torch.long)
-        ids = ids.to(dev, non_blocking=True)
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=dev))
-    counts = counts[:, :vocab]
     biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
     if biased:
         rows, tokens, values = zip(*biased, strict=True)
@@ -116,18 +109,29 @@ def apply_penalties(
             torch.tensor(values, dtype=out.dtype, device=dev),
             accumulate=True,
         )
+    repeat = any(p.repetition_penalty != 1.0 for p in params)
+    additive = any(p.frequency_penalty or p.presence_penalty for p in params)
+    if not (repeat or additive):
+        return out
     knobs = torch.tensor(
         [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dtype=torch.float32
     ).to(dev, non_blocking=True)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = counts > 0
+    counts = torch.zeros(r, vocab + 1, dtype=torch.float32, device=dev)  # column V: padding
+    longest = max((len(g) for g in generated), default=0)
+    if longest:
+        ids = torch.tensor([[*g, *([vocab] * (longest - len(g)))] for g in generated], dtype=torch.long)
+        counts.scatter_add_(1, ids.to(dev, non_blocking=True), torch.ones(ids.shape, dtype=torch.float32, device=dev))
+    counts = counts[:, :vocab]
+    generated_seen = counts > 0
+    if repeat:
+        seen = generated_seen.clone()
         masks = [m for m in prompts if m is not None]
         if masks:
-            which = [i for i, m in enumerate(prompts) if m is not None]
-            seen[which] |= torch.stack(masks)
+            seen[[i for i, m in enumerate(prompts) if m is not None]] |= torch.stack(masks)
         penalty = knobs[:, :1]
         out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
-    out = out - counts * knobs[:, 1:2] - (counts > 0).float() * knobs[:, 2:3]
+    if additive:
+        out -= counts * knobs[:, 1:2] + generated_seen * knobs[:, 2:3]
     return out
 
 
