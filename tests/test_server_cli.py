@@ -38,6 +38,7 @@ TOKENIZER = str(Path(__file__).resolve().parents[1] / "models" / "moectl-small-s
         (["serve", "tiny:olmoe", "--tokenizer", "no/such/tokenizer"], "no tokenizer loads from it"),
         (["serve", "tiny:olmoe", "--tokenizer", TOKENIZER], "more than the model's vocabulary of 259"),
         (["serve", "tiny:olmoe", "--routing", "a=option:4", "--default-routing", "b"], "not a --routing NAME; registered: a"),
+        (["serve", "tiny:olmoe", "--served-model-name", " "], "--served-model-name must not be empty"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args, words):
@@ -77,3 +78,26 @@ def test_a_tokenizer_of_its_own_for_a_checkpoint_without_one():
     assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
     ids = tokenizer("The capital of France is")["input_ids"]
     assert 0 < len(ids) < len("The capital of France is") and max(ids) < 50304
+
+
+def test_served_model_names_are_each_accepted_and_listed():
+    """vLLM's ``--served-model-name`` (repeatable): every name is a model clients may ask for, each is
+    listed by /v1/models, responses report the first, and another name is a 404 naming them."""
+    from fastapi.testclient import TestClient
+
+    import moectl
+    from moectl.engine import Engine, EngineConfig
+    from moectl.server.app import create_app
+
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    engine = Engine(model, tok, EngineConfig(max_batch=2))
+    with TestClient(create_app(engine, ["olmoe-instruct", "gpt-3.5-turbo"])) as client:
+        listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert listed == ["olmoe-instruct", "gpt-3.5-turbo"]
+        assert client.get("/v1/models/gpt-3.5-turbo").json()["id"] == "gpt-3.5-turbo"
+        body = {"model": "gpt-3.5-turbo", "prompt": "Hi", "max_tokens": 2}
+        reply = client.post("/v1/completions", json=body)
+        assert reply.status_code == 200 and reply.json()["model"] == "olmoe-instruct"
+        missing = client.post("/v1/completions", json={**body, "model": "other"})
+        assert missing.status_code == 404
+        assert "serves 'olmoe-instruct' or 'gpt-3.5-turbo'" in missing.json()["error"]["message"]

@@ -78,6 +78,14 @@ def serve_command(
     tiny: TinyOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on; loopback by default.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--served-model-name",
+            help="The name clients give as model (repeatable: each is accepted, the first is reported), "
+            "as vLLM's flag; default: a checkpoint folder's name, else MODEL as given.",
+        ),
+    ] = None,
     routing: Annotated[
         list[str] | None,
         typer.Option(
@@ -174,6 +182,8 @@ def serve_command(
         raise ConfigError(f"--prefix-cache must be a number of tokens >= 0, got {prefix_cache}")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {threads}")
+    if served_model_name is not None and not all(n.strip() for n in served_model_name):
+        raise ConfigError("--served-model-name must not be empty")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     offload = _offload_config(budget, residency, slot_dtype, store)
@@ -221,8 +231,9 @@ def serve_command(
         engine.open()  # the routing and the offload runtime installed now: their errors are one line here
     except (ValueError, OSError, RuntimeError, MemoryError) as err:
         fail(err)
-    name = served_name(spec)
-    app = create_app(engine, name, api_key=api_key, default_routing=default_routing)
+    served = list(served_model_name or [served_name(spec)])
+    name = served[0]
+    app = create_app(engine, served, api_key=api_key, default_routing=default_routing)
     names = ", ".join(sorted(routings)) or "none"
     default = f", default {default_routing}" if default_routing else ""
     console.print(

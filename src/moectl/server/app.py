@@ -60,10 +60,13 @@ class EngineStream(StreamingResponse):
 
 
 def create_app(
-    engine: Any, model_name: str, *, api_key: str | None = None, default_routing: str | None = None
+    engine: Any, model_name: str | list[str], *, api_key: str | None = None, default_routing: str | None = None
 ) -> FastAPI:
-    """The app serving ``engine``'s model as ``model_name``; ``api_key`` guards every path but /health;
+    """The app serving ``engine``'s model as ``model_name`` (several names: each accepted, each listed
+    by /v1/models, the first in responses); ``api_key`` guards every path but /health;
     ``default_routing``: the registered routing of requests that name none (None: the model as trained)."""
+    served_names = [model_name] if isinstance(model_name, str) else list(model_name)
+    model_name = served_names[0]
     from moectl.engine import SamplingParams
 
     metrics = ServerMetrics(engine)
@@ -90,9 +93,10 @@ def create_app(
         return sorted(engine.routings)
 
     def check_model(name: str) -> None:
-        if name != model_name:
+        if name not in served_names:
+            served = " or ".join(repr(n) for n in served_names)
             raise APIError(
-                404, f"model {name!r} is not served here; this server serves {model_name!r}",
+                404, f"model {name!r} is not served here; this server serves {served}",
                 param="model", code="model_not_found",
             )
 
@@ -285,16 +289,16 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in served_names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         check_model(name)
-        return model_card()
+        return model_card(name)
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": model_name,
+            "id": name,
             "object": "model",
             "created": started,
             "owned_by": "moectl",
