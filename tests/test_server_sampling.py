@@ -165,3 +165,18 @@ def test_vllm_extras_moectl_does_not_do_are_refused(server):
         response = httpx.post(f"{server.base}/v1/completions", json={"model": MODEL, "prompt": "x", **body})
         assert response.status_code == 400, body
         assert response.json()["error"]["param"] == param
+
+
+def test_the_prefill_benchmark_times_new_prompts_of_each_length(server, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import prefill_ttft
+
+    out = prefill_ttft.main(
+        ["--url", server.base, "--model", MODEL, "--tokens", "20,40", "--repeat", "1", "--low", "3", "--high", "250",
+         "--json", str(tmp_path / "p.json")]
+    )  # fmt: skip
+    assert [r["tokens"] for r in out["results"]] == [20, 40]
+    assert all(len(r["seconds"]) == 1 and r["seconds"][0] > 0 for r in out["results"])
