@@ -210,3 +210,21 @@ def test_bad_stop_token_ids_and_min_tokens_are_refused(tiny):
     model, tokenizer = tiny
     with pytest.raises(ConfigError, match="stop_token_ids token id 1000000 is outside the vocabulary"):
         Engine(model, tokenizer, EngineConfig(max_batch=1)).submit("Hi", SamplingParams(stop_token_ids=(10**6,)))
+
+
+def test_reported_log_probabilities_are_the_models_before_the_bias(tiny):
+    """A token forced by a +100 bias reports the model's own log-probability of it: the one the
+    prompt's scoring (echo) gives the same ids, not the ≈ 0 of the biased distribution."""
+    from moectl.engine.engine import encode
+
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2))
+    forced = engine.generate(
+        ["Hello"], SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={7: 100.0}, logprobs=0)
+    )[0]
+    assert forced.token_ids == [7, 7, 7]
+    ids = [*encode(tokenizer, "Hello"), 7, 7, 7]
+    scored = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    want = [entry.logprob for entry in scored[-3:]]
+    got = [entry.logprob for entry in forced.logprobs]
+    assert got == pytest.approx(want, abs=1e-4) and max(got) < -0.5

@@ -605,20 +605,22 @@ class Engine(PrefixPrefill):
         admission or of a prompt still being prefilled in chunks, where that prompt's KV will be in
         the prefix cache: they go back to the front of the queue and, at the next step, prefill
         only their last token from it (``n`` choices of one prompt, clients sending the same one)."""
-        seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        def twin_of(req: _Request) -> tuple[str | None, tuple[int, ...]] | None:
+            ok, key = self._prefix_key(req)
+            cacheable = ok and req.params.prompt_logprobs is None and len(req.prompt) <= self.prefixes.max_tokens
+            return (key, tuple(req.prompt)) if cacheable else None
+
+        seen = {t for c in self._chunked if (t := twin_of(c.req)) is not None}
         kept: list[_Request] = []
         deferred: list[_Request] = []
-        for req in [c.req for c in self._chunked] + taken:
-            ok, key = self._prefix_key(req)
-            twin = (key, tuple(req.prompt))
-            cacheable = ok and req.params.prompt_logprobs is None and len(req.prompt) <= self.prefixes.max_tokens
-            if cacheable and twin in seen and self._stored_prefix(req) is None:
+        for req in taken:
+            twin = twin_of(req)
+            if twin is not None and twin in seen and self._stored_prefix(req) is None:
                 deferred.append(req)
                 continue
-            if cacheable:
+            if twin is not None:
                 seen.add(twin)
-            if any(req is t for t in taken):
-                kept.append(req)
+            kept.append(req)
         if deferred:
             with self._lock:
                 self._waiting.extendleft(reversed(deferred))
@@ -814,12 +816,11 @@ class Engine(PrefixPrefill):
                 logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1],
                 top_k=ints[:, 2] if filters else None, min_p=floats[:, 2] if filters else None,
             )  # fmt: skip
-        logits = raw
         wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if wanted:  # only requests that ask pay for the softmax and its host copy
             top = max(reqs[i].params.logprobs or 0 for i in wanted)
-            index = torch.tensor(wanted, device=logits.device)
-            for i, one in zip(wanted, of_logits(logits[index], tokens[index], top), strict=True):
+            index = torch.tensor(wanted, device=raw.device)  # the model's distribution, before penalties
+            for i, one in zip(wanted, of_logits(raw[index], tokens[index], top), strict=True):
                 n = reqs[i].params.logprobs or 0
                 reqs[i].chosen_lp = TokenLogprob(one.token, one.logprob, one.top[:n])
         return tokens
