@@ -1,9 +1,11 @@
 """Choosing each row's next token: greedy, or temperature + top-k / top-p / min-p sampling with a
 seed per request.
 
-Sampling is Gumbel-max over the temperature-scaled logits, filtered as transformers' warpers and
-vLLM's sampler filter them: top-k first, then top-p on what top-k kept (renormalised), then min-p
-(tokens below ``min_p`` times the most likely one's probability). The Gumbel draws are a
+Sampling is Gumbel-max over the temperature-scaled logits, filtered as transformers' warpers
+filter them: top-k first, then top-p on what top-k kept (renormalised), then min-p (tokens below
+``min_p`` times the most likely one's probability). vLLM's sampler applies min-p before top-k and
+top-p; the kept set differs only where min-p and top-p are both set (min-p then changes the mass
+top-p counts): transformers' order is followed, as the reference the tests check. The Gumbel draws are a
 counter-based hash of (request seed, generated-token index, vocabulary index)
 (``moectl.routing.keyed_hash``): a request's tokens depend on its own seed only, never on which
 other requests share its batch or in what order they arrived. Rows are handled together, one
