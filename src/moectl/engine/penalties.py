@@ -41,18 +41,15 @@ def _number(value: Any) -> bool:
 
 
 def check_penalties(params: Any) -> None:
-    """``ConfigError`` naming the first of ``params``' sampling fields out of range (and normalises
-    ``logit_bias`` to a tuple of (int id, float) pairs)."""
+    """``ConfigError`` naming the first of ``params``' penalties, bias, stop ids or ``min_tokens``
+    out of range (and normalises ``logit_bias`` to (int id, float) pairs, ``stop_token_ids`` to a
+    tuple)."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not (_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
             raise ConfigError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
     if not (_number(params.repetition_penalty) and params.repetition_penalty > 0):
         raise ConfigError(f"repetition_penalty must be a number > 0 (1: off), got {params.repetition_penalty!r}")
-    if isinstance(params.top_k, bool) or not isinstance(params.top_k, int) or params.top_k < 0:
-        raise ConfigError(f"top_k must be an integer >= 0 (0: all tokens), got {params.top_k!r}")
-    if not (_number(params.min_p) and 0 <= params.min_p <= 1):
-        raise ConfigError(f"min_p must be in [0, 1] (0: off), got {params.min_p!r}")
     bias = params.logit_bias
     pairs = tuple(bias.items()) if isinstance(bias, dict) else tuple(bias)
     if len(pairs) > MAX_BIASED_TOKENS:

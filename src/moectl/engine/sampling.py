@@ -5,8 +5,8 @@ Sampling is Gumbel-max over the temperature-scaled logits, filtered as transform
 filter them: top-k first, then top-p on what top-k kept (renormalised), then min-p (tokens below
 ``min_p`` times the most likely one's probability). vLLM's sampler applies min-p before top-k and
 top-p; the kept set differs only where min-p and top-p are both set (min-p then changes the mass
-top-p counts): transformers' order is followed, as the reference the tests check. The Gumbel draws are a
-counter-based hash of (request seed, generated-token index, vocabulary index)
+top-p counts): transformers' order is followed, as the reference the tests check. The Gumbel
+draws are a counter-based hash of (request seed, generated-token index, vocabulary index)
 (``moectl.routing.keyed_hash``): a request's tokens depend on its own seed only, never on which
 other requests share its batch or in what order they arrived. Rows are handled together, one
 vectorised call per step.
@@ -32,8 +32,9 @@ class SamplingParams:
     """How one request decodes: OpenAI's knobs (``max_tokens``, ``temperature``, ``top_p``,
     ``seed``, ``stop``, ``logprobs``; ``prompt_logprobs`` for ``echo``; ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias``), vLLM's and transformers' (``top_k``, ``min_p``,
-    ``repetition_penalty``: ``engine.penalties``; ``stop_token_ids``, ``min_tokens``) and ``ignore_eos`` (generate ``max_tokens`` whatever
-    the model says, as TE-MoE §3.1 measures switch rates on a fixed number of tokens).
+    ``repetition_penalty``, ``stop_token_ids``, ``min_tokens``: ``engine.penalties``) and
+    ``ignore_eos`` (generate ``max_tokens`` whatever the model says, as TE-MoE §3.1 measures switch
+    rates on a fixed number of tokens).
     ``temperature = 0``: greedy (penalties and the bias still apply; the filters do not matter)."""
 
     max_tokens: int = 16
@@ -71,6 +72,10 @@ class SamplingParams:
             )
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0: all tokens), got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be in [0, 1] (0: off), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -108,11 +113,6 @@ def outside_nucleus(sorted_probs: Tensor, top_p: Tensor | float) -> Tensor:
     tensor broadcasting against ``sorted_probs``."""
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
     return before >= top_p
-
-
-def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
-    """[B, V] True for the tokens outside each row's nucleus (``outside_nucleus``) of top_p[b]."""
-    return filter_mask(logits, top_p)
 
 
 def filter_mask(logits: Tensor, top_p: Tensor, top_k: Tensor | None = None, min_p: Tensor | None = None) -> Tensor:

@@ -35,6 +35,7 @@ from moectl.server.protocol import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
+    message_dicts,
 )
 from moectl.server.responses import DONE, Shape, sse
 
@@ -263,8 +264,7 @@ def create_app(
             for index in range(len(generations)):
                 yield sse(shape.chunk(None, role=True, index=index))
         offsets = [0] * len(generations)
-        prompt_tokens = sum(len(g.prompt_ids) for g in generations[:: body.n])
-        completion_tokens = 0
+        prompt_tokens = completion_tokens = 0
         async for index, event in merged(generations):
             if event.finish_reason == "error":
                 error = APIError(500, f"generation failed: {(event.info or {}).get('error', 'engine error')}")
@@ -281,7 +281,10 @@ def create_app(
                 yield sse(shape.chunk(event.text, logprobs=lps, index=index))
             if event.finish_reason is not None:
                 yield sse(shape.last_chunk(event.finish_reason, event.info, index=index))
-                completion_tokens += int((event.usage or {}).get("completion_tokens", 0))
+                usage = event.usage or {}
+                completion_tokens += int(usage.get("completion_tokens", 0))
+                if index % body.n == 0:  # a prompt counted once, as OpenAI does
+                    prompt_tokens += int(usage.get("prompt_tokens", 0))
         else:
             if body.stream_options and body.stream_options.include_usage:
                 yield sse(shape.usage_chunk(usage_of(prompt_tokens, completion_tokens)))
@@ -317,8 +320,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = chat_ids(tokenizer, messages, body.template_kwargs())
+        ids = chat_ids(tokenizer, message_dicts(body.messages), body.template_kwargs())
         return await chat_all(request, body, ids, Shape(model_name, chat=True))
 
     @app.post("/tokenize")
@@ -329,7 +331,7 @@ def create_app(
         if body.model is not None:
             check_model(body.model)
         if body.messages is not None:
-            ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages], body.chat_template_kwargs)
+            ids = chat_ids(tokenizer, message_dicts(body.messages), body.chat_template_kwargs)
         else:
             ids = [int(i) for i in tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)]
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}

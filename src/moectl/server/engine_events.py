@@ -30,7 +30,6 @@ class Generation:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.request_id: Any = None
-        self.prompt_ids: list[int] = []
         self.finished = False
 
     def _on_event(self, event: Any) -> None:
@@ -55,7 +54,6 @@ class Generation:
             raise APIError(400, str(err)) from err
         except RuntimeError as err:  # the engine stopped accepting (shutting down)
             raise APIError(503, f"the server is shutting down: {err}", headers={"Retry-After": "5"}) from err
-        self.prompt_ids = prompt_ids
         self.metrics.prompt_tokens.inc(len(prompt_ids))
 
     async def events(self) -> AsyncIterator[Any]:

@@ -7,13 +7,13 @@ with 400 naming it, never silently dropped. OpenAI's ``n``, ``presence_penalty``
 ``frequency_penalty`` and ``logit_bias`` are honoured, and so are the sampling fields vLLM adds
 (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``min_tokens``;
 ``engine.sampling``, ``engine.penalties``); vLLM's extras that moectl does not do
-(:data:`UNSUPPORTED_EXTRAS`: beam search, guided decoding, …) are refused unless they hold the value
-that changes nothing. A
-completion's prompt may be text or token ids, one or several (as lm-eval's ``local-completions``
-sends them); ``n`` choices are drawn per prompt, prompt-major, ``seed + j`` for choice j of a
-prompt when a seed is given. ``logprobs`` (up to
-``engine.logprobs.MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and log-probabilities first;
-``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's legacy API does. Two
+(:data:`UNSUPPORTED_EXTRAS`: beam search, guided decoding, …) are refused unless they hold the
+value that changes nothing. A completion's prompt may be text or token ids, one or several (as
+lm-eval's ``local-completions`` sends them); ``n`` choices are drawn per prompt, prompt-major,
+``seed + j`` for choice j of a prompt when a seed is given. ``logprobs`` (up to
+``engine.logprobs.MAX_LOGPROBS`` alternatives) and ``echo`` (the prompt's text and
+log-probabilities first; ``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's
+legacy API does. Two
 fields are moectl's own (the ``openai`` client sends them with ``extra_body``): ``routing``, the
 name of a routing the server registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM
 names it), to generate ``max_tokens`` tokens whatever the model says (load tests, fixed-length
@@ -188,6 +188,11 @@ class ChatMessage(BaseModel):
                 )
             parts.append(part["text"])
         return "".join(parts)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: role and text (``ChatMessage.text``)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class ChatCompletionRequest(SamplingFields):
