@@ -33,6 +33,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), min_ids: int = 0) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.longest = max((len(s) for s in self.stop), default=1)  # a stop string's reach back
         self.min_ids = min_ids
         self.floor = 0  # stop strings end past decoded[:floor] (the text before min_ids ids)
         self.ids: list[int] = []
@@ -61,8 +62,7 @@ class TextStream:
         if len(self.ids) < self.min_ids:  # no stop string yet: all the complete text can be shown
             self.searched = self.floor = len(self.decoded)
             return self._show(self.decoded), False
-        longest = max((len(s) for s in self.stop), default=1)
-        text, stopped = cut_at_stop(self.decoded, self.stop, max(0, self.searched - longest + 1))
+        text, stopped = cut_at_stop(self.decoded, self.stop, max(0, self.searched - self.longest + 1))
         self.searched = len(self.decoded)
         if stopped:
             return self._show(text), True
@@ -72,8 +72,7 @@ class TextStream:
         full = self._decode(self.ids)
         if not full.startswith(self.decoded):  # a tokenizer whose decode is not additive
             full = self.decoded + self._pending()
-        longest = max((len(s) for s in self.stop), default=1)
-        return self._show(cut_at_stop(full, self.stop, max(0, self.floor - longest + 1) if self.floor else 0)[0])
+        return self._show(cut_at_stop(full, self.stop, max(0, self.floor - self.longest + 1))[0])
 
     def _show(self, visible: str) -> str:
         self.text = visible if visible.startswith(self.shown) else self.shown
