@@ -24,6 +24,7 @@ MODEL = "tiny:olmoe"
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12), st.sampled_from([MODEL, "half", "nope", "", "/etc/passwd", 0.5, -1, 21, 1e9]),
+    st.sampled_from(["ab\ud800cd", "\udfff", "z" * 5000]),  # a lone surrogate (escaped by json.dumps), a long text
 )  # fmt: skip
 VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4), st.lists(st.integers(-2, 400), max_size=6),
                    st.lists(st.lists(st.integers(-2, 300), max_size=4), max_size=3),

@@ -240,7 +240,7 @@ BAD = [  # (request body, status, param, words in the message)
     ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, None, "min_p must be in [0, 1]"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids, got 'a'"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"7": 101}}, 400, None, "[-100, 100]"),
-    ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, 400, None, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "echo": True, "stream": True}, 400, "echo", "not supported with stream"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "from 0 to 20"),
     ({"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt", "at most 64 choices"),
@@ -249,7 +249,7 @@ BAD = [  # (request body, status, param, words in the message)
     ({"model": MODEL, "prompt": [[]]}, 400, "prompt", "at least one id"),
     ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "routing": "roe"}, 400, None, "not RoE"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
-    ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, None, "up to 16 non-empty"),
+    ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop", "at most 16"),
 ]
 
 

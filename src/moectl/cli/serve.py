@@ -154,6 +154,25 @@ def serve_command(
             "tokenizer, e.g. the one its GGUF export carries).",
         ),
     ] = None,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            "--read-timeout",
+            help="Seconds a client has to send a whole request, from connecting or from its previous "
+            "response; then the connection is closed (a request being answered is never cut).",
+        ),
+    ] = 30.0,
+    timeout_keep_alive: Annotated[
+        float, typer.Option("--timeout-keep-alive", help="Seconds an idle keep-alive connection is kept.")
+    ] = 5.0,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            "--shutdown-timeout",
+            help="Seconds SIGTERM waits for running requests; then they finish with finish_reason "
+            '"abort" and the server exits.',
+        ),
+    ] = 30.0,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights.")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help=", ".join(LOG_LEVELS))] = "info",
     threads: ThreadsOpt = None,
@@ -161,7 +180,8 @@ def serve_command(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions
-    (stream: true as server-sent events), /health, /metrics (Prometheus). SIGTERM drains and exits 0."""
+    (stream: true as server-sent events), /health, /metrics (Prometheus). SIGTERM drains and exits 0;
+    requests still running after --shutdown-timeout end with finish_reason "abort"."""
     try:
         spec = model_spec(model, tiny)
     except typer.BadParameter as err:
@@ -187,11 +207,13 @@ def serve_command(
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     offload = _offload_config(budget, residency, slot_dtype, store)
+    from moectl.server.uvicorn_run import ServeLimits, serve
+
+    limits = ServeLimits(read_timeout, timeout_keep_alive, shutdown_timeout)
     check_port(host, port)
 
     from moectl.engine import Engine, EngineConfig
     from moectl.server.app import create_app
-    from moectl.server.uvicorn_run import serve
 
     n_threads = use_threads(threads)
     # Everything but the engine's loop thread runs torch with one thread: once OpenMP has a pool of
@@ -244,7 +266,7 @@ def serve_command(
             f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it"
         )
     try:
-        serve(app, host, port, log_level=log_level)
+        serve(app, host, port, log_level=log_level, limits=limits, on_deadline=engine.abort)
     except OSError as err:
         fail(err)
     finally:

@@ -67,7 +67,7 @@ from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
 from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
-from moectl.engine.text import TextStream
+from moectl.engine.text import TextStream, lone_surrogate
 from moectl.errors import ConfigError, MoectlError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
 from moectl.progress import progress_bar
@@ -89,7 +89,10 @@ def eos_ids(model: nn.Module, tokenizer) -> set[int]:
 
 def encode(tokenizer, text: str) -> list[int]:
     """A prompt's token ids as the tokenizer makes them for a batch of one (special tokens included,
-    as ``tokenizer([text])`` gives ``model.generate``)."""
+    as ``tokenizer([text])`` gives ``model.generate``); text that is not valid Unicode is refused."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ConfigError(f"the prompt holds a lone surrogate (U+{ord(text[at]):04X} at character {at}); text must be valid Unicode")
     ids = tokenizer([text])["input_ids"][0]
     return [int(t) for t in (ids.tolist() if isinstance(ids, Tensor) else ids)]
 
@@ -139,7 +142,8 @@ class Event:
     """What a request produced in one step: one event per generated token (``token_ids``, its id), with
     the text completed at that step — empty while the text is held back (an incomplete UTF-8
     character, a possible start of a stop string), so ``text`` concatenates to the completion's text.
-    ``finish_reason`` (on its last event): stop (EOS or a stop string) | length | cancelled | error;
+    ``finish_reason`` (on its last event): stop (EOS or a stop string) | length | cancelled | abort
+    (:meth:`Engine.abort`, a server's shutdown deadline) | error;
     ``usage`` and ``info`` come with the last event."""
 
     request_id: str
@@ -273,6 +277,8 @@ class Engine(PrefixPrefill):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._drain = True
+        self._abort_asked = False  # abort(): the loop cancels every request at its next turn ...
+        self._aborted: set[str] = set()  # ... and these finish with "abort" instead of "cancelled"
         self._checked_cache = False
         self.counters = {
             "steps": 0,
@@ -364,6 +370,14 @@ class Engine(PrefixPrefill):
             self._thread = None
         self.close()
 
+    def abort(self) -> None:
+        """Finish every request, running or waiting, at the next step boundary with
+        ``finish_reason: "abort"`` (vLLM's); new requests are still accepted unless shutting down.
+        A server calls it when its shutdown deadline passes."""
+        with self._lock:
+            self._abort_asked = True
+            self._lock.notify_all()
+
     # -- requests -----------------------------------------------------------------------------
     def submit(
         self,
@@ -405,6 +419,7 @@ class Engine(PrefixPrefill):
             raise ConfigError(f"repeats = {copies} needs more rows than max_batch = {self.config.max_batch}")
         seed = request_seed(params)
         policies = [] if chosen is None else chosen.for_request(seed, self.info)
+        stream = TextStream(self.tokenizer, params.stop, params.min_tokens)  # its automaton: outside the lock
         with self._lock:
             if self._stopping:
                 raise EngineClosed("the engine is shutting down")
@@ -418,7 +433,7 @@ class Engine(PrefixPrefill):
                 policies=policies,
                 key=seed_key(seed),
                 on_event=on_event,
-                stream=TextStream(self.tokenizer, params.stop, params.min_tokens),
+                stream=stream,
                 trace=self._new_trace() if copies == 1 else [self._new_trace() for _ in range(copies)],
                 copies=copies,
             )
@@ -515,14 +530,16 @@ class Engine(PrefixPrefill):
                 governor.update()  # in this thread: torch's thread count is per thread under OpenMP
             with self._lock:
                 busy = self._busy()
-                while not self._stopping and not self._waiting and not busy:
+                while not self._stopping and not self._waiting and not busy and not self._abort_asked:
                     self._lock.wait()
                     busy = self._busy()
-                if self._stopping and not self._drain:
+                if (self._stopping and not self._drain) or self._abort_asked:
                     chunked = [c.req for c in self._chunked]
-                    self._cancelled.update(
-                        r.id for r in (*self._waiting, *self._running, *self._roe_rows, *chunked)
-                    )
+                    every = {r.id for r in (*self._waiting, *self._running, *self._roe_rows, *chunked)}
+                    self._cancelled |= every
+                    if self._abort_asked:
+                        self._aborted |= every
+                        self._abort_asked = False
                 if self._stopping and not self._waiting and not busy:
                     return
             self.step()
@@ -955,6 +972,9 @@ class Engine(PrefixPrefill):
             self._finish(req, "error", error=f"{type(err).__name__}: {err}")
 
     def _finish(self, req: _Request, reason: str, *, piece: str = "", error: str | None = None) -> None:
+        if req.id in self._aborted:
+            self._aborted.discard(req.id)
+            reason = "abort" if reason == "cancelled" else reason
         decode_steps = max(len(req.generated) - 1, 0)
         layers = self.info.num_moe_layers
         roe = req.routing is not None and req.routing.roe is not None  # K routings: no one switch rate

@@ -25,6 +25,14 @@ from moectl.errors import ConfigError
 from moectl.routing.keyed_hash import M32, mix, uniforms
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # each stop string's length (the automaton that finds them is built per request)
+
+
+def describe(stop: object) -> str:
+    """A stop string as an error names it: short ones whole, long ones by their length."""
+    if isinstance(stop, str) and len(stop) <= 40:
+        return repr(stop)
+    return f"{len(stop)} characters" if isinstance(stop, str) else type(stop).__name__
 
 
 @dataclass(frozen=True)
@@ -79,8 +87,11 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise ConfigError(
+                f"stop must be up to {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters "
+                f"each, got {len(stop)}: {', '.join(describe(s) for s in stop[:3])}{', ...' if len(stop) > 3 else ''}"
+            )
         object.__setattr__(self, "stop", stop)
         from moectl.engine.penalties import check_penalties
 

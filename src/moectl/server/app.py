@@ -156,6 +156,7 @@ def create_app(
         """The request's sampling checked (400 for what the engine refuses) and handed to the engine;
         ``choice`` j of ``n`` draws with ``seed + j`` when the request gives a seed."""
         routing = check_routing(body.routing)
+        check_ids([token for token, _ in body.bias_pairs()], "logit_bias token id", "logit_bias")
         try:  # what the engine refuses beyond the request's own checks (e.g. too many stop strings)
             params = SamplingParams(
                 max_tokens=max_tokens_for(body, len(ids), default, param),

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic_core import PydanticCustomError
 
 from moectl.engine.logprobs import check_count
+from moectl.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from moectl.engine.text import lone_surrogate
 from moectl.server.api_errors import APIError
 
 MAX_PROMPTS = 64  # choices in one request, prompts × n (each one engine request, in the same queue)
@@ -52,15 +55,44 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
 HINTS = {"prompt_logprobs": ": ask /v1/completions with echo and logprobs"}
 
 
+def surrogate_in(value: Any) -> str | None:
+    """Where a lone surrogate sits in a field's value (text, or lists and dicts of it), or None."""
+    if isinstance(value, str):
+        at = lone_surrogate(value)
+        return None if at is None else f"U+{ord(value[at]):04X} at character {at}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        where = surrogate_in(key) or surrogate_in(item)
+        if where is not None:
+            return f"{where} of item {key!r}" if not isinstance(key, int) else f"{where} of item {key}"
+    return None
+
+
+class Body(BaseModel):
+    """A request body: unknown fields allowed, text valid Unicode. JSON's ``\\ud800`` escape carries
+    a lone surrogate, which no tokenizer can encode: it is a 400 naming the field, at parsing, so
+    every endpoint and every tokenizer refuse it alike."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        where = surrogate_in(value)
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "holds a lone surrogate ({where}); text must be valid Unicode", {"where": where}
+            )
+        return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """What completions and chat completions share."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -118,8 +150,16 @@ class SamplingFields(BaseModel):
             value = (self.model_extra or {}).get(name)
             if not any(value is f or (f is not None and value == f and type(value) is type(f)) for f in fine):
                 raise APIError(400, f"{name}={value!r} is not supported{HINTS.get(name, '')}", param=name)
-        if any(not s for s in self.stop_list()):
+        stops = self.stop_list()
+        if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise APIError(
+                400, f"a stop string of {longest} characters; each may hold at most {MAX_STOP_CHARS}", param="stop"
+            )
 
 
 def check_logprobs(value: int | None, param: str) -> None:
@@ -169,9 +209,7 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -234,11 +272,9 @@ class ChatCompletionRequest(SamplingFields):
             message.text()
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """``POST /tokenize`` (vLLM's shape, which lm-eval's remote tokenizer calls): a prompt's text, or
     a chat's messages through the chat template."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
@@ -251,10 +287,8 @@ class TokenizeRequest(BaseModel):
             raise APIError(400, "give prompt (text) or messages (a chat), one of them", param="prompt")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     """``POST /detokenize``: token ids back to text."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[int]
