@@ -160,16 +160,28 @@ def test_optuna_does_not_print_the_traceback_of_the_trial_ctrl_c_cut_short(capfd
 
 
 # -- subset files on another model ---------------------------------------------------------------------
-def test_a_subset_chosen_on_a_model_with_other_expert_counts_warns(tmp_path):
+def test_a_subset_chosen_on_a_model_with_other_expert_counts_is_refused(tmp_path):
+    """Issue #42 (6): was a warning and exit 0; its expert ids name other experts on this model."""
     subset = tmp_path / "s.json"
     save_subset(subset, {0: [0, 1], 1: [0, 1], 2: [0, 1]}, num_experts=64)  # chosen on a 64-expert model
     result = runner.invoke(
         app, ["subset", "export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
     )
-    assert result.exit_code == 0, result.output
-    assert "was chosen on another model (64 experts per MoE layer), used on tiny:olmoe (8 experts" in _flat(
+    assert result.exit_code == 2, result.output
+    assert "made for another model: it records 64 experts per MoE layer, this model has 8" in _flat(
         result.output
     )
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_subset_chosen_on_another_model_of_the_same_expert_count_warns(tmp_path):
+    subset = tmp_path / "s.json"
+    save_subset(subset, {0: [0, 1], 1: [0, 1], 2: [0, 1]}, model="tiny:other", num_experts=8)
+    result = runner.invoke(
+        app, ["subset", "export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "was chosen on tiny:other, used on tiny:olmoe (8 experts" in _flat(result.output)
 
 
 def test_subset_select_records_the_expert_count(tmp_path):

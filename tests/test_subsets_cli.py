@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import typer
 from transformers import AutoModelForCausalLM
@@ -173,3 +174,90 @@ def test_modularity_groups_a_corpus_folder_by_domain(tmp_path):
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "report" / "similarity.json").read_text())
     assert saved["domains"] == sorted(texts)
+
+
+# -- issue #42 (6): subset files that cannot be read, or were made for another model ------------------
+def _bad_subset(tmp_path, kind):
+    if kind == "folder":
+        path = tmp_path / "subset-folder"
+        path.mkdir()
+        return path, "is a folder: give a JSON file"
+    path = tmp_path / "latin1.subset.json"
+    path.write_bytes(b'{"keep": {"0": [0, 1]}, "method": "r\xe9gion"}')
+    return path, "not valid JSON (not UTF-8 text"
+
+
+def _verbs(tmp_path, subset):
+    """Each verb that reads a subset file, with ``subset`` where it goes."""
+    checkpoint = tmp_path / "olmoe"
+    if not checkpoint.exists():
+        moectl.tiny("olmoe").save_pretrained(checkpoint)
+        moectl.tiny("qwen3_moe").save_pretrained(tmp_path / "qwen3")  # GGUF: olmoe's k_norm is refused
+        (tmp_path / "domains").mkdir()
+        (tmp_path / "domains" / "math.jsonl").write_text('{"text": "1 + 1 = 2"}\n')
+        (tmp_path / "experts").mkdir()
+    return {
+        "subset export": ["subset", "export", "tiny:olmoe", "--subset", str(subset),
+                          "--out", str(tmp_path / "o")],
+        "subset export --stream": ["subset", "export", str(checkpoint), "--subset", str(subset),
+                                   "--out", str(tmp_path / "o")],
+        "subset gate": ["subset", "gate", "tiny:olmoe", "--subset", str(subset),
+                        "--data", str(tmp_path / "domains")],
+        "subset merge": ["subset", "merge", "tiny:olmoe", "--subset", str(subset), "--experts",
+                         str(tmp_path / "experts"), "--out", str(tmp_path / "merged")],
+        "eval --policy": ["eval", "tiny:olmoe", "--policy", str(subset), "--perplexity",
+                          str(tmp_path / "domains" / "math.jsonl")],
+        "eval --policy static:": ["eval", "tiny:olmoe", "--policy", f"static:{subset}", "--perplexity",
+                                  str(tmp_path / "domains" / "math.jsonl")],
+        "serve-offload --policy static:": ["serve-offload", "tiny:olmoe", "--policy", f"static:{subset}"],
+        "export gguf --subset": ["export", "gguf", str(tmp_path / "qwen3"), "--subset", str(subset),
+                                 "--out", str(tmp_path / "o.gguf")],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["not UTF-8", "folder"])
+def test_a_subset_file_that_cannot_be_read_is_one_error_line_on_every_verb(tmp_path, kind):
+    """Was a raw UnicodeDecodeError / IsADirectoryError traceback (exit 1) from the subset verbs."""
+    from moectl.cli import app
+
+    subset, message = _bad_subset(tmp_path, kind)
+    for verb, args in _verbs(tmp_path, subset).items():
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (verb, result.output, result.exception)
+        assert result.output.count("error:") == 1 and "Traceback" not in result.output, (verb, result.output)
+        assert _squash(f"{subset}") in _squash(result.output), (verb, result.output)
+        policy_folder = kind == "folder" and verb == "eval --policy"  # a policy may be a folder
+        expected = "a folder with no policy in it" if policy_folder else message
+        assert _squash(expected) in _squash(result.output), (verb, result.output)
+        assert not any((tmp_path / name).exists() for name in ("o", "merged", "o.gguf")), verb
+
+
+def _squash(text: str) -> str:
+    """``text`` without white space: rich wraps long error lines anywhere."""
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_subset_file_for_another_model_is_refused_by_export(tmp_path, stream):
+    """Was exported, exit 0, no warning: a file made for 32 experts per MoE layer on an 8-expert model."""
+    from moectl.cli import app
+
+    model = str(tmp_path / "olmoe") if stream else "tiny:olmoe"
+    if stream:
+        moectl.tiny("olmoe").save_pretrained(model)
+    cases = {
+        "num_experts": ({"0": [0, 1], "1": [0, 1], "2": [0, 1]}, 32,
+                        "made for another model: it records 32 experts per MoE layer, this model has 8"),
+        "expert id": ({"0": [0, 1], "1": [0, 1], "2": [0, 9]}, None, "expert ids must lie in 0..7"),
+        "MoE layer": ({"0": [0, 1], "1": [0, 1], "2": [0, 1], "3": [0, 1]}, None,
+                      "MoE layers [3]; the model has MoE layers 0..2"),
+    }  # fmt: skip
+    for name, (keep, recorded, message) in cases.items():
+        subset = tmp_path / f"{name}.json"
+        subset.write_text(json.dumps({"keep": keep, "num_experts": recorded}))
+        args = ["subset", "export", model, "--subset", str(subset), "--out", str(tmp_path / "o")]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (name, result.output, result.exception)
+        assert _squash(message) in _squash(result.output), (name, result.output)
+        assert _squash(str(subset)) in _squash(result.output), (name, result.output)
+        assert not (tmp_path / "o").exists()

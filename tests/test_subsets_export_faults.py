@@ -4,6 +4,10 @@ before anything is written, on every path (in memory with any --dtype, tiny mode
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli.subset import subset_app
+from moectl.io.atomic import CRASH_AFTER, writer_lock
 from moectl.models.shapes import make_checkpoint
 from moectl.subsets import save_subset
 from moectl.subsets.export import export_subset
@@ -69,3 +74,55 @@ def test_export_subset_refuses_a_non_empty_folder_and_fills_an_empty_one(tmp_pat
     export_subset(model, keep, tmp_path / "empty")
     assert (tmp_path / "empty" / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "full"]  # no temporary folder left
+
+
+# -- issue #42 (6): what an export killed mid-way leaves, and a second export meanwhile ------------------
+def test_the_next_export_into_the_folder_removes_what_a_killed_export_left_and_nothing_live(sharded):
+    """Was: ``.tmp-a`` of an export killed mid-way (SIGKILL) stayed until an export into ``a`` itself."""
+    src, subset = sharded
+    parent = src.parent / "exports"
+    parent.mkdir()
+    tiny = src.parent / "tiny.json"
+    save_subset(tiny, {0: [0, 1], 1: [0, 1], 2: [0, 1]}, num_experts=8)
+    killed = subprocess.run(
+        [sys.executable, "-m", "moectl", "subset", "export", "tiny:olmoe", "--subset", str(tiny),
+         "--out", str(parent / "a")],
+        env={**os.environ, CRASH_AFTER: "1"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (parent / ".tmp-a" / "model.safetensors").is_file() and not (parent / "a").exists()
+    (parent / ".tmp-old").mkdir()  # no lock file: an unlocked write (or an older moectl's), maybe live
+    with writer_lock(parent / "live"):  # a live export: this process holds its lock
+        (parent / ".tmp-live").mkdir()
+        (parent / ".tmp-live" / "model.safetensors").write_bytes(b"being written")
+        result = CliRunner().invoke(
+            subset_app, ["export", str(src), "--subset", str(subset), "--out", str(parent / "b")]
+        )
+        assert result.exit_code == 0, result.output
+        assert "streamed" in result.output
+        assert _squash(f"removed {parent / '.tmp-a'}") in _squash(result.output)
+        assert sorted(p.name for p in parent.iterdir()) == [".lock-live", ".tmp-live", ".tmp-old", "b"]
+        assert (parent / ".tmp-live" / "model.safetensors").read_bytes() == b"being written"
+
+
+def test_a_second_export_into_the_same_folder_meanwhile_is_refused(tmp_path):
+    """Was: the second export deleted the first one's ``.tmp-o`` under it and wrote its own there."""
+    subset = tmp_path / "s.json"
+    save_subset(subset, {0: [0, 1], 1: [0, 1], 2: [0, 1]}, num_experts=8)
+    args = ["export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
+    (tmp_path / ".tmp-o").mkdir()
+    (tmp_path / ".tmp-o" / "model.safetensors").write_bytes(b"being written")
+    with writer_lock(tmp_path / "o"):
+        result = CliRunner().invoke(subset_app, args)
+    assert result.exit_code == 2, result.output
+    assert _squash(f"being written by another process (pid {os.getpid()}") in _squash(result.output)
+    assert (tmp_path / ".tmp-o" / "model.safetensors").read_bytes() == b"being written"
+    result = CliRunner().invoke(subset_app, args)  # its writer gone (the lock let go): removed, and said
+    assert result.exit_code == 0, result.output
+    assert _squash(f"removed {tmp_path / '.tmp-o'}") in _squash(result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "s.json"]
+
+
+def _squash(text: str) -> str:
+    """``text`` without white space: rich wraps long lines anywhere."""
+    return "".join(text.split())

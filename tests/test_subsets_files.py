@@ -7,6 +7,7 @@ import json
 import pytest
 
 import moectl
+from moectl.errors import ConfigError, FileFormatError, MoectlError
 from moectl.subsets import load_subset, save_subset
 
 
@@ -91,3 +92,53 @@ def test_grouped_router_needs_balanced_groups(tmp_path, grouped_info):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_subset(tmp_path / "nope.json")
+
+
+# -- issue #42 (6): files that cannot be read, and files made for another model -----------------------
+def _unreadable(tmp_path, kind):
+    if kind == "not UTF-8":
+        path = tmp_path / "latin1.json"
+        path.write_bytes(b'{"keep": {"0": [1, 2]}, "method": "r\xe9gion"}')
+        return path, r"not valid JSON \(not UTF-8 text"
+    path = tmp_path / "a-folder"
+    path.mkdir()
+    if kind == "an exported folder":
+        (path / "moectl_subset.json").write_text("{}")
+        return path, r"is a folder: give a JSON file \(this folder's is .*moectl_subset.json\)"
+    return path, "is a folder: give a JSON file"
+
+
+@pytest.mark.parametrize("kind", ["not UTF-8", "a folder", "an exported folder"])
+def test_a_subset_file_that_cannot_be_read_is_one_moectl_error(tmp_path, info, kind):
+    """Was a raw UnicodeDecodeError / IsADirectoryError: a traceback on the command line."""
+    path, message = _unreadable(tmp_path, kind)
+    for read in (lambda: load_subset(path, info), lambda: moectl.load_policy(f"static:{path}", info)):
+        with pytest.raises(MoectlError, match=message) as err:
+            read()
+        assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "error", "message"),
+    [
+        (32, ConfigError, "made for another model .*: it records 32 experts per MoE layer, this model has 8"),
+        ("8", FileFormatError, '"num_experts" must be a positive integer .*got \'8\''),
+        (0, FileFormatError, '"num_experts" must be a positive integer'),
+    ],
+)
+def test_a_subset_file_for_another_expert_count_is_refused(tmp_path, info, recorded, error, message):
+    """Was loaded (load_subset; load_policy only warned): its ids name other experts on this model."""
+    path = write(tmp_path, {"0": [1, 2], "1": [1, 2], "2": [1, 2]}, num_experts=recorded)
+    readers = [lambda: load_subset(path, info), lambda: moectl.load_policy(path, info)]
+    readers.append(lambda: moectl.load_policy(f"static:{path}", info))
+    for read in readers:
+        with pytest.raises(error, match=message) as err:
+            read()
+        assert str(path) in str(err.value)
+
+
+def test_a_subset_file_of_the_model_s_expert_count_or_none_recorded_loads(tmp_path, info):
+    keep = {"0": [1, 2], "1": [1, 2], "2": [1, 2]}
+    assert load_subset(write(tmp_path, keep, num_experts=8), info).num_experts == 8
+    assert load_subset(write(tmp_path, keep, num_experts=None), info).num_experts is None
+    assert moectl.load_policy(write(tmp_path, keep, num_experts=8), info).expert_lists()[2] == [1, 2]

@@ -173,7 +173,9 @@ def warn_mismatch(path: Path, chosen, model: str, info) -> None:
 
 
 def _print_export(out: Path, report: dict, how: str = "") -> None:
-    """The before/after table of an export."""
+    """The before/after table of an export, after a note per stale temporary folder it removed."""
+    for path in report.get("stale_removed", []):
+        console.print(f"[yellow]note:[/yellow] removed {escape(path)}, left by an export killed mid-way")
     title = f"exported {out}: {report['experts_after']} experts per MoE layer" + (f", {how}" if how else "")
     table = Table(title=title)
     for column in ("", "before", "after", "after / before"):

@@ -9,7 +9,10 @@ on any error the temporary file is removed and the target is untouched.
 Durable too: the file is ``fsync``-ed before the rename and its folder after it, so a power loss
 leaves the old file or the new one, never a complete-looking empty one. ``atomic_dir`` does the
 same for a whole folder (a checkpoint, an export): written beside its final name, synced, then
-swapped in with one ``renameat2(RENAME_EXCHANGE)`` where the system has it.
+swapped in with one ``renameat2(RENAME_EXCHANGE)`` where the system has it. A locked folder write
+(``atomic_dir(lock=True)``: the exports) also holds ``.lock-NAME`` beside it, so that a writer killed
+mid-way is told from a live one: :func:`remove_stale_tmps` removes the ``.tmp-*`` folders of dead
+ones only.
 
 ``crash_point`` is a test hook (``MOECTL_CRASH_AFTER=N``: SIGKILL at the N-th step of an atomic
 write; ``MOECTL_CRASH_LOG=FILE``: list the steps) that the crash-consistency tests sweep.
@@ -25,9 +28,16 @@ import signal
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+
+from moectl.errors import OutputExistsError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so locked writes run unlocked (see writer_lock)
+    fcntl = None  # type: ignore[assignment]
 
 CRASH_AFTER = "MOECTL_CRASH_AFTER"
 CRASH_LOG = "MOECTL_CRASH_LOG"
@@ -217,7 +227,9 @@ def _carry_over(old: Path, new: Path) -> None:
 
 
 @contextmanager
-def atomic_dir(final: str | Path, overwrite: bool = True, keep_others: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    final: str | Path, overwrite: bool = True, keep_others: bool = False, lock: bool = False
+) -> Iterator[Path]:
     """Yield a fresh ``.tmp-NAME`` folder beside ``final``; when the block succeeds, give its files the
     usual mode, sync them, and put it in place of ``final`` in one step (an existing ``final`` is
     exchanged with it, then removed), so ``final`` is the old folder or the new, never a mix.
@@ -225,9 +237,17 @@ def atomic_dir(final: str | Path, overwrite: bool = True, keep_others: bool = Fa
     An existing ``final`` is replaced only with ``overwrite`` (else FileExistsError before anything is
     written). ``keep_others``: entries of an existing ``final`` that the block did not write are carried
     into the new folder (hard links: no copy, and the old folder stays as it was). On an error the temporary folder is removed; after a kill it stays, and the next write of
-    the same name removes it.
+    the same name removes it. ``lock``: hold ``.lock-NAME`` for the whole write (:func:`writer_lock`:
+    OutputExistsError while another process writes ``final``), which marks ``.tmp-NAME`` as live
+    for :func:`remove_stale_tmps`.
     """
-    final = Path(final)
+    with writer_lock(final) if lock else nullcontext(), _swap_dir(Path(final), overwrite, keep_others) as tmp:
+        yield tmp
+
+
+@contextmanager
+def _swap_dir(final: Path, overwrite: bool, keep_others: bool) -> Iterator[Path]:
+    """:func:`atomic_dir` without its lock."""
     recover_dir(final)
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final} already exists (pass overwrite / --overwrite to replace it)")
@@ -281,3 +301,121 @@ def usual_modes(folder: str | Path) -> Path:
         if path.is_file() and not path.is_symlink():
             path.chmod(mode)
     return folder
+
+
+# -- locked writes: a killed writer's temporary folder told from a live one's ------------------------
+_UNLOCKED = -1  # what _try_lock gives where there is no flock (the platform, the file system)
+
+
+def lock_path(final: str | Path) -> Path:
+    """The lock file of a locked atomic write of ``final``: ``.lock-NAME`` beside it."""
+    final = Path(final)
+    return final.with_name(f".lock-{final.name}")
+
+
+def _try_lock(path: Path) -> int | None:
+    """A descriptor of ``path`` (created if missing) holding its exclusive ``flock``, with this process's
+    pid written in it; None while another process holds it; ``_UNLOCKED`` where there is no ``flock``.
+    A lock file that its holder unlinked between our open and our lock is opened anew."""
+    if fcntl is None:
+        return _UNLOCKED
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, default_mode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:  # ENOLCK, EINVAL: a file system without locks, where no lock file is kept
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            return _UNLOCKED
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        mine = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+def _unlock(path: Path, fd: int) -> None:
+    """Remove the lock file ``path`` and let go of its lock (unlinked first, while still held)."""
+    try:
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _holder(path: Path) -> str:
+    """The pid a lock file records, as text ('?' when it records none)."""
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+@contextmanager
+def writer_lock(final: str | Path) -> Iterator[None]:
+    """Hold ``.lock-NAME`` beside ``final`` (:func:`lock_path`; created, recording this pid, removed
+    after) for the block: the mark that ``final``'s ``.tmp-NAME`` has a live writer. OutputExistsError,
+    naming the pid and the temporary folder, while another process holds it. Where there is no
+    ``flock`` (Windows, some network file systems) the block runs unlocked."""
+    final = Path(final)
+    lock = lock_path(final)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = _try_lock(lock)
+    except OSError as err:
+        raise output_error(final, err) from err
+    if fd is None:
+        raise OutputExistsError(
+            f"{final} is being written by another process (pid {_holder(lock)}, into "
+            f"{final.with_name(f'.tmp-{final.name}')}): wait for it to finish, or give another output"
+        )
+    try:
+        yield
+    finally:
+        if fd != _UNLOCKED:
+            _unlock(lock, fd)
+
+
+def remove_stale_tmps(final: str | Path) -> list[Path]:
+    """Remove the temporary folders that killed writers left beside ``final``; return those removed.
+
+    Removed: ``final``'s own ``.tmp-NAME`` unless a live process holds its lock, and every other
+    ``.tmp-*`` there with a ``.lock-*`` that no live process holds (a locked write killed mid-way:
+    SIGKILL, out of memory, a power cut; a killed writer's ``flock`` is gone with it, whatever pid it
+    recorded). A ``.tmp-*`` of another name with no lock file (an unlocked atomic write, or one by an
+    older moectl) is left alone: nothing tells whether its writer still runs. Nothing is removed where
+    there is no ``flock``."""
+    final = Path(final)
+    parent = final.parent
+    if fcntl is None or not parent.is_dir():
+        return []
+    removed = []
+    for tmp in sorted(parent.glob(".tmp-*")):
+        name = tmp.name.removeprefix(".tmp-")
+        owned = name == final.name or lock_path(parent / name).is_file()
+        if tmp.is_dir() and not tmp.is_symlink() and owned and _remove_if_dead(parent / name):
+            removed.append(tmp)
+    return removed
+
+
+def _remove_if_dead(final: Path) -> bool:
+    """Remove ``final``'s ``.tmp-NAME`` unless a live process holds its lock; whether it is gone."""
+    lock, tmp = lock_path(final), final.with_name(f".tmp-{final.name}")
+    try:
+        fd = _try_lock(lock)
+    except OSError:  # the folder cannot be written: left as it is
+        return False
+    if fd is None or fd == _UNLOCKED:  # a live writer, or no flock here to tell
+        return False
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        _unlock(lock, fd)
+    return not tmp.exists()

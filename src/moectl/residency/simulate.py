@@ -84,7 +84,7 @@ def static_subsets(spec: str, acc: Accesses, budget: int) -> list[list[int]]:
         )
         order = np.argsort(-counts, axis=1, kind="stable")[:, :keep]
         return [sorted(int(e) for e in row) for row in order]
-    subsets = read_subset_file(Path(spec.removeprefix("static:")))
+    subsets = read_subset_file(Path(spec.removeprefix("static:")), acc.num_experts)
     out = []
     for layer in range(acc.layers):
         pinned = subsets.get(layer, [])
@@ -99,13 +99,16 @@ def static_subsets(spec: str, acc: Accesses, budget: int) -> list[list[int]]:
     return out
 
 
-def read_subset_file(path: Path) -> dict[int, list[int]]:
-    """``{layer: [experts]}`` from a subset file (``subset select --json``, an expert mask, ...)."""
-    from moectl.routing.legacy import normalise
+def read_subset_file(path: Path, num_experts: int | None = None) -> dict[int, list[int]]:
+    """``{layer: [experts]}`` from a subset file (``subset select --json``, an expert mask, ...), read by
+    the reader of every policy file (errors name the file); one that records another expert count
+    than ``num_experts`` (the trace's) is refused."""
+    from moectl.routing.legacy import check_expert_count, normalise
     from moectl.routing.mask import expert_lists_of
     from moectl.routing.policy_files import read_policy_json
 
-    data = normalise(read_policy_json(path))
+    data = normalise(read_policy_json(path, "subset file"))
+    check_expert_count(data, path, None if num_experts is None else [num_experts])
     for form in ("experts", "keep"):
         if isinstance(data.get(form), dict):
             return expert_lists_of(data[form], form)

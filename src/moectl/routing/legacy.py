@@ -9,17 +9,17 @@
   static:FILE``'s files) -> ``expert_mask``.
 
 ``load_policy`` (``routing/policy_files.py``) reads every file through :func:`normalise`;
-:func:`check_subset_layers` keeps the rule ``subset export`` applies to subset files.
+:func:`check_subset_layers` and :func:`check_expert_count` keep the rules ``subset export`` applies
+to subset files.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from moectl.errors import ConfigError
+from moectl.errors import ConfigError, FileFormatError
 from moectl.routing.policy_config import policy_types
 
 
@@ -49,12 +49,18 @@ def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
 def check_subset_layers(data: Any, info, path: Path) -> None:
     """A subset file (an expert mask spelled ``keep``, as ``subset select`` writes) must list every MoE
     layer, the rule ``subset export`` applies: a layer it leaves out would run unmasked, silently.
-    (A policy meant for some layers only spells its lists ``experts``.) Also warns when the file
-    records another expert count than the model's (chosen on another model)."""
-    if info is None or not isinstance(data, Mapping) or data.get("type", "expert_mask") != "expert_mask":
+    (A policy meant for some layers only spells its lists ``experts``.) An expert mask that records
+    another expert count than the model's was made for another model: refused
+    (:func:`check_expert_count`, the rule ``subset export`` applies too). A list is checked item by item."""
+    if isinstance(data, list):
+        for item in data:
+            check_subset_layers(item, info, path)
         return
+    if not isinstance(data, Mapping) or data.get("type", "expert_mask") not in ("expert_mask", "static"):
+        return
+    check_expert_count(data, path, expert_counts(info))
     keep = data.get("keep")
-    if not isinstance(keep, Mapping) or not keep:
+    if info is None or not isinstance(keep, Mapping) or not keep:
         return
     listed = {int(k) for k in keep if str(k).lstrip("-").isdigit()}
     missing = [layer.index for layer in info.layers if layer.index not in listed]
@@ -64,10 +70,33 @@ def check_subset_layers(data: Any, info, path: Path) -> None:
             f"experts in every MoE layer (as `moectl subset export` requires; missing {missing}); for a policy "
             "on some layers only, name the lists 'experts' instead of 'keep'"
         )
+
+
+def check_expert_count(
+    data: Mapping[str, Any], path: str | Path, counts: Iterable[int] | None = None
+) -> None:
+    """Refuse the subset file or expert mask ``data`` (read from ``path``) when its ``num_experts`` (the
+    experts per MoE layer of the model it was made for; null or absent: not recorded) is not a positive
+    integer, or is none of ``counts`` (the model's experts per MoE layer, :func:`expert_counts`): its
+    expert ids would name other experts than the ones it was chosen as."""
     recorded = data.get("num_experts")
-    if isinstance(recorded, int) and recorded != info.num_experts:
-        warnings.warn(
-            f"subset file {path} was chosen on {data.get('model') or 'a model'} with {recorded} experts per "
-            f"MoE layer; this model has {info.num_experts}",
-            stacklevel=3,
+    if recorded is None or ("keep" in data and data["keep"] is None):  # not recorded; a random baseline
+        return
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 1:
+        raise FileFormatError(
+            f'subset file {path}: "num_experts" must be a positive integer (the experts per MoE layer of '
+            f"the model it was made for) or null, got {recorded!r}"
         )
+    counts = sorted(set(counts)) if counts is not None else [recorded]
+    if recorded not in counts:
+        made_on = f" ({data['model']})" if isinstance(data.get("model"), str) else ""
+        raise ConfigError(
+            f"subset file {path} was made for another model{made_on}: it records {recorded} experts per MoE "
+            f"layer, this model has {' or '.join(map(str, counts))}; select a subset on this model "
+            "(`moectl subset select`)"
+        )
+
+
+def expert_counts(info) -> list[int] | None:
+    """The experts per MoE layer of the model ``info`` describes (None without one)."""
+    return None if info is None else sorted({layer.num_experts for layer in info.layers})

@@ -134,19 +134,39 @@ def _from_dict(data: Mapping[str, Any], model, info, base: Path | None, where: s
         raise ConfigError(f"{where}: {err}") from None
 
 
-def read_policy_json(path: Path) -> Any:
-    """The JSON value of the policy file ``path``; errors name the file (``FileNotFoundError`` /
-    ``ValueError``)."""
+def read_policy_json(path: Path, what: str = "policy file") -> Any:
+    """The JSON value of ``path``: the one reader of policy and subset files (``load_policy``,
+    ``moectl.subsets.load_subset``, ``static:FILE``). Every way a file can fail to be read — missing,
+    a folder, unreadable, not UTF-8, not JSON — is a ``MoectlError`` naming the file (as ``what``
+    ``path``), what is wrong and what is allowed: one ``error:`` line on the command line."""
+    path = Path(path)
     if not path.exists():
-        raise MoectlFileError(f"policy file {path} does not exist")
+        raise MoectlFileError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise MoectlFileError(f"{what} {path} is a folder: give a JSON file{_folder_hint(path)}")
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise FileFormatError(f"{path}: not valid JSON (not UTF-8 text)") from None
+        raw = path.read_bytes()
+    except OSError as err:
+        raise MoectlFileError(f"{what} {path} cannot be read: {err.strerror or err}") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise FileFormatError(
+            f"{what} {path}: not valid JSON (not UTF-8 text: {err.reason} at byte {err.start}); "
+            "policy and subset files are UTF-8 JSON"
+        ) from None
     except json.JSONDecodeError as err:
-        raise FileFormatError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise FileFormatError(f"{what} {path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     except RecursionError:
-        raise FileFormatError(f"{path}: not valid JSON (nested too deeply)") from None
+        raise FileFormatError(f"{what} {path}: not valid JSON (nested too deeply)") from None
+
+
+def _folder_hint(path: Path) -> str:
+    """Where the file a folder stands for is, when it is one moectl writes."""
+    for name in ("moectl_subset.json", "policy.json"):
+        if (path / name).is_file():
+            return f" (this folder's is {path / name})"
+    return ""
 
 
 # what a malformed field raises deep inside a policy's reader (a wrong JSON type where a number,
@@ -200,9 +220,7 @@ def _from_string(spec: str, model, info) -> Any:
         return policy_class("option").from_dict({"type": "option", "k_hat": k_hat}, info)
     if sep and kind == "static":
         path = Path(arg)
-        if not path.is_file():
-            raise MoectlFileError(f"policy {spec!r}: subset file {path} does not exist")
-        data = read_policy_json(path)
+        data = read_policy_json(path, f"policy {spec!r}: subset file")
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
         check_subset_layers(data, info, path)

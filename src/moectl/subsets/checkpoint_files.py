@@ -4,7 +4,6 @@ model's export)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,19 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def subset_metadata(path: Path) -> dict:
-    """The ``moectl_subset.json`` that ``moectl subset export`` writes beside a subset's weights, or {}."""
+    """The ``moectl_subset.json`` that ``moectl subset export`` writes beside a subset's weights, or {}
+    (read by ``read_policy_json``, the reader of every subset file: errors name the file)."""
+    from moectl.routing.policy_files import read_policy_json
+
     file = path / METADATA
     if not file.exists():
         return {}
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise FileFormatError(f"{file}: not valid JSON ({err})") from None
+    data = read_policy_json(file, "subset metadata file")
+    if not isinstance(data, dict):
+        raise FileFormatError(
+            f"subset metadata file {file}: expected a JSON object, as `moectl subset export` writes"
+        )
+    return data
 
 
 def has_tokenizer(path: Path) -> bool:

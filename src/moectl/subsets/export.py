@@ -18,7 +18,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
 from moectl.errors import ConfigError
-from moectl.io.atomic import atomic_dir
+from moectl.io.atomic import atomic_dir, remove_stale_tmps
 from moectl.subsets.card import write_subset_card
 
 METADATA = "moectl_subset.json"
@@ -61,10 +61,14 @@ def export_subset(
     (kept experts, ``metadata``, the report) and a model card of the subset (``README.md``,
     :mod:`moectl.subsets.card`) beside the weights. ``out_dir`` must not exist or be
     empty (as for the streamed export: an existing checkpoint, or the source itself, is never written
-    into); the folder appears complete or not at all (``moectl.io.atomic.atomic_dir``).
+    into); the folder appears complete or not at all (``moectl.io.atomic.atomic_dir``, locked: a second
+    export into the same folder meanwhile is refused). First removes the temporary folders that
+    exports killed mid-way left beside ``out_dir`` (``remove_stale_tmps``: never a live export's),
+    listed in the report's ``stale_removed``.
     """
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
+    stale = remove_stale_tmps(out_dir)
     info = info or inspect(model)
     keep = check_keep(info, keep)
     before = {"parameters": count_parameters(model), "tensor_bytes": tensor_bytes(model)}
@@ -77,7 +81,7 @@ def export_subset(
     slice_experts(target, keep, info)
     if out_dir.exists():
         out_dir.rmdir()  # empty (checked): atomic_dir renames the complete folder into its place
-    with atomic_dir(out_dir, overwrite=False) as tmp:
+    with atomic_dir(out_dir, overwrite=False, lock=True) as tmp:
         target.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
@@ -101,6 +105,7 @@ def export_subset(
         }
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         write_subset_card(tmp, meta, source)
+        report["stale_removed"] = [str(path) for path in stale]  # not in the metadata: this machine's
         report["disk_bytes_with_metadata"] = disk_bytes(tmp)
     return report
 

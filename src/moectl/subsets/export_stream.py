@@ -40,7 +40,7 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.linear_gate import GateRouter
 from moectl.adapters.slicing import EXPERT_COUNT_KEYS, check_keep, per_expert_tensors
 from moectl.errors import FileFormatError
-from moectl.io.atomic import atomic_dir, default_mode
+from moectl.io.atomic import atomic_dir, default_mode, remove_stale_tmps
 from moectl.io.range_read import RangeReader
 from moectl.io.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
 from moectl.io.shards import ShardReader
@@ -151,11 +151,14 @@ def export_checkpoint_subset(
     """Write the subset ``keep`` of checkpoint ``folder`` to ``out_dir`` shard by shard; the report.
 
     ``out_dir`` must not exist or be empty. Raises ``ValueError`` naming what is wrong (a keep list
-    the model refuses, a checkpoint that does not fit its config) before anything is written.
+    the model refuses, a checkpoint that does not fit its config) before anything is written. As
+    ``export_subset``: a locked write, after removing what killed exports left beside ``out_dir``
+    (the report's ``stale_removed``).
     """
     folder, out_dir = Path(folder).expanduser(), Path(out_dir).expanduser()
     check_out_dir(out_dir)
     actions, keep, experts, experts_before = plan_actions(folder, keep)
+    stale = remove_stale_tmps(out_dir)  # killed exports' .tmp-* folders beside out_dir, never a live one's
     index = CheckpointIndex(folder)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key, entry in index.entries.items():
@@ -166,7 +169,7 @@ def export_checkpoint_subset(
     io = RangeReader("direct")
     weight_map: dict[str, str] = {}
     before = after = params_before = params_after = 0
-    with closing(io), atomic_dir(out_dir, overwrite=False) as tmp:
+    with closing(io), atomic_dir(out_dir, overwrite=False, lock=True) as tmp:
         for i, file in enumerate(files):
             name = SINGLE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             tensors: dict[str, Tensor] = {}
@@ -208,6 +211,7 @@ def export_checkpoint_subset(
         meta = {"keep": {str(k): v for k, v in sorted(keep.items())}, **(metadata or {}), "report": report}
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
         write_subset_card(tmp, meta, folder)  # replaces the parent's card copied above
+        report["stale_removed"] = [str(path) for path in stale]  # not in the metadata: this machine's
         report["disk_bytes_with_metadata"] = _disk_bytes(tmp)
         os.chmod(tmp, default_mode(directory=True))
     return report

@@ -10,11 +10,13 @@ A subset file is the expert mask of EMO §4.2 with provenance (model, method, ca
 files that spell the lists ``experts`` load here too.
 
 Keys of ``keep`` are MoE layer indices (dense layers skipped), values the kept expert ids. Loading
-refuses, naming the file and the layer: non-JSON, missing fields, non-integer layers or ids,
-duplicates; with the model's ``ModelInfo`` also unknown or missing layers, out-of-range ids,
+refuses, naming the file and the layer: a missing file, a folder, unreadable or non-UTF-8 bytes,
+non-JSON (``read_policy_json``, the reader ``load_policy`` uses too), missing fields, non-integer
+layers or ids, duplicates; with the model's ``ModelInfo`` also another expert count than the
+file's ``num_experts`` (made for another model), unknown or missing layers, out-of-range ids,
 fewer than top-k experts, unequal counts and unbalanced router groups (``slicing.check_keep``).
-A file records the model it was chosen on and its experts per MoE layer (``num_experts``), so a
-verb using it on another model warns (:func:`subset_mismatch`).
+A file records the model it was chosen on and its experts per MoE layer (``num_experts``); a verb
+using it on a model of another name but the same expert count warns (:func:`subset_mismatch`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from pathlib import Path
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
-from moectl.errors import ConfigError, FileFormatError, MoectlFileError
+from moectl.errors import ConfigError, FileFormatError
 from moectl.io.atomic import write_text_atomic
+from moectl.routing.legacy import check_expert_count, expert_counts
 from moectl.routing.policy_config import FORMAT_VERSION
+from moectl.routing.policy_files import read_policy_json
 
 
 @dataclass
@@ -72,14 +76,10 @@ def save_subset(
 
 
 def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
-    """Read and validate a subset file; with ``info``, also against the model. ValueError on problems."""
+    """Read and validate a subset file; with ``info``, also against the model. A ``MoectlError``
+    (a ``ValueError`` or ``FileNotFoundError``) naming the file and the problem."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MoectlFileError(f"subset file {path} does not exist") from None
-    except json.JSONDecodeError as err:
-        raise FileFormatError(f"subset file {path}: not valid JSON ({err})") from None
+    data = read_policy_json(path, "subset file")
     if isinstance(data, dict) and data.get("type", "expert_mask") != "expert_mask":
         raise FileFormatError(f"subset file {path}: a policy of type {data['type']!r}, not an expert_mask")
     if isinstance(data, dict) and "keep" not in data and "experts" in data:  # a policy file's spelling
@@ -109,6 +109,7 @@ def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
             raise FileFormatError(f"subset file {path}: MoE layer {layer}: negative expert ids in {ids}")
         keep[layer] = sorted(ids)
     if info is not None:
+        check_expert_count(data, path, expert_counts(info))  # another model: its ids name other experts
         try:
             keep = check_keep(info, keep)
         except ValueError as err:
@@ -116,20 +117,13 @@ def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
     calibration = data.get("calibration") or {}
     if not isinstance(calibration, dict):
         raise FileFormatError(f'subset file {path}: "calibration" must be an object')
-    n = data.get("num_experts")
-    return SubsetFile(
-        keep, data.get("model"), data.get("method"), calibration, n if isinstance(n, int) else None
-    )
+    check_expert_count(data, path)  # a positive integer or null
+    return SubsetFile(keep, data.get("model"), data.get("method"), calibration, data.get("num_experts"))
 
 
 def subset_mismatch(path: str | Path, subset: SubsetFile, model: str | None, info: ModelInfo) -> str | None:
-    """A one-line warning when ``subset`` (read from ``path``) was chosen on another model than
-    ``model`` (its spec) with ``info``: another recorded model name, or another expert count."""
-    other_name = subset.model is not None and model is not None and subset.model != model
-    other_count = subset.num_experts is not None and subset.num_experts != info.num_experts
-    if not (other_name or other_count):
+    """A one-line warning when ``subset`` (read from ``path``) records another model name than ``model``
+    (its spec). Another expert count than ``info``'s is no warning but an error, in :func:`load_subset`."""
+    if subset.model is None or model is None or subset.model == model:
         return None
-    chosen = f"{subset.model or 'another model'}" + (
-        f" ({subset.num_experts} experts per MoE layer)" if subset.num_experts is not None else ""
-    )
-    return f"{path} was chosen on {chosen}, used on {model or 'this model'} ({info.num_experts} experts per MoE layer)"
+    return f"{path} was chosen on {subset.model}, used on {model} ({info.num_experts} experts per MoE layer)"
