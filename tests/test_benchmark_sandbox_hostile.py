@@ -1,4 +1,4 @@
-"""benchmarks/sandbox_hostile.py end to end on two hostile programs and one timing repeat."""
+"""benchmarks/sandbox_hostile.py end to end: three hostile programs, an honest one, one timing repeat."""
 
 from __future__ import annotations
 
@@ -16,14 +16,21 @@ def test_the_benchmark_counts_and_times(tmp_path, capsys):
     out = tmp_path / "sandbox.json"
     import moectl.eval.code_exec as current
 
-    argv = ["--hostile", "sys.exit(0),infinite loop", "--repeats", "1", "--previous", current.__file__]
+    names = "sys.exit(0),infinite loop,__eq__ always true,right: a + b"
+    argv = ["--hostile", names, "--repeats", "1", "--previous", current.__file__]
     sandbox_hostile.main([*argv, "--json", str(out)])
     doc = json.loads(out.read_text())
-    assert doc["tried"] == 2 and doc["contained"] == 2 and doc["breaches"] == {}
-    assert set(doc["seconds_per_hostile_program"]) == {"sys.exit(0)", "infinite loop"}
-    assert {"bare python -I", "previous code_exec", "sandbox (basic)"} <= set(doc["median_seconds_per_program"])
+    assert doc["tried"] == 3 and doc["contained"] == 3 and doc["fake_passes"] == 0 and doc["breaches"] == {}
+    assert doc["honest_tried"] == doc["honest_right"] == 1 and doc["statuses"]["right: a + b"] == "passed"
+    assert set(doc["seconds_per_hostile_program"]) == set(names.split(","))
+    assert {"bare python -I", "previous code_exec", "sandbox (basic)"} <= set(
+        doc["median_seconds_per_program"]
+    )
     assert f"sandbox ({doc['containment']})" in doc["median_seconds_per_program"]
-    assert "hostile programs: 2 tried, 2 contained" in capsys.readouterr().out
+    assert (doc["cgroup_ms_per_program"] is None) == doc["memory_bound"].startswith("rlimits")
+    out_text = capsys.readouterr().out
+    assert "hostile programs: 3 tried, 3 contained, 0 fake passes" in out_text
+    assert "honest programs: 1 tried, 1 scored right" in out_text
 
 
 @pytest.mark.parametrize(

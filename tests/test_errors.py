@@ -23,6 +23,9 @@ NOT_MOECTL_ERRORS = {
     "RequestFailed": "carries whatever failed inside an engine step (a bug as often as bad input), type name kept",
     "TrainingInterrupted": "not an error: a stop request after the last checkpoint, handled like Ctrl-C",
     "_Mismatch": "runconfig's private signal between its own functions, never raised to a caller",
+    "Overtime": "the sandbox harness's signal to itself; sandbox_bootstrap runs alone, importing nothing of moectl",
+    "NotPlainError": "the sandbox harness's verdict of a check (failed), never raised out of the harness process",
+    "ProgramError": "the sandbox harness's verdict of a program (error), never raised out of the harness process",
 }
 """Exception classes defined in moectl that are not ``MoectlError``, by class name, with why."""
 

@@ -1,7 +1,9 @@
-"""Hostile programs through the scoring sandbox (issue #29.4): each one contained.
+"""Hostile programs through the scoring sandbox (issues #29.4, #42.4-5): each one contained.
 
-Contained means: scored as failed, no breach reported by the program, no process left running, no
-file created outside the sandbox, nothing reached the evaluator's sockets (moectl.eval.sandbox_check).
+Contained means: not scored as passed, no breach reported by the program, its processes within the
+memory bound, no process left running, no file created outside the sandbox, nothing reached the
+evaluator's sockets (moectl.eval.sandbox_check); the integrity programs (#42.5) never pass and the
+honest ones score right.
 Under the previous sandbox (bfe2b37's code_exec: a ``python -I`` child with ``setrlimit`` in
 ``preexec_fn`` and a process-group kill) 3 of the 14 attacks that were safe to try there were
 contained (the fork bombs and the evaluator-signalling program were not run: they would have hit it).
@@ -22,7 +24,8 @@ import pytest
 import moectl.eval.sandbox as sandbox
 from moectl.eval.code_exec import check_code_tasks, run_program
 from moectl.eval.sandbox import SandboxUnavailableError, SandboxWarning, containment
-from moectl.eval.sandbox_check import HOSTILE, probe, sandbox_processes
+from moectl.eval.sandbox_cgroup import fallback_limits
+from moectl.eval.sandbox_check import HONEST, HOSTILE, probe, sandbox_processes
 
 
 @pytest.fixture
@@ -39,10 +42,15 @@ def test_hostile_programs_are_contained(capsys):
     report = probe()
     with capsys.disabled():
         print(
-            f"\nhostile programs: {report.tried} tried, {report.contained} contained, skipped {report.skipped}"
+            f"\nhostile programs: {report.tried} tried, {report.contained} contained, "
+            f"{len(report.fake_passes)} fake passes, skipped {report.skipped}"
         )
-    assert report.breaches == {}
-    assert report.tried == len(HOSTILE) - len(report.skipped) and report.contained == report.tried
+    assert report.breaches == {} and report.fake_passes == []
+    assert (
+        report.tried == len(HOSTILE) - len(HONEST) - len(report.skipped) and report.contained == report.tried
+    )
+    assert report.honest_tried == report.honest_right == len(HONEST)
+    assert report.statuses["children over the memory bound"] != "passed"
     if os.geteuid() == 0:  # root here: the fork bombs ran as uid 65534 under RLIMIT_NPROC
         assert report.skipped == {}
     assert sandbox_processes() == []
@@ -58,9 +66,10 @@ def test_limits_inside_and_no_preexec_fn(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sandbox.subprocess, "Popen", spy)
+    space = 300 * 2**20 if containment().cgroup is not None else fallback_limits(300 * 2**20, 64)[1]
     program = (
         "import os, resource as r\n"
-        "assert r.getrlimit(r.RLIMIT_AS)[0] == 300 * 2**20\n"
+        f"assert r.getrlimit(r.RLIMIT_AS)[0] == {space}\n"
         "assert r.getrlimit(r.RLIMIT_FSIZE)[0] == 2**20\n"
         "assert r.getrlimit(r.RLIMIT_CORE)[0] == 0\n"
         "assert r.getrlimit(r.RLIMIT_NOFILE)[0] == 64\n"

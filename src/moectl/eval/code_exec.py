@@ -9,27 +9,36 @@ ask harnesses to make execution an explicit opt-in; moectl does so: nothing runs
 Each program runs in a fresh ``python -I`` process through moectl.eval.sandbox: where ``unshare``
 works, in its own PID, network, mount, IPC and UTS namespaces, in a new root with a size-capped
 tmpfs as its only writable place, as uid 65534 when the evaluator is root, under resource limits
-(address space, CPU seconds, written-file size, open files, processes, no core files) and a
-wall-clock timeout; everything it started dies with it. A completion passes only when the program
-runs to its end: the bootstrap then writes a per-run nonce, so ``sys.exit(0)``/``exit()``/
-``os._exit(0)`` before the tests is a failure, not a pass. This is damage limitation, not a proven
-security boundary: run untrusted models' code inside a container or VM.
+(CPU seconds, written-file size, open files, processes, no core files), one memory bound for all its
+processes together (a per-program cgroup, else processes x address space) and a wall-clock timeout;
+everything it started dies with it.
+
+:func:`run_tests` scores: the solution runs in that process, but the tests run outside it, in the
+sandbox's harness, and call the solution's functions over a pipe with plain values only (exact
+builtin types), so a completion cannot make its own verdict (write a nonce, patch ``assert``, exit
+early) nor pass with a result whose ``__eq__`` always agrees (issue #42.5; HumanEval's own harness has
+both weaknesses). :func:`run_program` runs a whole program, tests included, in the program's process:
+it passes when the program runs to its end, which a hostile program can always arrange, so it is
+for trusted programs and containment checks, not for scoring. This is damage limitation, not a
+proven security boundary: run untrusted models' code inside a container or VM.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import math
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
 
-from moectl.errors import MoectlError
-from moectl.eval.sandbox import Outcome, containment, launch
+from moectl.errors import ConfigError, MoectlError
+from moectl.eval.sandbox import Checks, Outcome, Status, containment, launch
 
 ENV_VAR = "MOECTL_ALLOW_CODE_EXEC"
-Status = Literal["passed", "failed", "timeout", "error"]
+MIN_MEMORY_BYTES = 64 * 1024**2  # below this a Python process cannot start
 
 
 class CodeExecutionNotAllowedError(MoectlError, PermissionError):
@@ -40,13 +49,16 @@ class CodeExecutionNotAllowedError(MoectlError, PermissionError):
 class ExecResult:
     """Outcome of one program.
 
-    ``status``: ``passed`` (ran to its end, exit 0), ``failed`` (a test's ``assert`` failed), ``timeout`` (killed at
-    the wall-clock limit), ``error`` (any other exception, a crash, or a resource limit).
+    ``status``: ``passed`` (every check held; :func:`run_program`: it ran to its end), ``failed`` (an
+    ``assert`` failed, or a checked result was not a plain value), ``timeout`` (killed at the wall-clock
+    limit), ``error`` (any other exception, an exit or crash, or a resource limit). ``memory_peak``: the
+    most memory the program's processes used at once, in bytes, where a cgroup measured it.
     """
 
     passed: bool
     status: Status
     stderr: str = ""
+    memory_peak: int | None = None
 
 
 def exec_allowed(allow: bool | None = None) -> bool:
@@ -101,19 +113,27 @@ def code_exec_allowed(enabled: bool = True) -> Iterator[None]:
             os.environ[ENV_VAR] = before
 
 
-def _classify(outcome: Outcome) -> tuple[Status, str]:
-    """``passed`` only when the program ran to its end (the nonce came back) and exited 0."""
+def _result(outcome: Outcome, timeout: float) -> ExecResult:
+    """The harness's verdict, with its reason after the program's stderr."""
     stderr = outcome.stderr
-    if outcome.timeout:
-        return "timeout", stderr
-    if outcome.finished and outcome.exit == 0:
-        return "passed", stderr
-    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    if outcome.signal is not None and not stderr:
-        stderr = f"killed by signal {outcome.signal}"
-    elif outcome.exit == 0 and not outcome.finished and "moectl-sandbox:" not in stderr:
-        stderr = (stderr + "\nexited with status 0 before the end of the program: not a pass").lstrip()
-    return ("failed" if last.startswith("AssertionError") else "error"), stderr
+    if outcome.verdict is None:
+        return ExecResult(False, "error", (stderr + "\n" + outcome.detail).strip(), outcome.memory_peak)
+    detail = outcome.detail or (f"timed out after {timeout:g} s" if outcome.verdict == "timeout" else "")
+    if detail:
+        stderr = (stderr.rstrip("\n") + "\nmoectl-sandbox: " + detail).lstrip("\n")
+    return ExecResult(outcome.verdict == "passed", outcome.verdict, stderr, outcome.memory_peak)
+
+
+def _check_limits(timeout: float, memory_bytes: int, file_bytes: int, max_processes: int) -> None:
+    """Refuse limits no program could run under, naming the one at fault."""
+    if not timeout > 0:
+        raise ConfigError(f"timeout must be above 0 seconds, got {timeout!r}")
+    if memory_bytes < MIN_MEMORY_BYTES:
+        raise ConfigError(f"memory_bytes must be at least {MIN_MEMORY_BYTES} (64 MiB), got {memory_bytes!r}")
+    if file_bytes < 1:
+        raise ConfigError(f"file_bytes must be at least 1, got {file_bytes!r}")
+    if max_processes < 1:
+        raise ConfigError(f"max_processes must be at least 1, got {max_processes!r}")
 
 
 def run_program(
@@ -124,19 +144,99 @@ def run_program(
     allow: bool | None = None,
     max_processes: int = 64,
 ) -> ExecResult:
-    """Execute ``program`` (Python source) in the sandbox; ``passed`` means it ran to its end and exited 0.
+    """Execute ``program`` (Python source) in the sandbox; ``passed`` means it ran to its end.
 
-    Refuses (:class:`CodeExecutionNotAllowedError`) unless ``allow=True`` or
-    ``$MOECTL_ALLOW_CODE_EXEC=1``. stdout is discarded; the last characters of stderr are kept.
-    ``file_bytes`` caps each written file (the program's tmpfs holds four times that);
-    ``max_processes`` caps the processes it may add.
+    Not for scoring untrusted code against tests (use :func:`run_tests`): whatever runs in the
+    program's process can also claim to have reached its end. An exit, ``os._exit`` or an exception
+    before the end is not a pass. Refuses (:class:`CodeExecutionNotAllowedError`) unless
+    ``allow=True`` or ``$MOECTL_ALLOW_CODE_EXEC=1``. stdout is discarded; the last characters of
+    stderr are kept. ``memory_bytes`` bounds all the program's processes together; ``file_bytes``
+    caps each written file (the program's tmpfs holds four times that); ``max_processes`` caps the
+    processes it may add (:data:`moectl.eval.sandbox_cgroup.FALLBACK_PROCESSES` without a cgroup).
     """
     require_allowed(allow)
-    outcome = launch(program, timeout, memory_bytes, file_bytes, max_processes)
-    status, stderr = _classify(outcome)
-    if status == "timeout":
-        stderr = stderr or f"timed out after {timeout:g} s"
-    return ExecResult(status == "passed", status, stderr)
+    _check_limits(timeout, memory_bytes, file_bytes, max_processes)
+    return _result(launch(program, timeout, memory_bytes, file_bytes, max_processes), timeout)
+
+
+def run_tests(
+    solution: str,
+    tests: str,
+    context: str = "",
+    names: Sequence[str] | None = None,
+    timeout: float = 10.0,
+    memory_bytes: int = 2 * 1024**3,
+    file_bytes: int = 16 * 1024**2,
+    allow: bool | None = None,
+    max_processes: int = 64,
+) -> ExecResult:
+    """Score ``solution`` (untrusted source) against ``tests`` (trusted), which run outside its process.
+
+    The solution runs to its end in the sandboxed process; then ``context`` (trusted code the tests
+    rely on, e.g. HumanEval's prompt with its helper functions) and ``tests`` run in the harness, where
+    each of ``names`` (default :func:`solution_names`) calls the solution's function of that name.
+    Arguments and results cross as plain values (exact int, float, complex, str, bytes, bool, None
+    and list/tuple/set/frozenset/dict of them); a result that is not plain may be passed back but
+    not compared (``failed``). ``passed`` only when the tests ran to their end. Limits and opt-in as
+    :func:`run_program`.
+    """
+    require_allowed(allow)
+    _check_limits(timeout, memory_bytes, file_bytes, max_processes)
+    taken = tuple(solution_names(tests, context) if names is None else names)
+    bad = [name for name in taken if not isinstance(name, str) or not name.isidentifier()]
+    if bad:
+        raise ConfigError(f"names must be Python identifiers, got {bad[0]!r}")
+    checks = Checks(tests, context, taken, tuple(_standard_modules(tests, context, taken)))
+    return _result(launch(solution, timeout, memory_bytes, file_bytes, max_processes, checks=checks), timeout)
+
+
+def _parse(source: str, what: str) -> ast.Module:
+    try:
+        return ast.parse(source)
+    except SyntaxError as exc:
+        raise ConfigError(f"the {what} do not parse: {exc.msg} (line {exc.lineno})") from None
+
+
+def _bound(tree: ast.Module) -> set[str]:
+    """Names ``tree`` binds anywhere: assignments, definitions, imports, arguments."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound
+
+
+def _free(tests: str, context: str) -> list[str]:
+    """Names the tests read that neither they nor ``context`` bind, in order of appearance."""
+    tree = _parse(tests, "tests")
+    bound = _bound(tree) | _bound(_parse(context, "context"))
+    read = [
+        node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+    ]
+    return [name for name in dict.fromkeys(read) if name not in bound]
+
+
+def solution_names(tests: str, context: str = "", also: Iterable[str] = ()) -> list[str]:
+    """The names ``tests`` take from the solution: those they read that they, ``context`` and the
+    builtins do not define and that name no standard module, plus those of ``also`` they read (a
+    solution may shadow a builtin: MBPP task 126 tests a function named ``sum``)."""
+    also = set(also)
+    return [
+        name
+        for name in _free(tests, context)
+        if name in also or not (hasattr(builtins, name) or name in sys.stdlib_module_names)
+    ]
+
+
+def _standard_modules(tests: str, context: str, names: Sequence[str]) -> list[str]:
+    """Standard modules the tests read without importing them (the solution's imports are not theirs)."""
+    return [n for n in _free(tests, context) if n in sys.stdlib_module_names and n not in names]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -16,7 +16,19 @@ for other users): the program runs under ``unshare --pid --fork --kill-child --n
   capability (``RLIMIT_NPROC`` counts against the user's own uid), and the bootstrap is
   non-dumpable, so its memory cannot be read through ``/proc`` or ``ptrace``.
 
-Checked with moectl.eval.sandbox_check's hostile programs as root and as uid 1000 (all contained).
+Checked with moectl.eval.sandbox_check's hostile programs (all contained): as root and as uid 1000
+before issue #42; since, as root in namespace and basic mode, with and without the cgroup, and
+through ``unshare --user --map-root-user`` (the non-root prefix, run by root).
+
+Memory is bounded per program, not per process: where the evaluator is root and a cgroup hierarchy
+is writable, every program gets its own cgroup (moectl.eval.sandbox_cgroup: ``memory.max`` =
+``memory_bytes`` for all its processes together, no swap, ``pids.max`` = ``max_processes``);
+elsewhere it may have at most ``FALLBACK_PROCESSES`` processes, each with an equal share of
+``memory_bytes`` as address space, so the product is the same bound (sandbox_cgroup.fallback_limits).
+
+The verdict is the harness's (moectl.eval.sandbox_bootstrap): the checks run in the bootstrap
+process, which the program cannot read or signal, against the program's functions called over a
+pipe with plain values only; the program cannot forge a pass (issue #42.5).
 
 Where ``unshare`` is missing or refused (containers without ``CAP_SYS_ADMIN``, user namespaces
 disabled), ``basic`` mode runs the same bootstrap without namespaces: limits, uid 65534 when root
@@ -30,7 +42,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -43,6 +54,8 @@ from pathlib import Path
 from typing import Literal
 
 from moectl.errors import ConfigError, MoectlError
+from moectl.eval import sandbox_cgroup
+from moectl.eval.sandbox_cgroup import FALLBACK_PROCESSES, CgroupPlan, fallback_limits
 
 MODE_VAR = "MOECTL_SANDBOX"
 MODES = ("auto", "namespace", "basic")
@@ -51,6 +64,7 @@ BOOTSTRAP = Path(__file__).with_name("sandbox_bootstrap.py")
 UNSHARE_FLAGS = ("--pid", "--fork", "--kill-child", "--net", "--mount", "--ipc", "--uts")
 _STDERR_TAIL = 1000  # characters of stderr kept
 _GRACE_S = 5.0  # beyond the program's timeout, for the bootstrap to report before it is killed
+Status = Literal["passed", "failed", "timeout", "error"]
 
 
 class SandboxUnavailableError(MoectlError, OSError):
@@ -65,17 +79,39 @@ class Containment:
     prefix: tuple[str, ...]
     uid: int | None
     missing: str = ""  # what ``basic`` mode lacks, for the warning
+    cgroup: CgroupPlan | None = None  # where program cgroups are made; None: the rlimit bound
+
+    def memory_bound(self) -> str:
+        """How a program's total memory is bounded here, in words."""
+        if self.cgroup is not None:
+            return f"per-program {self.cgroup.describe()}"
+        return f"rlimits: at most {FALLBACK_PROCESSES} processes, each with an equal share of the bound as address space"
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What the harness checks against the program, outside its process (empty ``tests``: that it ran).
+
+    ``tests``: trusted code (a problem's asserts); ``context``: trusted code run before them (HumanEval's
+    prompt, whose helper functions the tests use); ``names``: the names the tests take from the
+    program (called in its process); ``imports``: standard modules the tests use without importing.
+    """
+
+    tests: str = ""
+    context: str = ""
+    names: tuple[str, ...] = ()
+    imports: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one run reported: ``exit`` code, ``signal`` or ``timeout``; ``finished``: the nonce came back."""
+    """The harness's ``verdict`` (None: the sandbox did not report) and ``detail``; the program's stderr;
+    ``memory_peak``: the most memory the program's processes used at once (bytes; cgroups only)."""
 
-    finished: bool
-    exit: int | None
-    signal: int | None
-    timeout: bool
+    verdict: Status | None
+    detail: str
     stderr: str
+    memory_peak: int | None = None
 
 
 class SandboxWarning(UserWarning):
@@ -113,7 +149,7 @@ def namespace_mode() -> Containment:
     """Namespaces through ``unshare`` (a user namespace too when not root); not probed."""
     root = os.geteuid() == 0
     prefix = ("unshare", *(() if root else ("--user", "--map-root-user")), *UNSHARE_FLAGS)
-    return Containment("namespace", prefix, NOBODY if root else None)
+    return Containment("namespace", prefix, NOBODY if root else None, cgroup=cgroup_plan())
 
 
 def basic_mode(missing: str) -> Containment:
@@ -122,7 +158,13 @@ def basic_mode(missing: str) -> Containment:
     drop = root and all(_readable_by_others(p) for p in (sys.base_prefix, sys.prefix, sys.executable))
     if root and not drop:
         missing += "; the Python installation is not readable by uid 65534, so programs run as root (no process limit)"
-    return Containment("basic", (), NOBODY if drop else None, missing)
+    return Containment("basic", (), NOBODY if drop else None, missing, cgroup_plan())
+
+
+@functools.cache
+def cgroup_plan() -> CgroupPlan | None:
+    """Where per-program cgroups can be made here (probed once); None: memory is bounded by rlimits."""
+    return sandbox_cgroup.find_plan()
 
 
 @functools.cache
@@ -137,9 +179,10 @@ def containment() -> Containment:
         why = "`unshare` (util-linux) is not installed"
     else:
         probe = launch("pass\n", 10.0, 256 * 1024**2, 1024**2, 8, namespace_mode())
-        if probe.finished and probe.exit == 0:
+        if probe.verdict == "passed":
             return namespace_mode()
-        why = f"`unshare` failed: {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe}"
+        said = (probe.stderr.strip() or probe.detail.strip() or str(probe)).splitlines()[-1]
+        why = f"`unshare` failed: {said}"
     if wanted == "namespace":
         raise SandboxUnavailableError(f"${MODE_VAR}=namespace but {why}")
     chosen = basic_mode(
@@ -157,10 +200,53 @@ def launch(
     file_bytes: int,
     max_processes: int,
     how: Containment | None = None,
+    checks: Checks | None = None,
 ) -> Outcome:
-    """Run ``program`` through the bootstrap under ``how`` (default: :func:`containment`)."""
+    """Run ``program`` through the bootstrap under ``how`` (default: :func:`containment`) and judge it
+    with ``checks`` (default: none, so it passes when it runs to its end)."""
     how = how or containment()
-    nonce = secrets.token_hex(16).encode()
+    try:
+        group = sandbox_cgroup.create(how.cgroup, memory_bytes, max_processes) if how.cgroup else None
+    except OSError as exc:
+        return Outcome(None, f"could not make the program's cgroup: {exc}", "")
+    try:
+        outcome = _run(
+            program, timeout, memory_bytes, file_bytes, max_processes, how, checks or Checks(), group
+        )
+        peak = group.peak() if group is not None else None
+    finally:
+        if group is not None:
+            sandbox_cgroup.remove(group)
+    return Outcome(outcome.verdict, outcome.detail, outcome.stderr, peak)
+
+
+def _limits(how: Containment, memory_bytes: int, timeout: float, file_bytes: int, max_processes: int) -> dict:
+    """The program's rlimits: with a cgroup, the bound per process too (a MemoryError rather than the OOM
+    killer for one big allocation); without, processes x address space = the bound."""
+    runs_as = how.uid if how.uid is not None else os.getuid()
+    if how.cgroup is not None:
+        processes, space = max_processes, memory_bytes
+    else:
+        processes, space = fallback_limits(memory_bytes, max_processes)
+    return {
+        "memory_bytes": space,
+        "cpu_seconds": int(timeout) + 2,
+        "file_bytes": file_bytes,
+        "processes": _processes_of(runs_as) + processes,
+    }
+
+
+def _run(
+    program: str,
+    timeout: float,
+    memory_bytes: int,
+    file_bytes: int,
+    max_processes: int,
+    how: Containment,
+    checks: Checks,
+    group: sandbox_cgroup.ProgramCgroup | None,
+) -> Outcome:
+    cgroup_fds = tuple(group.fds) if group is not None else ()
     with tempfile.TemporaryDirectory(prefix="moectl-exec-", ignore_cleanup_errors=True) as tmp:
         work, new_root = Path(tmp, "work"), Path(tmp, "root")
         work.mkdir()
@@ -170,7 +256,6 @@ def launch(
             os.chown(work, how.uid, how.uid)
             os.chown(work / "program.py", how.uid, how.uid)
             os.chmod(tmp, 0o711)
-        runs_as = how.uid if how.uid is not None else os.getuid()
         status_fd = os.open(Path(tmp, "status"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         config = {
             "mode": how.mode,
@@ -179,15 +264,11 @@ def launch(
             "uid": how.uid,
             "gid": how.uid,
             "status_fd": status_fd,
+            "cgroup_fds": list(cgroup_fds),
             "timeout": timeout,
             "disk_bytes": max(4 * file_bytes, 1024**2),
             "block_sockets": how.mode == "basic",
-            "limits": {
-                "memory_bytes": memory_bytes,
-                "cpu_seconds": int(timeout) + 2,
-                "file_bytes": file_bytes,
-                "processes": _processes_of(runs_as) + max_processes,
-            },
+            "limits": _limits(how, memory_bytes, timeout, file_bytes, max_processes),
         }
         command = [
             *how.prefix,
@@ -197,48 +278,48 @@ def launch(
             BOOTSTRAP.read_text(encoding="utf-8"),
             json.dumps(config),
         ]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        payload = json.dumps(
+            {
+                "tests": checks.tests,
+                "context": checks.context,
+                "names": checks.names,
+                "imports": checks.imports,
+            }
+        ).encode()
         try:
-            with open(Path(tmp, "result"), "wb") as out, open(Path(tmp, "stderr"), "wb") as err:
-                os.chmod(out.name, 0o600)
+            with open(Path(tmp, "stderr"), "wb") as err:
                 try:
                     proc = subprocess.Popen(
                         command,
                         cwd=work,
-                        env=env,
+                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                         stdin=subprocess.PIPE,
-                        stdout=out,
+                        stdout=subprocess.DEVNULL,
                         stderr=err,
-                        pass_fds=(status_fd,),
+                        pass_fds=(status_fd, *cgroup_fds),
                         start_new_session=True,
                         close_fds=True,
                     )
                 except OSError as exc:
-                    return Outcome(False, None, None, False, f"could not start the sandbox: {exc}")
-                _finish(proc, nonce, timeout + _GRACE_S)
+                    return Outcome(None, f"could not start the sandbox: {exc}", "")
+                finally:
+                    if group is not None:
+                        group.close_fds()  # the program's process holds them now; the evaluator need not
+                _finish(proc, payload, timeout + _GRACE_S)
         finally:
             os.close(status_fd)
         report = _read_json(Path(tmp, "status"))
-        finished = Path(tmp, "result").read_bytes().find(nonce) >= 0
         stderr = _tail(Path(tmp, "stderr"))
-    if not report:  # the bootstrap did not report: it failed to set up, or was killed
-        return Outcome(
-            False, None, None, False, stderr or f"the sandbox exited with status {proc.returncode}"
-        )
-    if "exit" not in report:
-        finished = False
-    return Outcome(finished, report.get("exit"), report.get("signal"), bool(report.get("timeout")), stderr)
+    verdict = report.get("verdict")
+    if verdict not in ("passed", "failed", "timeout", "error"):  # the bootstrap did not report
+        return Outcome(None, f"the sandbox exited with status {proc.returncode} without a verdict", stderr)
+    return Outcome(verdict, str(report.get("detail", "")), stderr)
 
 
-def _finish(proc: subprocess.Popen, nonce: bytes, limit: float) -> None:
-    """Hand over the nonce, wait for the bootstrap; past ``limit`` kill its group (and so its namespace)."""
-    with suppress(BrokenPipeError):
-        assert proc.stdin is not None
-        proc.stdin.write(nonce)
-    with suppress(BrokenPipeError):
-        proc.stdin.close()
+def _finish(proc: subprocess.Popen, payload: bytes, limit: float) -> None:
+    """Hand over the checks, wait for the bootstrap; past ``limit`` kill its group (and so its namespace)."""
     try:
-        proc.wait(timeout=limit)
+        proc.communicate(payload, timeout=limit)
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -249,9 +330,10 @@ def _finish(proc: subprocess.Popen, nonce: bytes, limit: float) -> None:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8") or "{}")
+        report = json.loads(path.read_text(encoding="utf-8") or "{}")
     except (OSError, ValueError):
         return {}
+    return report if isinstance(report, dict) else {}
 
 
 def _tail(path: Path) -> str:
