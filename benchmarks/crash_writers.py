@@ -252,8 +252,8 @@ def corpus_sample_writer() -> Writer:
 
 def small_files_writer() -> Writer:
     """RoE tau profiles, subset files, eval-style JSON results: one file each, replaced."""
+    from moectl.ensemble.roe_config import save_profile
     from moectl.io.atomic import write_text_atomic
-    from moectl.roe.roe_config import save_profile
     from moectl.subsets.files import save_subset
 
     def save(version: int) -> None:

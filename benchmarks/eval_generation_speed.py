@@ -22,11 +22,11 @@ import torch
 
 import moectl
 from moectl import ExpertMask
+from moectl.ensemble.roe_config import RoEConfig
 from moectl.eval.eval_generation import GenSettings, generate_texts
 from moectl.eval.eval_tokenizer import byte_tokenizer
 from moectl.eval.forward import BatchRouting, static_plan
 from moectl.eval.request_noise import keyed_policies
-from moectl.roe.roe_config import RoEConfig
 from moectl.routing.gumbel import GumbelTopK
 
 

@@ -84,7 +84,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(runs):
 def test_split_rollouts_draw_what_the_whole_batch_draws():
     """Row-keyed draws: rolling out rows 0–1 and 2–3 apart gives the rows of one 4-row rollout."""
     import moectl
-    from moectl.engine.batch import left_pad
+    from moectl.lm.padding import left_pad
     from moectl.options.controller import build_controller
     from moectl.options.policy import ControllerPolicy
     from moectl.options.rollout import rollout

@@ -270,7 +270,7 @@ def test_each_request_records_the_trace_it_would_record_alone():
 
 
 def test_left_pad_and_scored_positions():
-    from moectl.engine.batch import left_pad, scored_positions
+    from moectl.lm.padding import left_pad, scored_positions
 
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

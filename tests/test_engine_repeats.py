@@ -18,9 +18,9 @@ import moectl
 from moectl import ExpertMask
 from moectl.engine import Engine, EngineConfig, Routing, SamplingParams
 from moectl.engine.repeats import combine, expand, rows_of
+from moectl.ensemble.roe_config import RoEConfig
 from moectl.errors import ConfigError
 from moectl.eval.request_noise import KeyedGumbel, request_policies
-from moectl.roe.roe_config import RoEConfig
 from moectl.routing.gumbel import GumbelTopK
 
 PROMPTS = ["The history of the city of", "def f(x):", "a", "Photosynthesis converts sunlight into"]

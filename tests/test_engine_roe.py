@@ -11,8 +11,8 @@ from torch import Tensor
 import moectl
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.engine.engine import encode
+from moectl.ensemble.ensemble import Ensemble
 from moectl.roe import RoEConfig
-from moectl.roe.ensemble import Ensemble
 
 PROMPTS = [
     "The history of the city of",
@@ -161,7 +161,7 @@ def test_hybrid_models_run_one_ensemble_per_request():
 
 def _adaptive_reference(prompt: str, threshold: float, n: int) -> tuple[list[int], Tensor]:
     """Greedy tokens of an AdaptiveEnsemble of its own, and the clean entropies it saw."""
-    from moectl.roe.adaptive import AdaptiveEnsemble
+    from moectl.ensemble.adaptive_ensemble import AdaptiveEnsemble
 
     model, tok, _ = _loaded("olmoe")
     ids = torch.tensor([encode(tok, prompt)])

@@ -15,12 +15,12 @@ import torch
 
 import moectl
 from moectl import ExpertMask
+from moectl.ensemble.roe_config import RoEConfig
 from moectl.eval.eval_generation import GenSettings, generate_texts
 from moectl.eval.eval_tokenizer import byte_tokenizer
 from moectl.eval.forward import BatchRouting, SwitchStats, static_plan
 from moectl.eval.request_noise import keyed_policies
 from moectl.models.tokens import encode
-from moectl.roe.roe_config import RoEConfig
 from moectl.routing import route
 from moectl.routing.gumbel import GumbelTopK
 from moectl.routing.pool import DocumentPool

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from _eval_data import tiny_eval_env
 from moectl.cli import app
+from moectl.ensemble.roe_config import RoEConfig
+from moectl.ensemble.roe_config import parse_roe_spec as roe_config
 from moectl.eval.eval_tokenizer import byte_tokenizer
 from moectl.eval.forward import BatchRouting, static_plan, to_left_padding
 from moectl.eval.lm_backend import MoectlLM
 from moectl.eval.lm_tasks import run_lm_eval
 from moectl.roe.parallel import RoEScoringInputs, _stepwise_log_probs, ensemble_log_probs
-from moectl.roe.roe_config import RoEConfig
-from moectl.roe.roe_config import parse_roe_spec as roe_config
 from moectl.roe.score import token_logprobs_parallel
 
 runner = CliRunner()

@@ -29,9 +29,9 @@ from typer.testing import CliRunner
 import moectl
 from moectl import ExpertMask, GumbelTopK
 from moectl.cli import app
+from moectl.ensemble.roe_config import save_profile
 from moectl.options.controller import build_controller
 from moectl.options.options_config import OptionsConfig
-from moectl.roe.roe_config import save_profile
 from moectl.routing import route
 from moectl.routing.pool import DocumentPool
 from moectl.routing.trace import RoutingTrace

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from moectl.ensemble import noise
 from moectl.eval import request_noise
-from moectl.roe import noise
 from moectl.routing import keyed_hash
 from moectl.subsets import stats
 

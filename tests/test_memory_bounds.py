@@ -15,11 +15,11 @@ import torch
 from transformers import DynamicCache
 
 import moectl
+from moectl.ensemble.masks import attention_kinds, teacher_forced_masks
+from moectl.ensemble.noise import NoiseLayout, SampleGumbel, hashed_gumbel, layer_gumbel, layer_keys
+from moectl.lm.padding import left_padded
 from moectl.metrics.memory import TensorMemory
 from moectl.roe import RoEConfig
-from moectl.roe.clean_cache import left_padded
-from moectl.roe.masks import attention_kinds, teacher_forced_masks
-from moectl.roe.noise import NoiseLayout, SampleGumbel, hashed_gumbel, layer_gumbel, layer_keys
 from moectl.roe.parallel import (
     Budget,
     RoEScoringInputs,

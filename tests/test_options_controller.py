@@ -127,7 +127,7 @@ def test_advantage_normalisation():
 
 def test_termination_gradient_pushes_beta_down_when_advantage_positive():
     """One step on the controller loss lowers β where Q − V + η > 0 and raises it where < 0 (eq. 9)."""
-    from moectl.engine.batch import left_pad
+    from moectl.lm.padding import left_pad
     from moectl.options.option_losses import controller_loss
     from moectl.options.rollout import rollout
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import moectl
 from moectl.cli import app
-from moectl.engine.batch import left_pad
+from moectl.lm.padding import left_pad
 from moectl.models.load import load_model
 from moectl.options.controller import build_controller
 from moectl.options.option_losses import student_log_probs

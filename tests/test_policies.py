@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 
 import moectl
 from conftest import random_ids
+from moectl.ensemble.roe_config import RoEConfig, save_profile
 from moectl.models.load import load_model
 from moectl.offload.residency import ControllerResidency, LRUPolicy, OptionPolicy, StaticPolicy, parse_policy
 from moectl.options.controller import build_controller
 from moectl.options.policy import ControllerPolicy
 from moectl.options.random_options import RandomOptions
-from moectl.roe.roe_config import RoEConfig, save_profile
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, load_policy, policy_types, save_policy
 from moectl.subsets.files import save_subset
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import moectl
+from moectl.ensemble.roe_config import load_profile
 from moectl.models.load import ByteTokenizer
 from moectl.roe import Ensemble, RoEConfig, generate, score, tune
-from moectl.roe.roe_config import load_profile
 from moectl.roe.score_data import LMItem, load_items
 from moectl.roe.tune import check_tuning
 

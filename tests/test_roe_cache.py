@@ -9,8 +9,8 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 import moectl
+from moectl.ensemble.cache_size import cache_bytes, cache_tokens
 from moectl.roe import Ensemble, RoEConfig
-from moectl.roe.clean_cache import cache_bytes, cache_tokens
 from moectl.routing.kv_cache import cache_out
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -151,14 +151,3 @@ def test_a_clean_step_does_not_materialise_k_copies_of_the_prefix():
     prefix_per_layer = kv // len(model.model.layers)
     assert many - one < 8 * prefix_per_layer  # K = 32 copies would be 31 × prefix_per_layer more
     assert separate > 10 * many
-
-
-def test_names_moved_out_of_the_cache_module_still_import_from_it():
-    from moectl.roe import clean_cache as cache
-    from moectl.roe import variant_clean, variants
-
-    assert cache.make_variant is variants.make_variant
-    assert cache.CleanCacheVariant is variant_clean.CleanCacheVariant
-    assert set(cache.VARIANTS) == {"clean", "separate", "none"}
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        cache.nothing  # noqa: B018

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from moectl.ensemble.noise import hashed_gumbel, layer_keys
 from moectl.roe import aggregate
-from moectl.roe.noise import hashed_gumbel, layer_keys
 
 
 @pytest.mark.parametrize("how", ["prob_mean", "logprob_mean"])

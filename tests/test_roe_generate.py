@@ -9,9 +9,9 @@ import torch
 
 from moectl.engine.engine import encode
 from moectl.engine.sampling import choose_tokens
+from moectl.ensemble.ensemble import Ensemble
 from moectl.models.load import ByteTokenizer, load_model
 from moectl.roe import GenerationStats, RoEConfig, generate
-from moectl.roe.ensemble import Ensemble
 
 PROMPTS = ["The quick brown fox", "Hi", "Mixture of experts"]
 

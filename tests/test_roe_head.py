@@ -1,4 +1,4 @@
-"""roe.head: the LM head on a few positions at a time, each chunk reduced before the next exists."""
+"""lm.lm_head: the LM head on a few positions at a time, each chunk reduced before the next exists."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moectl.eval.token_scores import head_scores
-from moectl.roe.head import add_log_probs, head_chunks, head_rows, target_logprobs
+from moectl.lm.lm_head import add_log_probs, head_chunks, head_rows, target_logprobs
 
 
 class CountingHead:

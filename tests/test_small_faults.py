@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import moectl
 from moectl import ExpertMask, GumbelTopK
 from moectl.cli import app
-from moectl.roe.roe_config import MAX_K, RoEConfig
+from moectl.ensemble.roe_config import MAX_K, RoEConfig
 
 torch.set_num_threads(1)
 

@@ -37,7 +37,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "FAMILIES": ("moectl.models.tiny", "FAMILIES"),
     "load": ("moectl.loaded", "load"),
     "Loaded": ("moectl.loaded", "Loaded"),
-    "RoEConfig": ("moectl.roe.roe_config", "RoEConfig"),
+    "RoEConfig": ("moectl.ensemble.roe_config", "RoEConfig"),
 }
 _SUBPACKAGES = (
     "adapters", "data", "eval", "io", "metrics", "models", "offload", "options", "reporting", "roe", "routing",

@@ -55,8 +55,8 @@ LimitOpt = Annotated[int | None, typer.Option("--limit", help="Use only the firs
 
 # -- helpers --------------------------------------------------------------------------------
 def _config(k: int | None, temperatures: str | None, cache: str, aggregation: str, seed: int):
-    """RoEConfig from the CLI options (``moectl.roe.roe_config.config_from_options``)."""
-    from moectl.roe.roe_config import config_from_options
+    """RoEConfig from the CLI options (``moectl.ensemble.roe_config.config_from_options``)."""
+    from moectl.ensemble.roe_config import config_from_options
 
     try:
         return config_from_options(k, temperatures, cache, aggregation, seed)
@@ -109,8 +109,8 @@ def generate_cmd(
 ) -> None:
     """Generate with a K-sample RoE ensemble per token (greedy by default, RoE §3.1)."""
     from moectl.adapters.inspect import inspect
+    from moectl.ensemble.roe_config import config_dict
     from moectl.generate import load_prompts
-    from moectl.roe.roe_config import config_dict
     from moectl.roe.roe_generate import GenerationStats, generate
 
     spec = model_spec(model, tiny)
@@ -195,7 +195,7 @@ def score_cmd(
 ) -> None:
     """RoE log-likelihood of held-out data: perplexity, multiple-choice or exact-match accuracy."""
     from moectl.adapters.inspect import inspect
-    from moectl.roe.roe_config import config_dict
+    from moectl.ensemble.roe_config import config_dict
     from moectl.roe.score import score
     from moectl.roe.score_data import load_items
 

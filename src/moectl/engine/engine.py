@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.attention import attention_kernels
-from moectl.engine.batch import left_pad, prefill_groups
+from moectl.engine.batch import prefill_groups
 from moectl.engine.kv import check_batchable, join, keep, new_cache
 from moectl.engine.logprobs import TokenLogprob, capture_hidden, of_logits, prompt_logprobs
 from moectl.engine.pad_skip import PadSkip
@@ -70,8 +70,9 @@ from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
 from moectl.engine.text import TextStream, lone_surrogate
 from moectl.errors import ConfigError, MoectlError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
+from moectl.lm.lm_head import vocab_size
+from moectl.lm.padding import left_pad
 from moectl.progress import progress_bar
-from moectl.roe.head import vocab_size
 from moectl.routing.keyed_hash import seed_key
 from moectl.routing.kv_cache import cache_out, with_cache
 

@@ -1,7 +1,7 @@
 """Rows of a running RoE ensemble: append the rows of another (started on new prompts), keep a subset.
 
 What ``engine.roe_rows`` needs to let RoE requests join and leave one ``moectl.roe.Ensemble`` at
-step boundaries, per way of running the K samples (``roe.variants``); between two steps:
+step boundaries, per way of running the K samples (``ensemble.variants``); between two steps:
 
 - clean cache (RoE §2.3): one ``CleanCache`` row per prompt with ``length`` columns, ``valid``
   [B, length] real-token flags by column, ``n_real`` [B] real tokens. Rows join left-padded to the
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.engine.kv import join, keep
+from moectl.ensemble.clean_cache import new_clean_cache
+from moectl.ensemble.masks import attention_kinds
 
 
 def rebatchable(model: nn.Module, config) -> bool:
@@ -30,9 +32,6 @@ def rebatchable(model: nn.Module, config) -> bool:
     if config.cache == "none":
         return True  # nothing cached: the ids are re-padded
     from transformers.cache_utils import DynamicLayer
-
-    from moectl.roe.clean_cache import new_clean_cache
-    from moectl.roe.masks import attention_kinds
 
     kinds, _ = attention_kinds(model.config)
     if any(k.kind != "full" for k in kinds):

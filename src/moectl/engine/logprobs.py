@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from moectl.lm.final_hidden import decoder_of, keeping_final_hidden
+from moectl.lm.lm_head import head_chunks, head_rows, output_head, vocab_size
+
 MAX_LOGPROBS = 20  # alternatives per position a request may ask for (vLLM's default limit; OpenAI's is 5)
 
 
@@ -58,13 +61,11 @@ def _rows(tokens: list, chosen: list, ids: list, values: list) -> list[TokenLogp
 @contextmanager
 def capture_hidden(model: nn.Module, wanted: bool) -> Iterator[list[Tensor]]:
     """While open, each forward of ``model`` appends its decoder's final hidden state [B, T, H]
-    (after the final norm) to the yielded list (``roe.spans.keeping_final_hidden``); nothing is
+    (after the final norm) to the yielded list (``lm.final_hidden.keeping_final_hidden``); nothing is
     hooked when not ``wanted``."""
     if not wanted:
         yield []
         return
-    from moectl.roe.spans import decoder_of, keeping_final_hidden
-
     with keeping_final_hidden(decoder_of(model)) as box:
         yield box
 
@@ -72,9 +73,7 @@ def capture_hidden(model: nn.Module, wanted: bool) -> Iterator[list[Tensor]]:
 def prompt_logprobs(model: nn.Module, hidden: Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
     """The log-probability of each of ``targets`` [n] (and the ``top`` alternatives) from the
     hidden states [n, H] of the positions that predict them, the LM head run on a few positions at a
-    time (``roe.head.head_rows``)."""
-    from moectl.roe.head import head_chunks, head_rows, output_head, vocab_size
-
+    time (``lm.lm_head.head_rows``)."""
     ids = torch.tensor(list(targets), dtype=torch.long, device=hidden.device)
     out: list[TokenLogprob] = []
     for span, logits in head_chunks(output_head(model), hidden, head_rows(vocab_size(model))):

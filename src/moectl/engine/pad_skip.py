@@ -1,6 +1,6 @@
 """Padding tokens of a batched prefill skip the experts.
 
-Requests prefilled together are left-padded to the longest prompt (``engine.batch.left_pad``); the
+Requests prefilled together are left-padded to the longest prompt (``lm.padding.left_pad``); the
 padding is masked out of attention, but the MoE layers would still run it through the experts:
 wasted compute in proportion to the padding and, under the offload runtime, expert loads for
 experts that only padding chose. ``PadSkip`` hooks each MoE layer's experts module (whatever sits at

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moectl.engine.batch import left_pad
 from moectl.engine.kv import new_cache
 from moectl.engine.prefix_cache import Prefix, supports
 from moectl.engine.rows import Group
+from moectl.lm.padding import left_pad
 
 if TYPE_CHECKING:
     from moectl.engine.engine import _Request

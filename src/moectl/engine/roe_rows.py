@@ -11,7 +11,7 @@ left-padded to a common length); a finished or cancelled request's rows are sele
 
 Independence from batch-mates: a request's next token is chosen with its own seed
 (``sampling.choose_tokens``, keyed by request and step), and the Gumbel routing noise is a hash of
-(routing seed, MoE layer, sample, position, expert) (``roe.noise.SampleGumbel``), with each row's
+(routing seed, MoE layer, sample, position, expert) (``ensemble.noise.SampleGumbel``), with each row's
 own position id (its real tokens, not the padding in front of them): the same draws whichever rows
 share the batch. Requests of one routing therefore see the same noise at the same position, as the
 prompts of one ``moectl roe generate`` batch always did.
@@ -30,8 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moectl.engine.batch import left_pad, prefill_groups
+from moectl.engine.batch import prefill_groups
 from moectl.engine.ensemble_rows import join_rows, keep_rows, rebatchable
+from moectl.ensemble.adaptive_ensemble import AdaptiveEnsemble
+from moectl.ensemble.ensemble import Ensemble
+from moectl.lm.padding import left_pad
 
 
 @dataclass
@@ -88,14 +91,10 @@ class RoeRows:
         return out
 
     def _new_ensemble(self, routing):
-        from moectl.roe.ensemble import Ensemble
-
         engine = self.engine
         policies = [*engine._residency, *routing.policies]
         adaptive = getattr(routing, "adaptive", None)
         if adaptive is not None:
-            from moectl.roe.adaptive import AdaptiveEnsemble
-
             return AdaptiveEnsemble(engine.model, routing.roe, adaptive, info=engine.info, policies=policies)
         return Ensemble(engine.model, routing.roe, info=engine.info, policies=policies)
 

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from moectl.distributed import launched_world_size, process_device, ranks
+from moectl.ensemble.roe_config import config_dict
 from moectl.errors import ConfigError
 from moectl.eval.eval_config import ENGINES, EvalConfig
 from moectl.eval.forward import SwitchStats
 from moectl.eval.policy_file import EvalRouting, check_routing_args, experts_allowed, setup_routing
 from moectl.eval.results import new_results
-from moectl.roe.roe_config import config_dict
 
 __all__ = ["ENGINES", "EvalConfig", "evaluate"]
 

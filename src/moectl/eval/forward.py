@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.ensemble.roe_config import RoEConfig
 from moectl.errors import ConfigError
 from moectl.eval.request_noise import keyed_policies, set_request_codes
 from moectl.metrics.switch_rate import switch_rate
-from moectl.roe.roe_config import RoEConfig
+from moectl.roe.parallel import RoEScoringInputs, ensemble_log_probs
 from moectl.routing.routing_state import Policy
 from moectl.routing.session import route
 from moectl.routing.trace import RoutingTrace
@@ -196,8 +197,6 @@ def to_left_padding(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def _roe_log_probs(model: nn.Module, batch: RequestBatch, routing: BatchRouting, info: ModelInfo) -> Tensor:
     """RoE next-token log-probabilities [B, T, V] of a batch padded on either side (RoE §2.3)."""
-    from moectl.roe.parallel import RoEScoringInputs, ensemble_log_probs
-
     there, back = to_left_padding(batch.attention_mask)
     ids, mask = batch.input_ids.gather(1, there), batch.attention_mask.gather(1, there)
     assert routing.roe is not None

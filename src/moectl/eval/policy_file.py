@@ -26,9 +26,9 @@ from typing import Any
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.ensemble.roe_config import RoEConfig, parse_roe_spec
 from moectl.errors import ConfigError
 from moectl.eval.forward import RoutingPlan, static_plan
-from moectl.roe.roe_config import RoEConfig, parse_roe_spec
 from moectl.routing import ExpertMask, load_policy
 from moectl.routing.policy_config import PolicyConfig, policy_types
 from moectl.routing.policy_files import routing_policies

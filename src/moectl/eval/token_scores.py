@@ -22,10 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.engine.batch import TokenScores
 from moectl.eval.forward import BatchRouting, RequestBatch, RoutingPlan, SwitchStats, to_left_padding
 from moectl.eval.request_noise import needs_isolation, reseed, set_request_codes
-from moectl.roe.head import HEAD_BYTES, Head, compute_dtype, head_chunks, head_rows, output_head, vocab_size
+from moectl.lm.final_hidden import decoder_of, final_hidden
+from moectl.lm.lm_head import HEAD_BYTES, Head, compute_dtype, head_chunks, head_rows, output_head, vocab_size
+from moectl.lm.scored_tokens import TokenScores
+from moectl.roe.parallel import RoEScoringInputs, ensemble_token_scores
 from moectl.routing.session import route
 
 
@@ -52,8 +54,6 @@ def head_scores(head: Head, hidden: Tensor, targets: Tensor, rows: int) -> tuple
 
 def _final_hidden(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
     """The decoder's last hidden state [B, T, H] (final norm applied), the LM head run on one position."""
-    from moectl.roe.spans import decoder_of, final_hidden
-
     position = (mask.long().cumsum(-1) - 1).clamp(min=0)
     return final_hidden(model, decoder_of(model), input_ids=ids, attention_mask=mask, position_ids=position)
 
@@ -100,8 +100,6 @@ def _roe_scores(
     model: nn.Module, batch: RequestBatch, routing: BatchRouting, info: ModelInfo, scored: Tensor
 ) -> TokenScores:
     """RoE scores (RoE §2.3, clean cache) of a batch padded on either side, via a left-padded copy."""
-    from moectl.roe.parallel import RoEScoringInputs, ensemble_token_scores
-
     assert routing.roe is not None
     set_request_codes(routing.policies, batch.keys)  # a keyed policy composed with RoE
     there, back = to_left_padding(batch.attention_mask)
@@ -162,7 +160,7 @@ def routed_token_scores(
     """:class:`TokenScores` of the ``scored`` [B, T] tokens of ``batch`` under the plan's routing.
 
     ``scored`` marks real tokens after the first of their row. ``head_bytes`` bounds the float
-    buffers of one LM-head call (``moectl.roe.head.head_rows``).
+    buffers of one LM-head call (``moectl.lm.lm_head.head_rows``).
     """
     scored = scored.bool() & batch.attention_mask.bool()
     scored[:, 0] = False

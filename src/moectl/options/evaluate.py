@@ -22,6 +22,7 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.generate import Prompt, generate_traced
+from moectl.lm.padding import left_pad
 from moectl.metrics.switch_rate import switch_rate
 from moectl.options.rollout import positions
 from moectl.progress import progress_bar
@@ -47,8 +48,6 @@ def ci95(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    from moectl.engine.batch import left_pad
-
     ids = [tokenizer.encode(t, verbose=False)[:max_length] for t in texts]
     ids = [x if len(x) >= 2 else x + [tokenizer.eos_token_id or 0] * (2 - len(x)) for x in ids]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import inspect
 from moectl.distributed import Ranks, check_divides, ranks
-from moectl.engine.batch import left_pad
 from moectl.errors import ConfigError
+from moectl.lm.padding import left_pad
 from moectl.options.controller import OptionController, build_controller
 from moectl.options.option_losses import (
     controller_stats,

@@ -8,18 +8,21 @@ Paper: "MoEs are stronger than you think: hyper-parallel inference scaling with 
 >>> outs = generate(model, tokenizer, ["The quick brown fox"], config, max_new_tokens=32)
 >>> result = score(model, tokenizer, "heldout.jsonl", config)  # result.ppl, result.accuracy
 
-Layout: ``config`` (RoEConfig, profiles), ``noise`` (Gumbel-top-k keyed by sample and position),
-``masks`` + ``cache`` + ``hybrid`` (the clean cache), ``variants`` (the three ways to run K
-samples: ``variant_clean``, ``variant_separate``, ``variant_nocache``; ``padding``,
-``cache_size``), ``ensemble`` (one step, aggregation), ``spans`` + ``head`` + ``parallel`` (whole sequences scored span by span, the
-LM head on a few tokens at a time: no [K, T, V]), ``generate``, ``score``, ``data``, ``tune``
-(``tune`` on a loaded model; ``run_tune(TuneConfig(...))`` is ``moectl roe tune``),
-``adaptive`` (adaptive K), ``bench`` (overhead), ``plots``, ``cli`` (``moectl roe ...``).
+The verbs of RoE, above the engine; the ensemble they run is ``moectl.ensemble`` (below the
+engine, which runs RoE requests with it), re-exported here: ``RoEConfig``, ``Ensemble``,
+``AdaptiveEnsemble``, ``aggregate``, ``load_profile``, ``save_profile``.
+
+Layout: ``spans`` + ``parallel`` (whole sequences scored span by span over one clean cache, the LM
+head on a few tokens at a time: no [K, T, V]), ``roe_generate`` (through the engine), ``score``,
+``score_data``, ``tune`` + ``tune_config`` (``tune`` on a loaded model; ``run_tune(TuneConfig(...))``
+is ``moectl roe tune``), ``adaptive`` (adaptive K's trade-off), ``bench`` (overhead); the figures
+are ``reporting.roe_plots``, the commands ``cli/roe.py`` (``moectl roe ...``).
 """
 
-from moectl.roe.adaptive import AdaptiveEnsemble, trade_off
-from moectl.roe.ensemble import Ensemble, aggregate
-from moectl.roe.roe_config import RoEConfig, load_profile, save_profile
+from moectl.ensemble.adaptive_ensemble import AdaptiveEnsemble
+from moectl.ensemble.ensemble import Ensemble, aggregate
+from moectl.ensemble.roe_config import RoEConfig, load_profile, save_profile
+from moectl.roe.adaptive import trade_off
 from moectl.roe.roe_generate import Generation, GenerationStats, generate
 from moectl.roe.score import ScoreResult, score, token_logprobs
 from moectl.roe.tune import TuneResult, tune

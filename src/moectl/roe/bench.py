@@ -31,11 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.ensemble.cache_size import cache_bytes
+from moectl.ensemble.ensemble import Ensemble, experts_implementation
+from moectl.ensemble.roe_config import CACHE_MODES, MAX_K, RoEConfig
 from moectl.errors import ConfigError
 from moectl.progress import progress_bar
-from moectl.roe.cache_size import cache_bytes
-from moectl.roe.ensemble import Ensemble, experts_implementation
-from moectl.roe.roe_config import CACHE_MODES, MAX_K, RoEConfig
 from moectl.routing.kv_cache import cache_out, with_cache
 
 Runner = Callable[[], tuple[float, float, int]]  # → (CPU s per token, wall s per token, KV cache bytes)

@@ -3,7 +3,7 @@
 p_RoE(x_t | x_<t) aggregates the K routing samples that predict x_t from the clean prefix (RoE
 §2.3; ``prob_mean``, the paper's probability average, §3.1, or ``logprob_mean``). The samples
 come span by span from ``spans.sample_spans`` as final hidden states; the LM head runs on a few
-tokens at a time (``head.py``) and each result is folded into a running reduction at once:
+tokens at a time (``lm.lm_head``) and each result is folded into a running reduction at once:
 
 - :func:`parallel_token_logprobs` — log p_RoE of each next token [B, T]: one log-probability per
   (sample, token), log-add-exp over the samples (``prob_mean``). Nothing of size V outlives a
@@ -14,7 +14,7 @@ tokens at a time (``head.py``) and each result is folded into a running reductio
   [B, T, V] for callers whose interface is full logits (an lm-eval harness's ``_model_call``):
   written span by span into the output; no [K, …] or second [B, T, V] buffer.
 
-Generation needs the last position only: ``Ensemble`` (``ensemble.py``) decodes with the clean
+Generation needs the last position only: ``Ensemble`` (``ensemble.ensemble``) decodes with the clean
 cache and asks the model for the last position's logits ([B, K, V]) at each step.
 Models with recurrent layers (and ``cache != "clean"``) take the stepwise path: teacher-forced
 ``Ensemble`` steps, reduced step by step the same way.
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moectl.engine.batch import TokenScores
+from moectl.ensemble.ensemble import Ensemble
+from moectl.ensemble.roe_config import RoEConfig
 from moectl.errors import ConfigError
-from moectl.roe.head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs, vocab_size
-from moectl.roe.roe_config import RoEConfig
+from moectl.lm.lm_head import HEAD_BYTES, add_log_probs, head_rows, output_head, target_logprobs, vocab_size
+from moectl.lm.scored_tokens import TokenScores
 from moectl.roe.spans import RoEScoringInputs, is_attention_only, sample_spans
 
 __all__ = [
@@ -206,8 +207,6 @@ def ensemble_token_scores(inputs: RoEScoringInputs, greedy: bool = True) -> Toke
 def _steps(inputs: RoEScoringInputs, length: int):
     """Teacher-forced ``Ensemble`` steps over the first ``length`` positions: the distribution after
     each (any cache variant)."""
-    from moectl.roe.ensemble import Ensemble
-
     if length < 1:
         return
     ids, mask = inputs.ids, inputs.mask

@@ -23,8 +23,10 @@ from pathlib import Path
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.engine.engine import Engine, EngineConfig, Event
+from moectl.engine.sampling import SamplingParams
+from moectl.ensemble.roe_config import RoEConfig, as_config
 from moectl.errors import ConfigError
-from moectl.roe.roe_config import RoEConfig, as_config
 from moectl.routing.routing_state import Policy
 
 ROUTING = "roe"  # the name ``generate`` registers its config under in its engine
@@ -85,15 +87,13 @@ def generate(
     """Generate from ``prompts`` with RoE (``config``: K, tau, aggregation, cache; default K=16, tau=0).
 
     ``adaptive_threshold`` (nats, clean cache only): spend the K−1 noisy samples only on tokens
-    whose clean next-token entropy exceeds it (``adaptive.AdaptiveEnsemble``; beyond the paper).
+    whose clean next-token entropy exceeds it (``ensemble.adaptive_ensemble.AdaptiveEnsemble``;
+    beyond the paper).
     ``on_text(row, piece)`` receives newly decoded text of the prompt at index ``row``.
     ``sample_seed``: prompt i samples with seed ``sample_seed + i`` (with ``temperature > 0``).
     ``policies`` route before the RoE noise (e.g. an ``ExpertMask``). Pass a ``GenerationStats``
     to have it filled. ``config`` may be a tau profile (path or dict).
     """
-    from moectl.engine.engine import Engine, EngineConfig, Event
-    from moectl.engine.sampling import SamplingParams
-
     config = as_config(config)
     check_decoding(max_new_tokens, temperature, top_p)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

@@ -31,14 +31,15 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.engine.batch import left_pad, scored_positions
+from moectl.ensemble.ensemble import Ensemble
+from moectl.ensemble.masks import attention_kinds
+from moectl.ensemble.roe_config import RoEConfig, as_config
 from moectl.errors import ConfigError
+from moectl.lm.padding import left_pad, scored_positions
 from moectl.models.tokens import encode, request
 from moectl.progress import progress_bar
-from moectl.roe.ensemble import Ensemble
-from moectl.roe.masks import attention_kinds
 from moectl.roe.parallel import RoEScoringInputs, parallel_token_logprobs
-from moectl.roe.roe_config import RoEConfig, as_config
+from moectl.roe.roe_generate import generate
 from moectl.roe.score_data import ChoiceItem, GenItem, Item, LMItem, item_kind, load_items
 from moectl.routing.routing_state import Policy
 
@@ -241,8 +242,6 @@ def score(
 
 
 def _exact_match(model, tokenizer, items, config, batch_size, progress, info, start) -> ScoreResult:
-    from moectl.roe.roe_generate import generate
-
     assert all(isinstance(i, GenItem) for i in items)
     longest = max(len(encode(tokenizer, i.answer)) for i in items)
     outs = generate(

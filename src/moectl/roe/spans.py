@@ -5,11 +5,11 @@ x_<t and routes only x_t with noise. So one clean forward over the whole sequenc
 cache (and gives sample 0, the clean path), and the noisy samples 1 … K−1 of a span of positions
 run as extra queries of the same sequence: ``copies`` samples × P positions folded into the query
 dimension (as a clean-cache decoding step folds the K samples of one token), each query seeing
-the clean keys before its position and its own key only (``masks.teacher_forced_span_masks``).
+the clean keys before its position and its own key only (``ensemble.masks.teacher_forced_span_masks``).
 The cache is read, never repeated per sample, and nothing is appended to it.
 
 :func:`sample_spans` yields final hidden states (after the model's last norm), not logits: the
-callers run the LM head on a few tokens at a time (``head.py``). Its memory is the clean
+callers run the LM head on a few tokens at a time (``lm.lm_head``). Its memory is the clean
 forward's (activations at T tokens, the KV cache, one [B, T, H] hidden state) plus one noisy
 forward of at most ``span_tokens`` query tokens, whose attention area Q · (n + Q) is kept within
 the clean forward's T · T.
@@ -19,75 +19,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.ensemble.clean_cache import CleanCacheMixin, StepPlan, full_clean_cache
+from moectl.ensemble.ensemble import experts_implementation
+from moectl.ensemble.masks import AttentionKind, attention_kinds, mask_dtype, teacher_forced_span_masks
+from moectl.ensemble.noise import NoiseLayout, SampleGumbel
+from moectl.ensemble.roe_config import RoEConfig
 from moectl.errors import UnsupportedModelError
-from moectl.roe.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
-from moectl.roe.ensemble import experts_implementation
-from moectl.roe.masks import AttentionKind, attention_kinds, mask_dtype, teacher_forced_span_masks
-from moectl.roe.noise import NoiseLayout, SampleGumbel
-from moectl.roe.padding import left_padded
-from moectl.roe.roe_config import RoEConfig
+from moectl.lm.final_hidden import decoder_of, final_hidden
+from moectl.lm.padding import left_padded
 from moectl.routing.kv_cache import with_cache
 from moectl.routing.routing_state import Policy
 from moectl.routing.session import route
-
-
-class FullCleanCache(CleanCacheMixin, DynamicCache):
-    """A clean cache whose layers all keep every token (sliding-window layers too: a span's
-    queries read keys the window has already passed)."""
-
-    def __init__(self) -> None:
-        DynamicCache.__init__(self)
-        self._init_clean()
-
-
-def full_clean_cache(model: nn.Module) -> CleanCacheMixin:
-    """A :class:`FullCleanCache`, or the clean cache of the class the model insists on (MiniMax)."""
-    if getattr(model.config, "model_type", "") == "minimax":
-        return new_clean_cache(model)
-    return FullCleanCache()
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder under the LM head: the module whose output is the final-normed hidden state."""
-    for candidate in (getattr(model, "model", None), getattr(model, "get_decoder", lambda: None)()):
-        if isinstance(candidate, nn.Module) and candidate is not model:
-            return candidate
-    raise UnsupportedModelError(f"{type(model).__name__}: cannot find the decoder under the LM head")
-
-
-@contextmanager
-def keeping_final_hidden(decoder: nn.Module) -> Iterator[list[Tensor]]:
-    """While open, each forward of ``decoder`` appends its last hidden state [B, T, H] (after the
-    final norm) to the yielded list."""
-    box: list[Tensor] = []
-
-    def keep(module: nn.Module, args: tuple, output) -> None:
-        box.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
-
-    handle = decoder.register_forward_hook(keep)
-    try:
-        yield box
-    finally:
-        handle.remove()
-
-
-def final_hidden(model: nn.Module, decoder: nn.Module, **inputs) -> Tensor:
-    """The decoder's last hidden state [B, T, H] for ``inputs``, from a forward of the whole model.
-
-    The whole model runs (so every hook a routing session put on it fires as usual) with
-    ``logits_to_keep=1``: the LM head sees one position; the caller runs it on the rest in chunks.
-    """
-    with keeping_final_hidden(decoder) as box:
-        model(**inputs, logits_to_keep=1)
-    return box[-1]
 
 
 def is_attention_only(model: nn.Module) -> bool:

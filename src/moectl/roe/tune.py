@@ -37,10 +37,10 @@ from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, launched_world_size, process_device, ranks
+from moectl.ensemble.roe_config import RoEConfig, save_profile
 from moectl.errors import ConfigError
 from moectl.io.atomic import crash_point
 from moectl.progress import progress_bar
-from moectl.roe.roe_config import RoEConfig, save_profile
 from moectl.roe.score import score
 from moectl.roe.score_data import Item, item_kind, load_items
 from moectl.roe.tune_config import OBJECTIVES, TuneConfig

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from moectl.ensemble.roe_config import AGGREGATIONS, check_k
 from moectl.errors import ConfigError
-from moectl.roe.roe_config import AGGREGATIONS, check_k
 from moectl.runconfig import RunConfig
 
 OBJECTIVES = ("ppl", "acc")

@@ -2,7 +2,7 @@
 
 A draw that is a function of *what it is for* — (seed, layer, sample or request, position, expert)
 — rather than of a generator's call order is the same whatever the batch layout, the order of
-requests or a KV cache. RoE's per-layer noise (``moectl.roe.noise``, keyed by sample and position)
+requests or a KV cache. RoE's per-layer noise (``moectl.ensemble.noise``, keyed by sample and position)
 and evaluation's per-request noise (``moectl.eval.request_noise``) both draw this way, through
 these helpers.
 

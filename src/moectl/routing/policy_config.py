@@ -41,7 +41,7 @@ _PROVIDERS: dict[str, str] = {
     "expert_mask": "moectl.routing.mask",
     "document_pool": "moectl.routing.pool",
     "gumbel": "moectl.routing.gumbel",
-    "roe": "moectl.roe.roe_config",
+    "roe": "moectl.ensemble.roe_config",
     "controller": "moectl.options.policy",
     "random_options": "moectl.options.random_options",
     "lru": "moectl.offload.residency",

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from moectl.roe.head import vocab_size
+from moectl.lm.lm_head import vocab_size
 from moectl.server.api_errors import APIError, install_error_handlers
 from moectl.server.auth import APIKeyMiddleware
 from moectl.server.engine_events import Generation, collect, merged

@@ -5,10 +5,11 @@ A clean-cache step feeds the current token as K query tokens of one sequence
 clean sample's) keys/values to the cache and hands the attention call prefix + the K new keys
 (one concatenation, freed after that layer: the same per-layer copy transformers'
 ``DynamicCache`` makes for the plain model every step). ``StepPlan`` says what a step commits and
-which cached tokens its queries may see.
+which cached tokens its queries may see. ``FullCleanCache`` keeps every token in every layer (the
+span scorer's, ``roe.spans``: a span's queries read keys a sliding window has already passed).
 
 The sample runners live beside it: ``variants`` (the three ways to run K samples),
-``cache_size`` (bytes and tokens a cache holds), ``padding`` (left-padded prompt batches).
+``cache_size`` (bytes and tokens a cache holds), ``lm.padding`` (left-padded prompt batches).
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from moectl.roe.cache_size import cache_bytes, cache_tokens
-from moectl.roe.padding import left_padded
-
 __all__ = [
     "CleanCache",
     "CleanCacheMixin",
+    "FullCleanCache",
     "StepPlan",
-    "cache_bytes",
-    "cache_tokens",
-    "left_padded",
+    "full_clean_cache",
     "new_clean_cache",
 ]
 
@@ -128,21 +125,17 @@ def new_clean_cache(model: nn.Module) -> CleanCacheMixin:
     return CleanCache(model.config)
 
 
-_MOVED = {  # names this module held before the split, now in the sample-runner modules
-    "CleanCacheVariant": "moectl.roe.variant_clean",
-    "SeparateCachesVariant": "moectl.roe.variant_separate",
-    "NoCacheVariant": "moectl.roe.variant_nocache",
-    "SampleVariant": "moectl.roe.variants",
-    "VARIANTS": "moectl.roe.variants",
-    "make_variant": "moectl.roe.variants",
-}
+class FullCleanCache(CleanCacheMixin, DynamicCache):
+    """A clean cache whose layers all keep every token (sliding-window layers too: a span's
+    queries read keys the window has already passed)."""
+
+    def __init__(self) -> None:
+        DynamicCache.__init__(self)
+        self._init_clean()
 
 
-def __getattr__(name: str):
-    """Earlier imports (``from moectl.roe.clean_cache import make_variant``) keep working (PEP 562); lazily,
-    since the runners import this module."""
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def full_clean_cache(model: nn.Module) -> CleanCacheMixin:
+    """A :class:`FullCleanCache`, or the clean cache of the class the model insists on (MiniMax)."""
+    if getattr(model.config, "model_type", "") == "minimax":
+        return new_clean_cache(model)
+    return FullCleanCache()

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moectl.ensemble.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
+from moectl.ensemble.masks import attention_kinds, mask_dtype, step_masks
+from moectl.ensemble.noise import NoiseLayout, SampleGumbel
 from moectl.errors import UnsupportedModelError
-from moectl.roe.clean_cache import CleanCacheMixin, StepPlan, new_clean_cache
-from moectl.roe.masks import attention_kinds, mask_dtype, step_masks
-from moectl.roe.noise import NoiseLayout, SampleGumbel
-from moectl.roe.padding import left_padded, token_column
+from moectl.lm.padding import left_padded, token_column
 from moectl.routing.kv_cache import with_cache
 
 _SUPPORTED_ATTN = ("eager", "sdpa")
@@ -51,7 +51,7 @@ class CleanCacheVariant:
         self.kinds, self.as_dict = attention_kinds(model.config)
         self.dtype = mask_dtype(model)
         self.cache: CleanCacheMixin | None = None
-        from moectl.roe.hybrid import RecurrentUnfold  # hybrid models only; no cost otherwise
+        from moectl.ensemble.hybrid import RecurrentUnfold  # hybrid models only; no cost otherwise
 
         self.unfold = RecurrentUnfold.for_model(model, self.kinds)
 

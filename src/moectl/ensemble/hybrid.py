@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from moectl.ensemble.clean_cache import new_clean_cache
 from moectl.errors import NotSupportedError
-from moectl.roe.clean_cache import new_clean_cache
 
 
 class _StateView:

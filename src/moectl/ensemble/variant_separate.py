@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moectl.roe.noise import NoiseLayout, SampleGumbel
-from moectl.roe.padding import left_padded, token_column
+from moectl.ensemble.noise import NoiseLayout, SampleGumbel
+from moectl.lm.padding import left_padded, token_column
 from moectl.routing.kv_cache import cache_out, with_cache
 
 

@@ -20,11 +20,11 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
+from moectl.ensemble.noise import SampleGumbel
+from moectl.ensemble.variant_clean import CleanCacheVariant
+from moectl.ensemble.variant_nocache import NoCacheVariant
+from moectl.ensemble.variant_separate import SeparateCachesVariant
 from moectl.errors import ConfigError
-from moectl.roe.noise import SampleGumbel
-from moectl.roe.variant_clean import CleanCacheVariant
-from moectl.roe.variant_nocache import NoCacheVariant
-from moectl.roe.variant_separate import SeparateCachesVariant
 
 __all__ = [
     "VARIANTS",

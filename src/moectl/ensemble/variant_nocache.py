@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moectl.roe.noise import NoiseLayout, SampleGumbel
-from moectl.roe.padding import left_padded, token_column
+from moectl.ensemble.noise import NoiseLayout, SampleGumbel
+from moectl.lm.padding import left_padded, token_column
 
 
 class NoCacheVariant:

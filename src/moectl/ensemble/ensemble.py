@@ -27,12 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+from moectl.ensemble.noise import SampleGumbel
+from moectl.ensemble.roe_config import RoEConfig
+from moectl.ensemble.variants import SampleVariant, make_variant
 from moectl.errors import ConfigError
 from moectl.models.grouped_experts import pays_on_cpu
 from moectl.models.grouped_experts import register as register_grouped_experts
-from moectl.roe.noise import SampleGumbel
-from moectl.roe.roe_config import RoEConfig
-from moectl.roe.variants import SampleVariant, make_variant
 from moectl.routing.routing_state import Policy
 from moectl.routing.session import RoutingSession, route
 
