@@ -1,13 +1,16 @@
-"""``moectl serve MODEL``: an OpenAI-compatible HTTP server (``moectl.server``) over the batching engine."""
+"""``moectl serve MODEL``: an OpenAI-compatible HTTP server (``moectl.server``) over the batching engine.
+
+The command only parses its flags into a :class:`moectl.server.ServeConfig` (whose checks refuse a
+bad value in one line, exit 2) and calls :func:`moectl.server.run_serve`, as a Python user would.
+"""
 
 from __future__ import annotations
 
 import re
-import socket
-from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from moectl.cli.common import (
     DeviceOpt,
@@ -17,13 +20,16 @@ from moectl.cli.common import (
     TinyOpt,
     console,
     fail,
-    load,
     model_spec,
-    use_threads,
 )
+from moectl.server.serve_config import LOG_LEVELS, served_name
+
+if TYPE_CHECKING:
+    from moectl.offload.offload_config import OffloadConfig
+
+__all__ = ["parse_routings", "serve_command", "served_name"]  # served_name: the library's, re-exported
 
 ROUTING = re.compile(r"^([^=]+)=(.+)$")
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def parse_routings(items: list[str]) -> dict[str, str]:
@@ -43,34 +49,6 @@ def parse_routings(items: list[str]) -> dict[str, str]:
             raise ConfigError(f"--routing {name!r} is given twice: one spec per name")
         out[name] = spec
     return out
-
-
-def served_name(spec: str) -> str:
-    """The name /v1/models lists: a checkpoint folder's basename, else the spec itself."""
-    path = Path(spec).expanduser()
-    return path.resolve().name if path.exists() else spec
-
-
-def check_port(host: str, port: int) -> None:
-    """Refuse a port that cannot be bound before the model loads (``ConfigError`` for a bad port or
-    host, ``UnavailableError``, an ``OSError``, for one in use)."""
-    from moectl.errors import ConfigError, UnavailableError
-
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"--port must be in 1..65535, got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise ConfigError(f"--host {host!r} is not an address this machine can bind: {err.strerror}") from err
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as err:
-            raise UnavailableError(
-                f"cannot listen on {host}:{port}: {err.strerror} (choose another --port)"
-            ) from err
 
 
 def serve_command(
@@ -186,96 +164,51 @@ def serve_command(
         spec = model_spec(model, tiny)
     except typer.BadParameter as err:
         fail(str(err))
-    from moectl.errors import ConfigError
+    from moectl.server.serve_config import ServeConfig
+    from moectl.server.serve_run import run_serve
 
-    routings = parse_routings(routing or [])
-    if default_routing is not None and default_routing not in routings:
-        names = ", ".join(sorted(routings)) or "none"
-        raise ConfigError(f"--default-routing {default_routing!r} is not a --routing NAME; registered: {names}")
-    if max_batch < 1:
-        raise ConfigError(f"--max-batch must be at least 1, got {max_batch}")
-    if max_queue < 1:
-        raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
-    if prefill_chunk < 1:
-        raise ConfigError(f"--prefill-chunk must be a number of tokens >= 1, got {prefill_chunk}")
-    if prefix_cache < 0:
-        raise ConfigError(f"--prefix-cache must be a number of tokens >= 0, got {prefix_cache}")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {threads}")
-    if served_model_name is not None and not all(n.strip() for n in served_model_name):
-        raise ConfigError("--served-model-name must not be empty")
-    if log_level not in LOG_LEVELS:
-        raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-    offload = _offload_config(budget, residency, slot_dtype, store)
-    from moectl.server.uvicorn_run import ServeLimits, serve
-
-    limits = ServeLimits(read_timeout, timeout_keep_alive, shutdown_timeout)
-    check_port(host, port)
-
-    from moectl.engine import Engine, EngineConfig
-    from moectl.server.app import create_app
-
-    n_threads = use_threads(threads)
-    # Everything but the engine's loop thread runs torch with one thread: once OpenMP has a pool of
-    # several threads in two threads (the model loaded here, then the loop), the loop's products ran
-    # 20-30% slower (OLMoE width, 4 layers, 2 cores: 1 client 16.8-19.0 -> 21.6-22.2 tok/s, 8 clients
-    # 41.6-46.7 -> 58.7-59.7, benchmarks/serve_load.py). The loop sets its own count (EngineConfig.threads).
-    import torch
-
-    torch.set_num_threads(1)
-    reader = None
-    try:
-        if offload is not None:  # a checkpoint's experts stay in its shards (moectl.offload.loading)
-            from moectl.offload.loading import load_for_offload
-
-            net, tokenizer, reader = load_for_offload(spec, offload, dtype, device, seed)
-        else:
-            net, tokenizer = load(spec, device, dtype, seed=seed)
-        if tokenizer_path is not None:
-            from moectl.models.load import tokenizer_for
-
-            tokenizer = tokenizer_for(tokenizer_path, int(net.config.vocab_size))
-        engine = Engine(
-            net,
-            tokenizer,
-            EngineConfig(
-                max_batch=max_batch,
-                max_queue=max_queue,
-                offload=offload,
-                adapt_threads=threads is None,
-                prefix_cache_tokens=prefix_cache,
-                prefill_chunk=prefill_chunk,
-                threads=n_threads,
-            ),
-            routings=routings,
-            reader=reader,
-        )
-        engine.open()  # the routing and the offload runtime installed now: their errors are one line here
-    except (ValueError, OSError, RuntimeError, MemoryError) as err:
-        fail(err)
-    served = list(served_model_name or [served_name(spec)])
-    name = served[0]
-    app = create_app(engine, served, api_key=api_key, default_routing=default_routing)
-    names = ", ".join(sorted(routings)) or "none"
-    default = f", default {default_routing}" if default_routing else ""
-    console.print(
-        f"serving {name} on http://{host}:{port}/v1 (routings: {names}{default}; {n_threads} torch threads)"
+    config = ServeConfig(
+        model=spec,
+        host=host,
+        port=port,
+        served_model_names=served_model_name,
+        routings=parse_routings(routing or []),
+        default_routing=default_routing,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        prefix_cache=prefix_cache,
+        prefill_chunk=prefill_chunk,
+        api_key=api_key,
+        offload=_offload_config(budget, residency, slot_dtype, store),
+        tokenizer=tokenizer_path,
+        read_timeout=read_timeout,
+        timeout_keep_alive=timeout_keep_alive,
+        shutdown_timeout=shutdown_timeout,
+        seed=seed,
+        log_level=log_level,
+        threads=threads,
+        device=device,
+        dtype=dtype,
     )
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        console.print(
-            f"[yellow]warning:[/yellow] listening on {host} without --api-key: anyone who reaches it may use it"
-        )
     try:
-        serve(app, host, port, log_level=log_level, limits=limits, on_deadline=engine.abort)
-    except OSError as err:
+        run_serve(config, announce=_announce)
+    except (ValueError, OSError, RuntimeError, MemoryError) as err:  # loading the model, binding the port
         fail(err)
-    finally:
-        if reader is not None:
-            reader.close()
 
 
-def _offload_config(budget: str | None, residency: str | None, slot_dtype: str | None, store: str | None):
-    """The offload settings, or None when --budget is not given (the others need it)."""
+def _announce(line: str) -> None:
+    """``run_serve``'s lines on the console, a ``warning:`` in yellow."""
+    if line.startswith("warning:"):
+        console.print(f"[yellow]warning:[/yellow]{escape(line.removeprefix('warning:'))}")
+    else:
+        console.print(escape(line))
+
+
+def _offload_config(
+    budget: str | None, residency: str | None, slot_dtype: str | None, store: str | None
+) -> OffloadConfig | None:
+    """The offload settings of the four flags, or None when --budget is not given (the others need
+    it); refused in the flags' words (``--store``, not OffloadConfig's ``store``)."""
     from moectl.errors import ConfigError
 
     if budget is None:
