@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.attention import attention_kernels
 from moectl.engine.batch import prefill_groups
-from moectl.engine.kv import check_batchable, join, keep, new_cache
+from moectl.engine.kv import check_batchable, new_cache
 from moectl.engine.logprobs import TokenLogprob, capture_hidden, of_logits, prompt_logprobs
 from moectl.engine.pad_skip import PadSkip
 from moectl.engine.penalties import check_bias_ids, penalise
@@ -66,7 +66,9 @@ from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
-from moectl.engine.sampling import SamplingParams, choose_tokens, request_seed
+from moectl.engine.running import RunningBatch
+from moectl.engine.sampling import SamplingParams, request_seed
+from moectl.engine.sampling_batch import SamplingBatch
 from moectl.engine.text import TextStream, lone_surrogate
 from moectl.errors import ConfigError, MoectlError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
@@ -260,17 +262,12 @@ class Engine(PrefixPrefill):
         self._pad_skip = PadSkip()
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self.batch = RunningBatch(self.device)  # the requests decoding together and their rows' tensors
         self._roe_rows = RoeRows(self)  # RoE requests: one K-sample ensemble per routing (roe_rows)
         self._chunked: deque[_Chunked] = deque()  # long prompts prefilled a chunk per step, oldest first
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
-        self._cache = None
-        self._valid: Tensor | None = None
-        self._prev: Tensor | None = None  # [B, L, E] ω at each row's latest token
-        self._switches: Tensor | None = None  # [B, L]
-        self._last: Tensor | None = None  # [B] each row's latest token, fed at the next step
         self._session = None
         self._offload = None
         self.runtime = None  # the OffloadRuntime while open, if offloading
@@ -536,7 +533,7 @@ class Engine(PrefixPrefill):
                     busy = self._busy()
                 if (self._stopping and not self._drain) or self._abort_asked:
                     chunked = [c.req for c in self._chunked]
-                    every = {r.id for r in (*self._waiting, *self._running, *self._roe_rows, *chunked)}
+                    every = {r.id for r in (*self._waiting, *self.batch, *self._roe_rows, *chunked)}
                     self._cancelled |= every
                     if self._abort_asked:
                         self._aborted |= every
@@ -546,7 +543,7 @@ class Engine(PrefixPrefill):
             self.step()
 
     def _busy(self) -> bool:
-        return bool(self._running or self._roe_rows or self._chunked)
+        return bool(self.batch or self._roe_rows or self._chunked)
 
     def step(self) -> bool:
         """One engine step: admit, drop cancelled, prefill one chunk of a long prompt, decode.
@@ -556,9 +553,9 @@ class Engine(PrefixPrefill):
                 admitted = self._admit()
                 self._drop_cancelled()
                 chunked = self._prefill_chunk()
-                if not self._running and not self._roe_rows:
+                if not self.batch and not self._roe_rows:
                     return admitted or chunked
-                if self._running:
+                if self.batch:
                     self._decode()
                 self._roe_rows.step()
             except Exception as err:  # the batch is lost; the requests get the error, serving goes on
@@ -570,7 +567,7 @@ class Engine(PrefixPrefill):
         """Take waiting requests while the batch has room and prefill them: RoE requests by routing
         (``roe_rows``), the others together, a few forwards at most (``prefill_groups``)."""
         taken: list[_Request] = []
-        used = sum(r.copies for r in self._running) + len(self._roe_rows) + len(self._chunked)  # rows
+        used = self.batch.rows + len(self._roe_rows) + len(self._chunked)  # rows
         while used < self.config.max_batch and not (self.config.solo and (used or taken)):
             with self._lock:
                 if not self._waiting or used + self._waiting[0].copies > self.config.max_batch:
@@ -611,7 +608,7 @@ class Engine(PrefixPrefill):
             work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
         for done, (prefill, arg) in enumerate(work):
             err = self._isolated(prefill, arg)
-            if err is not None and self._cache is None and not self._roe_rows:  # nothing runs: fail the step
+            if err is not None and not self.batch and not self._roe_rows:  # nothing runs: fail the step
                 later = [r for _, a in work[done + 1 :] for r in _requests_of(a)]
                 with self._lock:
                     self._waiting.extendleft(reversed(later))
@@ -649,7 +646,7 @@ class Engine(PrefixPrefill):
         try:
             self._prefill(reqs)
         except Exception:
-            if any(r is q for r in self._running for q in reqs):
+            if any(r is q for r in self.batch for q in reqs):
                 raise  # failed after joining the batch: not a prefill to redo
             for req in reqs:
                 self._isolated(self._prefill, [req])
@@ -730,14 +727,10 @@ class Engine(PrefixPrefill):
             if req.copies == 1:
                 self._store_prefix(req, cache, row, mask[row].bool())
         self.counters["prefills"] += len(reqs)
-        tokens = self._choose(logits, reqs)
-        self._cache, self._valid = join(self._cache, self._valid, cache, mask)
-        self._prev = prev if self._prev is None else torch.cat([self._prev, prev])
-        self._switches = switches if self._switches is None else torch.cat([self._switches, switches])
-        rows = expand(tokens, copies)  # each copy is fed its request's token
-        self._last = rows if self._last is None else torch.cat([self._last, rows])
-        first = len(self._running)
-        self._running.extend(reqs)
+        sampling = self._sampling(reqs)
+        tokens = self._choose(logits, reqs, sampling)
+        sampling.advance()
+        first = self.batch.join(reqs, cache, mask, prev, switches, expand(tokens, copies), sampling)
         finished = [
             first + i
             for i, (req, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True))
@@ -813,27 +806,23 @@ class Engine(PrefixPrefill):
         self.meter.traces = self.meter.pads = None
         self._pad_skip.keep(None)
 
-    def _choose(self, logits: Tensor, reqs: list[_Request]) -> Tensor:
+    def _sampling(self, reqs: list[_Request]) -> SamplingBatch:
+        """The sampler's tensors for ``reqs`` (built when they join the batch, not at every step)."""
+        steps = [len(r.generated) for r in reqs]
+        return SamplingBatch.of([r.params for r in reqs], [r.key for r in reqs], steps, self.device)
+
+    def _choose(self, logits: Tensor, reqs: list[_Request], sampling: SamplingBatch | None = None) -> Tensor:
         """Each request's next token (a request's K copies: one distribution, ``repeats.combine``),
         after the penalties and bias of the requests that ask for them (``penalties.penalise``):
-        greedy requests only need the argmax (no per-row tensors to build and copy, no device sync),
-        else ``choose_tokens`` with the requests' parameters (two copies). Reported log-probabilities
-        are the model's, before penalties, temperature and filters."""
+        greedy requests only need the argmax, else ``choose_tokens`` with the requests' parameters
+        (``sampling``: the running batch's, kept from step to step; None: built for ``reqs``).
+        Reported log-probabilities are the model's, before penalties, temperature and filters."""
         raw = combine(logits, [r.copies for r in reqs])
         logits = penalise(raw, reqs, self.eos_ids)
-        if all(r.params.temperature == 0 for r in reqs):
-            tokens = logits.argmax(-1)
+        if sampling is None and all(r.params.temperature == 0 for r in reqs):
+            tokens = logits.argmax(-1)  # nothing to build
         else:
-            dev = logits.device
-            p = [r.params for r in reqs]
-            floats = torch.tensor([[q.temperature, q.top_p, q.min_p] for q in p], dtype=torch.float32)
-            ints = torch.tensor([[r.key, len(r.generated), r.params.top_k] for r in reqs], dtype=torch.int64)
-            floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-            filters = any(q.top_k or q.min_p for q in p)
-            tokens = choose_tokens(
-                logits.float(), floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1],
-                top_k=ints[:, 2] if filters else None, min_p=floats[:, 2] if filters else None,
-            )  # fmt: skip
+            tokens = (sampling or self._sampling(reqs)).choose(logits)
         wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if wanted:  # only requests that ask pay for the softmax and its host copy
             top = max(reqs[i].params.logprobs or 0 for i in wanted)
@@ -845,7 +834,7 @@ class Engine(PrefixPrefill):
 
     def _groups(self) -> list[Group]:
         by_policies: dict[int, tuple[list[int], list[_Request]]] = {}
-        for req, start in zip(self._running, row_starts([r.copies for r in self._running]), strict=True):
+        for req, start in zip(self.batch, row_starts(self.batch.copies()), strict=True):
             if req.policies:
                 rows, members = by_policies.setdefault(id(req.policies), ([], []))
                 rows.extend(range(start, start + req.copies))
@@ -853,41 +842,36 @@ class Engine(PrefixPrefill):
         return [_group(rows, members, members[0].seen) for rows, members in by_policies.values()]
 
     def _decode(self) -> None:
-        assert self._valid is not None and self._last is not None
-        b = int(self._last.shape[0])  # rows (a request of K copies takes K)
+        batch = self.batch
+        assert batch.valid is not None and batch.last is not None and batch.sampling is not None
+        b = batch.rows  # a request of K copies takes K
         self.router.set_groups(self._groups(), b, self.device)
-        self.meter.start(self._prev, self._switches, counting=True)
-        valid = torch.cat([self._valid, torch.ones(b, 1, dtype=torch.bool, device=self._valid.device)], 1)
-        positions = torch.tensor(
-            [[r.seen] for r in self._running for _ in range(r.copies)], device=self.device
-        )
-        self._begin_traces(self._running, [1] * len(self._running), [r.seen for r in self._running])
+        self.meter.start(batch.prev, batch.switches, counting=True)
+        valid = torch.cat([batch.valid, torch.ones(b, 1, dtype=torch.bool, device=batch.valid.device)], 1)
+        self._begin_traces(batch.requests, [1] * len(batch), [r.seen for r in batch])
         self._log("decode", b)
         try:
             out = self.model(
-                input_ids=self._last[:, None],
+                input_ids=batch.last[:, None],
                 attention_mask=valid.long(),
-                position_ids=positions,
-                **with_cache(self._cache),
+                position_ids=batch.positions,
+                **with_cache(batch.cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
         finally:
             self._between_steps()
-        self._cache = self._cache if cache_out(out) is None else cache_out(out)
-        self._valid = valid
+        cache = batch.cache if cache_out(out) is None else cache_out(out)
         if self.runtime is not None:  # what this step's rows needed together, per MoE layer (host ints)
             unions = [m.union for m in self.runtime.modules]
             self._union[0] += sum(unions) / len(unions)
             self._union[1] = max(self._union[1], max(unions))
             self._union[2] += 1
-        for req in self._running:
-            req.seen += 1
-        tokens = self._choose(out.logits[:, -1], self._running)
-        self._last = expand(tokens, [r.copies for r in self._running])
+        tokens = self._choose(out.logits[:, -1], batch.requests, batch.sampling)
+        batch.advance(cache, valid, expand(tokens, batch.copies()))
         finished = [
             i
-            for i, (req, tok) in enumerate(zip(self._running, tokens.tolist(), strict=True))
+            for i, (req, tok) in enumerate(zip(batch, tokens.tolist(), strict=True))
             if self._emit(req, tok)
         ]
         if finished:
@@ -927,24 +911,7 @@ class Engine(PrefixPrefill):
 
     def _remove(self, rows: list[int]) -> None:
         """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""
-        gone = set(rows)
-        done = [self._running[i] for i in sorted(gone)]
-        copies = [r.copies for r in self._running]
-        if self._switches is not None:
-            per_row = self._switches.sum(1).tolist()  # one host sync per leave
-            for i in gone:  # a request of K copies: the sum over its rows (``_finish`` divides by K)
-                self._running[i].switches = int(sum(per_row[r] for r in rows_of(copies, [i])))
-        keep_rows = [i for i in range(len(self._running)) if i not in gone]
-        index = torch.tensor(rows_of(copies, keep_rows), dtype=torch.long, device=self.device)
-        if keep_rows:
-            self._cache, self._valid = keep(self._cache, self._valid, index)
-        self._prev = self._prev[index] if self._prev is not None else None
-        self._switches = self._switches[index] if self._switches is not None else None
-        self._last = self._last[index] if self._last is not None else None
-        self._running = [self._running[i] for i in keep_rows]
-        if not self._running:
-            self._cache = self._valid = self._prev = self._switches = self._last = None
-        for req in done:
+        for req in self.batch.drop(set(rows)):
             reason, piece = req.ending or ("cancelled", "")
             self._finish(req, reason, piece=piece)
 
@@ -954,7 +921,7 @@ class Engine(PrefixPrefill):
             self._cancelled = set()
         if not cancelled:
             return
-        rows = [i for i, r in enumerate(self._running) if r.id in cancelled]
+        rows = [i for i, r in enumerate(self.batch) if r.id in cancelled]
         if rows:
             self._remove(rows)
         for chunked in [c for c in self._chunked if c.req.id in cancelled]:
@@ -966,9 +933,7 @@ class Engine(PrefixPrefill):
 
     def _fail_all(self, err: Exception) -> None:
         self.counters["errors"] += 1
-        failed = [*self._running, *self._roe_rows.clear()]
-        self._running = []
-        self._cache = self._valid = self._prev = self._switches = self._last = None
+        failed = [*self.batch.clear(), *self._roe_rows.clear()]
         for req in failed:
             self._finish(req, "error", error=f"{type(err).__name__}: {err}")
 
@@ -1024,7 +989,7 @@ class Engine(PrefixPrefill):
             waiting = len(self._waiting)
         out: dict[str, Any] = {
             **self.counters,
-            "running": len(self._running) + len(self._roe_rows) + len(self._chunked),
+            "running": len(self.batch) + len(self._roe_rows) + len(self._chunked),
             "waiting": waiting,
             "switch_rate": {
                 name or "default": (s["switches"] / s["steps"] if s["steps"] else None)
