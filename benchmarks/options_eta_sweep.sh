@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# TE-MoE issue #44: controllers on moectl-small-standard over k-hat x eta, trained one after another
+# with the shipped settings (300 steps, 16 prompts x 256 new tokens, checkpoint every 5 steps), one
+# thread, in the background. Idempotent: run it again after an interruption and each run resumes
+# from its newest checkpoint (`moectl options train` resumes by itself); finished runs are skipped.
+#
+#   nohup bash benchmarks/options_eta_sweep.sh ~/moectl-runs > ~/moectl-runs/sweep.log 2>&1 &
+#
+# RUNS/corpus is built first if missing (`moectl corpus build`, the reference models' corpus).
+# Order: the etas that should reach the paper's 5-10% regime first (TE-MoE Table 3, k-hat = 8).
+set -u
+RUNS=${1:?usage: options_eta_sweep.sh RUNS_DIR [k:eta ...]}
+shift
+POINTS=${*:-k8:0.16 k8:0.32 k8:0.08 k16:0.16 k16:0.32 k16:0.08 k16:0.04}
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1
+mkdir -p "$RUNS"
+if ! ls "$RUNS"/corpus/train.jsonl* >/dev/null 2>&1; then
+  moectl corpus build --out "$RUNS/corpus" --cache "$RUNS/cache" --no-progress --json "$RUNS/corpus_stats.json" || exit 1
+fi
+for point in $POINTS; do
+  k=${point%%:*}; k=${k#k}; eta=${point##*:}
+  out=$RUNS/options/std-k$k-eta$eta
+  [ -d "$out/final" ] && continue
+  echo "$(date -Is) start $out"
+  moectl options train models/moectl-small-standard --k-hat "$k" --eta "$eta" --data "$RUNS/corpus" \
+    --steps 300 --batch-size 16 --max-new-tokens 256 --save-every 5 --out "$out"
+  echo "$(date -Is) end $out rc=$?"
+done
