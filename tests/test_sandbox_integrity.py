@@ -20,7 +20,7 @@ from moectl.errors import ConfigError
 from moectl.eval import sandbox_cgroup
 from moectl.eval.code_exec import run_program, run_tests, solution_names
 from moectl.eval.sandbox import containment
-from moectl.eval.sandbox_check import HONEST, INTEGRITY, probe
+from moectl.eval.sandbox_check import HONEST, INTEGRITY, children_holding, probe
 from moectl.eval.tasks.utils import humaneval_process_results, mbpp_score
 
 ADD = {
@@ -42,30 +42,7 @@ NONCE_FROM_THE_FRAMES = (  # the completion of #42.5
 EQ_ALWAYS_TRUE = "    class E(int):\n        __eq__ = lambda s, o: True\n    return E(a - b)\n"
 BOUND = 400 * 1024**2
 EACH = 200 * 1024**2  # one child fits the bound, three together do not
-CHILDREN_OVER_THE_BOUND = f"""
-import os, select, sys, time
-r, w = os.pipe()
-for _ in range(3):
-    try:
-        pid = os.fork()
-    except OSError:  # the process limit
-        break
-    if pid == 0:
-        try:
-            block = bytearray({EACH})
-            for i in range(0, len(block), 4096):
-                block[i] = 1
-            os.write(w, os.getpid().to_bytes(4, 'big'))
-        except MemoryError:
-            pass
-        time.sleep(30)
-        os._exit(0)
-reported, end = [], time.monotonic() + 4
-while len(reported) < 3 and select.select([r], [], [], max(0, end - time.monotonic()))[0]:
-    reported.append(int.from_bytes(os.read(r, 4), 'big'))
-alive = [pid for pid in reported if os.waitpid(pid, os.WNOHANG) == (0, 0)]
-print('HELD', len(alive) * {EACH}, file=sys.stderr)
-"""
+CHILDREN_OVER_THE_BOUND = children_holding(EACH)
 
 
 @pytest.fixture

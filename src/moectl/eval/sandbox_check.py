@@ -281,40 +281,48 @@ def _memory_bomb(t: Target) -> str:
     )
 
 
+def children_holding(each: int) -> str:
+    """A program that forks 3 children, each touching ``each`` bytes and then staying alive, and prints
+    ``HELD <bytes>`` to stderr: what the children still alive held at once (the process limit or the
+    memory bound may stop some). Shared by :func:`_memory_fork` and the sandbox's memory tests."""
+    return f"""
+import os, select, sys, time
+r, w = os.pipe()
+for _ in range(3):
+    try:
+        pid = os.fork()
+    except OSError:  # the process limit
+        break
+    if pid == 0:
+        try:
+            block = bytearray({each})
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+            os.write(w, os.getpid().to_bytes(4, 'big'))
+        except MemoryError:
+            pass
+        time.sleep(30)
+        os._exit(0)
+reported, end = [], time.monotonic() + 4
+while len(reported) < 3 and select.select([r], [], [], max(0, end - time.monotonic()))[0]:
+    reported.append(int.from_bytes(os.read(r, 4), 'big'))
+alive = [pid for pid in reported if os.waitpid(pid, os.WNOHANG) == (0, 0)]
+held = len(alive) * {each}
+print('HELD', held, file=sys.stderr)
+"""
+
+
 def _memory_fork(t: Target) -> str:
     """#42.4, scaled down: 3 children touching 1.4 GB each under a 2 GB bound took 5.1 GB. Here each
     child touches 5/8 of the bound: one fits, three together do not. Children still alive after
     they touched all their memory held it at once."""
     each = MEMORY_BYTES * 5 // 8
-    return _attack(
-        f"""
-        import select
-        r, w = os.pipe()
-        for _ in range(3):
-            try:
-                pid = os.fork()
-            except OSError:  # the process limit
-                break
-            if pid == 0:
-                try:
-                    block = bytearray({each})
-                    for i in range(0, len(block), 4096):
-                        block[i] = 1
-                    os.write(w, os.getpid().to_bytes(4, 'big'))
-                except MemoryError:
-                    pass
-                time.sleep(30)
-                os._exit(0)
-        reported, end = [], time.monotonic() + 4
-        while len(reported) < 3 and select.select([r], [], [], max(0, end - time.monotonic()))[0]:
-            reported.append(int.from_bytes(os.read(r, 4), 'big'))
-        alive = [pid for pid in reported if os.waitpid(pid, os.WNOHANG) == (0, 0)]
-        held = len(alive) * {each}
-        print(f'MEMORY: {{len(alive)}} children held {{held >> 20}} MiB at once', file=sys.stderr)
-        if held > {MEMORY_BYTES}:
-            breach(f'{{len(alive)}} children held {{held >> 20}} MiB, over the {MEMORY_BYTES >> 20} MiB bound')
-        """
-    )
+    check = f"""
+print(f'MEMORY: {{len(alive)}} children held {{held >> 20}} MiB at once', file=sys.stderr)
+if held > {MEMORY_BYTES}:
+    breach(f'{{len(alive)}} children held {{held >> 20}} MiB, over the {MEMORY_BYTES >> 20} MiB bound')
+"""
+    return _attack(children_holding(each) + check)
 
 
 def _early_exit(call: str) -> Callable[[Target], str]:
