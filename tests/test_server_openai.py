@@ -299,6 +299,8 @@ def test_metrics_are_prometheus_text(client, server):
     assert metric(server, "moectl_queue_depth") == 0
     assert metric(server, "moectl_tokens_per_second") > 0
     assert metric(server, "moectl_switch_rate", {"routing": "opt4"}) is not None
+    assert metric(server, "moectl_decode_forwards", {"forward": "lean"}) > 0  # tiny:olmoe has a lean forward
+    assert metric(server, "moectl_decode_forwards", {"forward": "model"}) == 0
     ok = metric(server, "moectl_requests_total", {"endpoint": "/v1/completions", "status": "200"})
     assert ok >= 1
 

@@ -35,6 +35,7 @@ RuleKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_dens
 Renorm = Literal["pruned", "stock"]
 
 MASKED = -1.0e4  # added to the choice score of a disallowed expert (finite: no NaN rows)
+FORCED = 1.0e5  # added to the choice score of a forced expert: chosen before any other
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,15 @@ class RouterRule:
         allowed: Tensor | None = None,
         noise: Tensor | None = None,
         renorm: Renorm = "pruned",
+        forced: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Return (weights [N, k] float32, indices [N, k] int64) for logits [N, E].
 
         ``allowed`` is a bool mask broadcastable to [N, E]; ``noise`` is added to the logits used
         for choosing only. ``renorm='pruned'`` renormalises p over the allowed experts before the
         stock rule (equals physically pruning the other experts); ``'stock'`` keeps the full p
-        and only restricts the choice.
+        and only restricts the choice. ``forced`` (bool, broadcastable to [N, E]; at most k per row,
+        all allowed) are chosen first, the rest of the k by the rule; weights stay the rule's.
         """
         logits = logits.float()
         choose_logits = logits if noise is None else logits + noise
@@ -99,7 +102,7 @@ class RouterRule:
                 choice = choice + bias
             if self.grouped:
                 choice = self._restrict_to_groups(choice, allowed)
-            idx = _topk_masked(choice, allowed, self.top_k)
+            idx = _topk_masked(choice, allowed, self.top_k, forced)
             weights = p.gather(-1, idx)
             if self.norm_topk_prob and allowed is not None and not pruned and self.renorm_min == 0:
                 # stock rule restricted to allowed experts: p[idx] / Σ p[idx] computed as a softmax over
@@ -111,7 +114,7 @@ class RouterRule:
                 )
             return weights * self.scaling, idx
         if self.kind == "topk_softmax":
-            idx = _topk_masked(choose_logits, allowed, self.top_k)
+            idx = _topk_masked(choose_logits, allowed, self.top_k, forced)
             return torch.softmax(logits.gather(-1, idx), dim=-1), idx
         if self.kind == "sigmoid_topk":
             scores = torch.sigmoid(logits)
@@ -120,15 +123,17 @@ class RouterRule:
                 choice = choice + bias
             if self.grouped:
                 choice = self._restrict_to_groups(choice, allowed)
-            idx = _topk_masked(choice, allowed, self.top_k)
+            idx = _topk_masked(choice, allowed, self.top_k, forced)
             weights = scores.gather(-1, idx)
             if self.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + self.renorm_eps)
             return weights * self.scaling, idx
         if self.kind == "sigmoid_dense":
-            idx = _topk_masked(choose_logits, allowed, self.top_k)
+            idx = _topk_masked(choose_logits, allowed, self.top_k, forced)
             return torch.sigmoid(logits.gather(-1, idx)), idx
         if self.kind == "sparsemixer":
+            if forced is not None:
+                raise ConfigError("forcing experts is not supported for Phi-MoE's sparsemixer router")
             from moectl.adapters.sparsemixer import sparsemixer  # it imports MASKED from here
 
             dtype = getattr(torch, self.threshold_dtype)
@@ -185,9 +190,11 @@ def _softmax_over(logits: Tensor, allowed: Tensor) -> Tensor:
     return torch.softmax(logits.masked_fill(~allowed, torch.finfo(logits.dtype).min), dim=-1)
 
 
-def _topk_masked(choice: Tensor, allowed: Tensor | None, k: int) -> Tensor:
+def _topk_masked(choice: Tensor, allowed: Tensor | None, k: int, forced: Tensor | None = None) -> Tensor:
     if allowed is not None:
         choice = choice.masked_fill(~allowed, MASKED)
+    if forced is not None:
+        choice = choice + forced.to(choice.dtype) * FORCED
     return choice.topk(k, dim=-1).indices
 
 

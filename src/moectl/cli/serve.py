@@ -69,8 +69,9 @@ def serve_command(
         typer.Option(
             "--routing",
             help='NAME=SPEC (repeatable): a routing requests may name with "routing": NAME — a subset or '
-            'policy file (Gumbel noise: {"type": "gumbel", "tau": 0.5}), option:K, controller:DIR '
-            "(`moectl.load_policy`), or a RoE profile (`moectl roe tune --out`). No routing: the model as trained.",
+            'policy file, a policy inline as JSON (g=\'{"type": "gumbel", "tau": 0.5}\'), option:K (the model\'s '
+            "routing; switch_rate at k-hat = K), controller:DIR (`moectl.load_policy`), or a RoE profile "
+            "(`moectl roe tune --out`). No routing: the model as trained.",
         ),
     ] = None,
     default_routing: Annotated[
@@ -93,6 +94,24 @@ def serve_command(
             "only the rest (routings without per-request state; 0: off).",
         ),
     ] = 2048,
+    lean_decode: Annotated[
+        bool,
+        typer.Option(
+            "--lean-decode/--no-lean-decode",
+            help="Decode through moectl's lean forward where the model's family has one (OLMoE, "
+            "Qwen2-MoE, Qwen3-MoE, Mixtral: the same numbers without transformers' per-layer plumbing); "
+            "--no-lean-decode: the model's own forward. /metrics counts each (moectl_decode_forwards).",
+        ),
+    ] = True,
+    return_routed_experts: Annotated[
+        bool,
+        typer.Option(
+            "--enable-return-routed-experts",
+            help="Every choice carries routed_experts (vLLM's flag): the experts of each forwarded token "
+            "[prompt + completion - 1, MoE layers, top-k], a .npy in base64. Without it a request asks "
+            "with return_routed_experts: true.",
+        ),
+    ] = False,
     prefill_chunk: Annotated[
         int,
         typer.Option(
@@ -178,6 +197,8 @@ def serve_command(
         max_queue=max_queue,
         prefix_cache=prefix_cache,
         prefill_chunk=prefill_chunk,
+        lean_decode=lean_decode,
+        return_routed_experts=return_routed_experts,
         api_key=api_key,
         offload=_offload_config(budget, residency, slot_dtype, store),
         tokenizer=tokenizer_path,

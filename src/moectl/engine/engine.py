@@ -56,14 +56,18 @@ from torch import Tensor, nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.attention import attention_kernels
 from moectl.engine.batch import prefill_groups
+from moectl.engine.expert_counts import DEFAULT as COUNTS_DEFAULT
+from moectl.engine.expert_counts import ExpertCounts
 from moectl.engine.kv import check_batchable, new_cache
 from moectl.engine.logprobs import TokenLogprob, capture_hidden, of_logits, prompt_logprobs
+from moectl.engine.model_runner import ModelRunner
 from moectl.engine.pad_skip import PadSkip
 from moectl.engine.penalties import check_bias_ids, penalise
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.roe_rows import RoeRows
+from moectl.engine.routed_experts import routed_experts
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
 from moectl.engine.running import RunningBatch
@@ -76,7 +80,6 @@ from moectl.lm.lm_head import vocab_size
 from moectl.lm.padding import left_pad
 from moectl.progress import progress_bar
 from moectl.routing.keyed_hash import seed_key
-from moectl.routing.kv_cache import cache_out, with_cache
 
 
 def eos_ids(model: nn.Module, tokenizer) -> set[int]:
@@ -131,6 +134,7 @@ class EngineConfig:
     prefix_cache_tokens: int = 0  # prompt tokens whose KV is kept for later prompts (prefix_cache.py); 0: off
     solo: bool = False  # one request at a time, its own cache never padded or re-batched (``kv.batchable``)
     threads: int | None = None  # torch threads of start()'s loop thread (None: the starting thread's count)
+    lean_decode: bool = True  # decode through moectl.lm.lean_decode where the family has it (model_runner)
 
     def __post_init__(self) -> None:
         PrefixCache(self.prefix_cache_tokens)  # checks the size
@@ -157,6 +161,7 @@ class Event:
     info: dict | None = None
     logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids`` (``SamplingParams.logprobs``)
     prompt_logprobs: list[TokenLogprob] | None = None  # on the last event (``SamplingParams.prompt_logprobs``)
+    routed_experts: Tensor | None = None  # on the last event: [tokens, MoE layers, top-k] (routed_experts.py)
 
 
 @dataclass
@@ -175,6 +180,8 @@ class Completion:
     stop_token: int | None = None  # the EOS token that ended it (not in ``token_ids``)
     logprobs: list[TokenLogprob] | None = None  # per generated token (``SamplingParams.logprobs``)
     prompt_logprobs: list[TokenLogprob] | None = None  # per prompt token after the first (``prompt_logprobs``)
+    # SamplingParams.return_routed_experts: [prompt + generated - 1, MoE layers, top-k] (routed_experts.py)
+    routed_experts: Tensor | None = None
 
 
 @dataclass
@@ -257,8 +264,10 @@ class Engine(PrefixPrefill):
         self.eos_ids = eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
+        self.runner = ModelRunner(model, self.config.lean_decode)  # the one caller of the model's forward
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
+        self.expert_counts = ExpertCounts(self.info)  # expert use per routing over a window (start/stop/dump)
         self._pad_skip = PadSkip()
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -317,6 +326,8 @@ class Engine(PrefixPrefill):
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
+            session = self._session
+            self.expert_counts.install(lambda: session.ctx.valid)
             if self.config.skip_padding:
                 self._pad_skip.install(self.info)  # on the experts modules in place (offloaded ones included)
         except BaseException:
@@ -326,6 +337,7 @@ class Engine(PrefixPrefill):
 
     def close(self) -> None:
         self.meter.remove()
+        self.expert_counts.remove()
         self._pad_skip.remove()
         if self._session is not None:
             self._session.close()
@@ -415,6 +427,11 @@ class Engine(PrefixPrefill):
             raise ConfigError("prompt log-probabilities (echo) need a routing of one row per request, not RoE or repeats")
         if copies > self.config.max_batch:
             raise ConfigError(f"repeats = {copies} needs more rows than max_batch = {self.config.max_batch}")
+        if params.return_routed_experts and (copies > 1 or (chosen is not None and chosen.roe is not None)):
+            raise ConfigError(
+                "return_routed_experts needs a routing of one row per request; a RoE or repeats routing "
+                "runs K routings per token"
+            )
         seed = request_seed(params)
         policies = [] if chosen is None else chosen.for_request(seed, self.info)
         stream = TextStream(self.tokenizer, params.stop, params.min_tokens)  # its automaton: outside the lock
@@ -432,7 +449,7 @@ class Engine(PrefixPrefill):
                 key=seed_key(seed),
                 on_event=on_event,
                 stream=stream,
-                trace=self._new_trace() if copies == 1 else [self._new_trace() for _ in range(copies)],
+                trace=self._new_trace(params) if copies == 1 else [self._new_trace(params) for _ in range(copies)],
                 copies=copies,
             )
             self._waiting.append(req)
@@ -704,16 +721,14 @@ class Engine(PrefixPrefill):
         """One prefill forward (routing set up by the caller, torn down here): the last position's
         logits and the cache; the first such forward checks that the cache can be re-batched."""
         try:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache),
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            logits, cache = self.runner.prefill(ids, mask, positions, cache)
         finally:
             self._between_steps()
-        cache = cache if cache_out(out) is None else cache_out(out)
         if not self._checked_cache and not self.config.solo:
             check_batchable(cache, self.model.config)
             self._checked_cache = True
         self.counters["prefill_forwards"] += 1
-        return out.logits[:, -1], cache
+        return logits, cache
 
     def _join_rows(
         self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
@@ -772,8 +787,10 @@ class Engine(PrefixPrefill):
             self._join_rows([req], chunked.cache, mask, logits, chunked.prev, chunked.switches)
         return True
 
-    def _new_trace(self):
-        if not self.config.record:
+    def _new_trace(self, params: SamplingParams):
+        """A request's RoutingTrace where it is recorded: every request under ``EngineConfig.record``,
+        one that asks for ``return_routed_experts``."""
+        if not (self.config.record or params.return_routed_experts):
             return None
         from moectl.routing.trace import RoutingTrace
 
@@ -783,15 +800,24 @@ class Engine(PrefixPrefill):
     def _begin_traces(self, reqs: list[_Request], lengths: list[int], offsets: list[int]) -> None:
         """Open a call in each recording request's trace (its own offset: the tokens it has seen;
         its own length: a prefill's rows record their own prompt, not its padding)."""
-        if not self.config.record:
+        self._count_rows(reqs)
+        if not any(req.trace is not None for req in reqs):
             self.meter.traces = None
             return
         for req, length, offset in zip(reqs, lengths, offsets, strict=True):
+            if req.trace is None:
+                continue
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
             prompt_len = len(req.prompt) if offset < len(req.prompt) else None
             for trace in _traces(req):
                 trace.begin_call(offset, valid, prompt_len)
-        self.meter.traces = [t for r in reqs for t in _traces(r)]
+        self.meter.traces = [t for r in reqs for t in _traces(r)]  # None for the rows not recorded
+
+    def _count_rows(self, reqs: list[_Request]) -> None:
+        """Each row's routing name for the expert counts of the next forward (expert_counts.py)."""
+        if self.expert_counts.recording:
+            names = [req.routing.stats_name if req.routing is not None else COUNTS_DEFAULT for req in reqs]
+            self.expert_counts.begin([n for n, r in zip(names, reqs, strict=True) for _ in range(r.copies)], self.device)
 
     def _log(self, kind: str, rows: int) -> None:
         if self.config.log_forwards:
@@ -801,6 +827,7 @@ class Engine(PrefixPrefill):
         """After a forward: ω and switch counts updated; outside the engine's own forwards the model
         routes as it would without the engine."""
         self.meter.end()
+        self.expert_counts.end()
         self.router.set_groups([], 0, self.device)
         self.meter.start(None, None, counting=False)
         self.meter.traces = self.meter.pads = None
@@ -851,23 +878,15 @@ class Engine(PrefixPrefill):
         self._begin_traces(batch.requests, [1] * len(batch), [r.seen for r in batch])
         self._log("decode", b)
         try:
-            out = self.model(
-                input_ids=batch.last[:, None],
-                attention_mask=valid.long(),
-                position_ids=batch.positions,
-                **with_cache(batch.cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache)
         finally:
             self._between_steps()
-        cache = batch.cache if cache_out(out) is None else cache_out(out)
         if self.runtime is not None:  # what this step's rows needed together, per MoE layer (host ints)
             unions = [m.union for m in self.runtime.modules]
             self._union[0] += sum(unions) / len(unions)
             self._union[1] = max(self._union[1], max(unions))
             self._union[2] += 1
-        tokens = self._choose(out.logits[:, -1], batch.requests, batch.sampling)
+        tokens = self._choose(logits, batch.requests, batch.sampling)
         batch.advance(cache, valid, expand(tokens, batch.copies()))
         finished = [
             i
@@ -948,6 +967,7 @@ class Engine(PrefixPrefill):
             req.switches / (decode_steps * layers * req.copies) if decode_steps and not roe else None
         )
         name = req.routing.name if req.routing is not None else None
+        stats_name = req.routing.stats_name if req.routing is not None else None
         completion = Completion(
             req.id,
             len(req.prompt),
@@ -961,10 +981,11 @@ class Engine(PrefixPrefill):
             req.stop_token,
             list(req.logprobs) if req.params.logprobs is not None else None,
             req.prompt_lp,
+            routed_experts(req.trace) if req.params.return_routed_experts and error is None else None,
         )
         req.completion = completion
         self.counters["finished"] += 1
-        stats = self.routing_stats.setdefault(name or "", {"requests": 0, "switches": 0, "steps": 0})
+        stats = self.routing_stats.setdefault(stats_name or "", {"requests": 0, "switches": 0, "steps": 0})
         stats["requests"] += 1
         stats["switches"] += req.switches
         stats["steps"] += 0 if roe else decode_steps * layers * req.copies
@@ -978,7 +999,9 @@ class Engine(PrefixPrefill):
             if error is not None:
                 info["error"] = error
             lps = req.unsent_lp if req.params.logprobs is not None else None
-            req.on_event(Event(req.id, req.unsent, piece, reason, usage, info, lps, req.prompt_lp))
+            req.on_event(
+                Event(req.id, req.unsent, piece, reason, usage, info, lps, req.prompt_lp, completion.routed_experts)
+            )
             req.unsent, req.unsent_lp = [], []
         req.done.set()
 
@@ -991,6 +1014,7 @@ class Engine(PrefixPrefill):
             **self.counters,
             "running": len(self.batch) + len(self._roe_rows) + len(self._chunked),
             "waiting": waiting,
+            "decode_forward": {"path": self.runner.path, **self.runner.calls},
             "switch_rate": {
                 name or "default": (s["switches"] / s["steps"] if s["steps"] else None)
                 for name, s in self.routing_stats.items()

@@ -41,6 +41,7 @@ class PrefixPrefill:
             and self._prefixes_ok
             and not self._residency
             and not self.config.record
+            and req.trace is None  # a recorded prompt's routing is recorded by its own prefill
             and not self.config.solo
             and req.copies == 1
             and (
@@ -103,6 +104,7 @@ class PrefixPrefill:
         self.meter.start(prev, switches, counting=False)
         self._pad_skip.keep([len(r) for r in rest], ids.shape[1], dev)  # the rests' padding skips the experts
         self._log("prefill", k)
+        self._count_rows(reqs)
         logits, cache = self._prefill_forward(ids, mask, positions, cache)
         self.counters["prefix_tokens_reused"] += sum(starts)
         self._join_rows(reqs, cache, mask, logits, prev, switches)

@@ -45,6 +45,13 @@ class Routing:
     # Requests whose routings hold one ``policies`` list then share one group of rows (one policy
     # call per layer for all of them), each row drawing with its own code and position.
     row_codes: Any = None
+    # the name its figures are kept under (switch rates, expert counts, /metrics labels): the
+    # routing's own unless set — a server's inline routings share "inline", keeping label sets bounded
+    label: str | None = None
+
+    @property
+    def stats_name(self) -> str:
+        return self.label or self.name
 
     def __post_init__(self) -> None:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:

@@ -30,6 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.metrics.switch_rate import option_of
+from moectl.routing.option_lens import OptionLens
 from moectl.routing.pool import DocumentPool
 from moectl.routing.protocols import SeededPolicy
 from moectl.routing.routing_state import Policy, RouteContext, RoutingState
@@ -70,6 +72,8 @@ class RowRouter:
         self.groups: list[Group] = []
         self.allowed: dict[int, Tensor] = {}  # per MoE layer: [B, T, E] of the latest call, where restricted
         self.restricted_rows: Tensor | None = None  # [B] bool: rows whose routing restricted ``allowed``
+        self.lens: dict[int, Tensor] = {}  # k-hat -> rows [n] counted with the router-as-option lens
+        self.row_top_k: dict[int, Tensor] | None = None  # topk:N -> its rows, in the current forward
         self._call: RouteContext | None = None  # the forward call the group contexts below belong to
         self._contexts: list[RouteContext] = []  # per group: its context, one object for every layer
 
@@ -82,6 +86,13 @@ class RowRouter:
         self.allowed = {}
         self._call, self._contexts = None, []
         self.restricted_rows = torch.zeros(batch, dtype=torch.bool, device=device) if groups else None
+        lens: dict[int, list[Tensor]] = {}  # k-hat -> rows whose routing is ``option:K`` (option_lens)
+        for group in groups:
+            for policy in group.policies:
+                if isinstance(policy, OptionLens):
+                    lens.setdefault(policy.k_hat, []).append(group.rows)
+        self.lens = {k: torch.cat(rows).to(device) for k, rows in lens.items()}
+        self.row_top_k = None  # {N: rows} of the latest layer where rows choose their own number of experts
 
     def apply(self, state: RoutingState) -> None:
         if not self.groups:
@@ -92,6 +103,8 @@ class RowRouter:
             self._contexts = [self._context(ctx, group, state.logits.device) for group in self.groups]
         allowed: Tensor | None = None
         noise: Tensor | None = None
+        forced: Tensor | None = None
+        top_k: dict[int, list[Tensor]] = {}  # N -> rows whose routing chooses N experts (topk:N)
         renorm = None
         for group, sub_ctx in zip(self.groups, self._contexts, strict=True):
             rows = group.rows.to(state.logits.device)
@@ -112,11 +125,22 @@ class RowRouter:
                 if noise is None:
                     noise = torch.zeros_like(state.logits)
                 noise[rows, cols] = sub.noise
+            if sub.forced is not None:
+                if forced is None:
+                    forced = torch.zeros_like(state.logits, dtype=torch.bool)
+                forced[rows, cols] = sub.forced
+            if sub.top_k is not None:
+                top_k.setdefault(sub.top_k, []).append(rows)
         if allowed is not None:
             state.restrict(allowed, renorm=renorm)
             self.allowed[state.layer] = allowed
         if noise is not None:
             state.add_noise(noise)
+        if forced is not None:
+            state.force(forced)
+        if top_k:
+            state.row_top_k = {k: torch.cat(rows) for k, rows in top_k.items()}
+            self.row_top_k = state.row_top_k
 
     @staticmethod
     def _context(ctx: RouteContext, group: Group, device: torch.device) -> RouteContext:
@@ -145,7 +169,9 @@ class SwitchMeter:
         self.traces: list | None = None  # per row: its request's RoutingTrace (recording), or None
         self.pads: list[int] | None = None  # per row: leading padding columns of this call (None: none)
         self._last: dict[int, Tensor] = {}  # per MoE layer: [B, k] experts chosen at each row's last token
+        self._last_probs: dict[int, Tensor] = {}  # per MoE layer: [B, E] p at the last token (option:K rows)
         self._handles: list = []
+        self._default_k = 0  # experts per token of rows without a topk:N of their own, this call
 
     def install(self, model: nn.Module) -> None:
         """Hook every router after moectl's routing hook (registered later, so it sees the final choice)."""
@@ -164,9 +190,13 @@ class SwitchMeter:
             chosen = layer.adapter.indices_of(output, layer.top_k)
             b = self.prev.shape[0]
             chosen = chosen.reshape(b, -1, chosen.shape[-1])
+            self._default_k = chosen.shape[-1] if not self.router.row_top_k else layer.top_k
             if self.traces is not None:
                 self._record(layer, output, chosen)
             self._last[layer.index] = chosen[:, -1]  # [B, k] the call's last token per row
+            if self.router.lens:  # the router's distribution at each row's last token, for option:K rows
+                logits = layer.adapter.logits_of(output).reshape(b, chosen.shape[1], -1)[:, -1]
+                self._last_probs[layer.index] = layer.rule.probs(logits.float())
 
         return hook
 
@@ -188,6 +218,9 @@ class SwitchMeter:
                 allowed = self.router.allowed.get(layer)
                 if allowed is not None:
                     omega[:, j] = torch.where(restricted, allowed[:, -1].to(device), omega[:, j])
+        probs, self._last_probs = self._last_probs, {}
+        if self.router.lens and probs:
+            omega = self._options(omega, layers, probs)
         if len(layers) == self.prev.shape[1]:  # every MoE layer ran: whole-tensor updates
             if self.counting:
                 self.switches += (omega != self.prev).any(-1).to(self.switches.device)
@@ -199,6 +232,23 @@ class SwitchMeter:
             self.switches[:, index.to(self.switches.device)] += changed
         self.prev[:, index] = omega
 
+    def _options(self, chosen: Tensor, layers: list[int], probs: dict[int, Tensor]) -> Tensor:
+        """ω of the ``option:K`` rows by TE-MoE §2.2's lens (``routing/option_lens``): the option is
+        kept while the activated experts stay inside it, else renewed (``option_of``); at a prefill's
+        last token (not counting) it starts afresh. ``chosen`` [B, L', E]: the activated experts."""
+        omega = chosen.clone()
+        p = torch.stack([probs[i].to(chosen.device) for i in layers], 1)  # [B, L', E]
+        index = torch.tensor(layers, device=chosen.device)
+        prev = self.prev[:, index].to(chosen.device)
+        for k_hat, rows in self.router.lens.items():
+            rows = rows.to(chosen.device)
+            fresh = option_of(p[rows], chosen[rows], k_hat)
+            if self.counting:
+                inside = ~(chosen[rows] & ~prev[rows]).any(-1, keepdim=True)
+                fresh = torch.where(inside, prev[rows], fresh)
+            omega[rows] = fresh
+        return omega
+
     def _record(self, layer, output, chosen: Tensor) -> None:
         """Each row's probs, chosen experts and (where its routing restricts) allowed set."""
         assert self.traces is not None
@@ -208,11 +258,20 @@ class SwitchMeter:
         rows = self.router.restricted_rows
         restricted = rows.tolist() if allowed is not None and rows is not None else [False] * b
         pads = self.pads or [0] * b
+        own = self._own_top_k(layer, b)
         for r, trace in enumerate(self.traces):
             if trace is not None:
                 p = pads[r]  # the row's own tokens only, as its request alone records them
                 keep = allowed[r : r + 1, p:] if restricted[r] else None
-                trace.record(layer.index, probs[r : r + 1, p:], chosen[r : r + 1, p:], keep)
+                trace.record(layer.index, probs[r : r + 1, p:], chosen[r : r + 1, p:, : own[r]], keep)
+
+    def _own_top_k(self, layer, rows: int) -> list[int]:
+        """Each row's own number of experts (its topk:N, else the call's): a wider row's padding cut."""
+        width = [None] * rows
+        for k, idx in (self.router.row_top_k or {}).items():
+            for r in idx.tolist():
+                width[r] = k
+        return [w if w is not None else self._default_k for w in width]
 
     def new_rows(self, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """ω [rows, L, E] (no expert yet) and switch counts [rows, L] (zero) for rows about to be
@@ -225,4 +284,4 @@ class SwitchMeter:
         """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]
         (updated in place by ``end``), and whether this call is a decoding step (switches count)."""
         self.prev, self.switches, self.counting = prev, switches, counting
-        self._last = {}
+        self._last, self._last_probs = {}, {}

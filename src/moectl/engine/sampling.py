@@ -61,6 +61,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # OpenAI's: (token id, added to its logit)
     stop_token_ids: tuple[int, ...] = field(default=())  # vLLM's: tokens that end the request as EOS does
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
+    return_routed_experts: bool = False  # vLLM's/SGLang's: the experts of every forwarded token (routed_experts)
 
     def __post_init__(self) -> None:
         from moectl.engine.logprobs import check_count

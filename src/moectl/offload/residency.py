@@ -200,6 +200,13 @@ class OptionPolicy(ResidencyPolicy):
             raise ConfigError(f"k-hat = {self.k_hat} is smaller than top-k = {top_k}")
         return self.k_hat
 
+    def routing(self, info) -> list:
+        """The lens that makes a row's switch rate the router's at k-hat (``routing/option_lens``);
+        the routing itself is the model's."""
+        from moectl.routing.option_lens import OptionLens
+
+        return [OptionLens(self.k_hat)]
+
     def _take(self, layer: int, res, probs: Tensor, chosen: Tensor) -> None:
         onehot = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, chosen.long(), True)
         option = option_of(probs[None], onehot[None], self.k_hat)[0].nonzero().flatten().tolist()

@@ -1,8 +1,10 @@
-"""Routing policies (mask, document pool, Gumbel-top-k), the session that installs them, the trace,
+"""Routing policies (mask, force/omit, document pool, Gumbel-top-k, the option:K lens), the session that installs them, the trace,
 and the one policy format (``config``: to_dict / from_dict / save; ``loader``: ``load_policy``)."""
 
+from moectl.routing.force_omit import ForceOmit
 from moectl.routing.gumbel import GumbelTopK
 from moectl.routing.mask import ExpertMask
+from moectl.routing.option_lens import OptionLens
 from moectl.routing.policy_config import PolicyConfig, policy_types, register_policy, save_policy
 from moectl.routing.policy_files import load_policy
 from moectl.routing.pool import DocumentPool
@@ -20,7 +22,9 @@ from moectl.routing.trace import RoutingTrace
 __all__ = [
     "DocumentPool",
     "ExpertMask",
+    "ForceOmit",
     "GumbelTopK",
+    "OptionLens",
     "Policy",
     "PolicyConfig",
     "ResettablePolicy",

@@ -39,6 +39,8 @@ _REGISTRY: dict[str, type[PolicyConfig]] = {}
 # type -> the module whose import registers it (imported on first use)
 _PROVIDERS: dict[str, str] = {
     "expert_mask": "moectl.routing.mask",
+    "experts": "moectl.routing.force_omit",
+    "topk": "moectl.routing.top_k",
     "document_pool": "moectl.routing.pool",
     "gumbel": "moectl.routing.gumbel",
     "roe": "moectl.ensemble.roe_config",

@@ -20,6 +20,8 @@ What each argument may be:
 - a path to a JSON file holding any of these; relative ``"path"`` fields resolve against its folder;
 - a folder: its ``policy.json``, else a controller (``controller.json`` in it or in its
   ``final/``, as ``moectl options train`` writes), else an exported subset's ``moectl_subset.json``;
+- a string holding JSON (starting with ``{`` or ``[``): read as a policy file's contents;
+- ``topk:N`` (N experts per token: ``routing/top_k.py``);
 - ``lru``, ``option:K_HAT``, ``static:FILE`` (FILE's expert mask kept resident),
   ``controller:DIR`` — the residency policies of ``moectl serve-offload``.
 
@@ -47,7 +49,7 @@ from moectl.routing.policy_config import PolicyConfig, check_version, policy_cla
 from moectl.routing.protocols import MergingPolicy, RoutingPolicy, RoutingSource
 
 PolicySpec = Any  # str | os.PathLike | Mapping | Sequence | a policy object
-SHORT_FORMS = "lru, option:K_HAT, static:FILE, controller:DIR"
+SHORT_FORMS = "lru, option:K_HAT, topk:N, static:FILE, controller:DIR"
 
 
 def load_policy(spec: PolicySpec, model_or_info: nn.Module | ModelInfo | None = None) -> Any:
@@ -209,15 +211,19 @@ def _from_folder(path: Path, model, info) -> Any:
 
 
 def _from_string(spec: str, model, info) -> Any:
+    if spec.lstrip().startswith(("{", "[")):  # inline JSON: what a policy file would hold
+        return _from_inline(spec, model, info)
     kind, sep, arg = spec.partition(":")
     if spec == "lru":
         return policy_class("lru")()
-    if sep and kind == "option":
+    counted = {"option": ("k_hat", "an integer k-hat, as option:8"), "topk": ("n", "an integer number of experts, as topk:4")}
+    if sep and kind in counted:
+        field, what = counted[kind]
         try:
-            k_hat = int(arg)
+            value = int(arg)
         except ValueError:
-            raise ConfigError(f"policy {spec!r}: option needs an integer k-hat, as option:8") from None
-        return policy_class("option").from_dict({"type": "option", "k_hat": k_hat}, info)
+            raise ConfigError(f"policy {spec!r}: {kind} needs {what}") from None
+        return policy_class(kind).from_dict({"type": kind, field: value}, info)
     if sep and kind == "static":
         path = Path(arg)
         data = read_policy_json(path, f"policy {spec!r}: subset file")
@@ -246,3 +252,27 @@ def _from_string(spec: str, model, info) -> Any:
     if path.suffix == ".json" or os.sep in spec:
         raise MoectlFileError(f"policy {path} does not exist (expected a policy JSON file or a folder)")
     raise ConfigError(f"unknown policy {spec!r}: give a policy JSON file, a folder, or one of {SHORT_FORMS}")
+
+
+def _from_inline(spec: str, model, info) -> Any:
+    """A policy written inline as JSON (``--routing 'g={"type": "gumbel", "tau": 0.5}'``): read as a
+    policy file's contents would be, relative paths against the working folder."""
+    try:
+        data = json.loads(spec)
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"inline policy {spec[:60]!r}: not valid JSON ({err.msg} at character {err.pos}); "
+            'give an object such as {"type": "gumbel", "tau": 0.5}, a list of them, a file or one of '
+            f"{SHORT_FORMS}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"inline policy {spec[:60]!r}: not valid JSON (nested too deeply)") from None
+    try:
+        check_subset_layers(data, info, Path("inline policy"))
+        return _load(data, model, info, Path.cwd(), "inline policy")
+    except _MALFORMED as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(
+            f"inline policy: not a policy moectl can read ({type(err).__name__}: {detail[:200]})"
+        ) from err
+

@@ -53,6 +53,9 @@ class RoutingState:
     noise: Tensor | None = None
     renorm: Renorm = "pruned"
     restrictions: int = 0  # how many policies narrowed ``allowed`` (one alone was checked at bind)
+    forced: Tensor | None = None  # [B, T, E] bool: experts chosen first (``force``), or None
+    top_k: int | None = None  # experts chosen per token (``topk:N``), or None: the rule's
+    row_top_k: dict[int, Tensor] | None = None  # per row where rows differ: N -> rows [n] (the engine's)
     hidden: Tensor | None = None  # [B, T, H] the router's input h_t (pre-MLP hidden state), as the model holds it
     extras: dict = field(default_factory=dict)
 
@@ -68,6 +71,11 @@ class RoutingState:
         self.restrictions += 1
         if renorm is not None:
             self.renorm = renorm
+
+    def force(self, forced: Tensor) -> None:
+        """Have the experts of ``forced`` (broadcastable to [B, T, E]) chosen first."""
+        forced = forced.to(self.logits.device).expand_as(self.logits)
+        self.forced = forced if self.forced is None else self.forced | forced
 
     def add_noise(self, noise: Tensor) -> None:
         self.noise = noise if self.noise is None else self.noise + noise

@@ -17,9 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, UnsupportedModelError, inspect
+from moectl.errors import ConfigError
 from moectl.routing.kv_cache import cache_in
 from moectl.routing.policy_files import routing_policies
 from moectl.routing.routing_state import Policy, RouteContext, RoutingState
+from moectl.routing.top_k import select as select_top_k
 from moectl.routing.trace import RoutingTrace
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
@@ -155,16 +157,23 @@ class RoutingSession:
             for policy in self.policies:
                 policy.apply(state)
             new = None
-            if state.allowed is not None or state.noise is not None:
+            changed = state.top_k is not None or state.row_top_k is not None  # topk:N (routing/top_k.py)
+            if changed or state.allowed is not None or state.noise is not None or state.forced is not None:
                 n = ctx.batch * ctx.length
                 allowed = None if state.allowed is None else state.allowed.reshape(n, e)
-                if allowed is not None and (state.restrictions > 1 or rule.grouped):
+                if allowed is not None and not changed and (state.restrictions > 1 or rule.grouped):
                     # an intersection of policies (or a grouped router) may leave too few experts
                     rule.check_allowed(allowed, where=f"combined policies, MoE layer {layer.index}")
                 noise = None if state.noise is None else state.noise.reshape(n, e)
-                weights, idx = rule.select(
-                    state.logits.reshape(n, e), bias_of(module), allowed, noise, state.renorm
-                )
+                forced = None if state.forced is None else state.forced.reshape(n, e)
+                if forced is not None and allowed is not None and bool((forced & ~allowed).any()):
+                    raise ConfigError(f"MoE layer {layer.index}: a forced expert is not allowed by another policy")
+                if changed:
+                    weights, idx = select_top_k(rule, state, bias_of(module), allowed, noise, forced)
+                else:
+                    weights, idx = rule.select(
+                        state.logits.reshape(n, e), bias_of(module), allowed, noise, state.renorm, forced
+                    )
                 new = adapter.repack(output, weights, idx)
                 chosen = idx
             else:

@@ -88,8 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
         message = (
-            f"no route {request.method} {request.url.path}; this server has GET /v1/models, "
-            "POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics"
+            f"no route {request.method} {request.url.path}; this server has "
+            f"{', '.join(getattr(request.app.state, 'endpoints', []))}"
             if err.status_code in (404, 405)
             else str(err.detail)
         )
@@ -99,3 +99,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
         log.exception("request failed")
         return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
+
+
+def endpoints(routers: Any) -> list[str]:
+    """``METHOD /path`` of every endpoint of ``routers`` (what a 404 lists)."""
+    found = {(route.path, method) for router in routers for route in router.routes
+             for method in getattr(route, "methods", ()) if method != "HEAD"}  # fmt: skip
+    return [f"{method} {path}" for path, method in sorted(found)]

@@ -25,13 +25,19 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from moectl.server import chat_routes, completion_routes, status_routes, tokenizer_routes
-from moectl.server.api_errors import install_error_handlers
+from moectl.server import chat_routes, completion_routes, expert_routes, status_routes, tokenizer_routes
+from moectl.server.api_errors import endpoints, install_error_handlers
 from moectl.server.auth import APIKeyMiddleware
 from moectl.server.metrics import RequestCounter
 from moectl.server.serving_state import ServingState
 
-ROUTERS = (status_routes.router, completion_routes.router, chat_routes.router, tokenizer_routes.router)
+ROUTERS = (
+    status_routes.router,
+    completion_routes.router,
+    chat_routes.router,
+    tokenizer_routes.router,
+    expert_routes.router,
+)
 
 
 def create_app(
@@ -40,12 +46,14 @@ def create_app(
     *,
     api_key: str | None = None,
     default_routing: str | None = None,
+    return_routed_experts: bool = False,
 ) -> FastAPI:
     """The app serving ``engine``'s model as ``model_name`` (several names: each accepted, each listed
     by /v1/models, the first in responses); ``api_key`` guards every path but /health;
-    ``default_routing``: the registered routing of requests that name none (None: the model as trained)."""
+    ``default_routing``: the registered routing of requests that name none (None: the model as trained);
+    ``return_routed_experts``: every choice carries its ``routed_experts`` (else those that ask)."""
     served_names = [model_name] if isinstance(model_name, str) else list(model_name)
-    state = ServingState.of(engine, served_names, default_routing)
+    state = ServingState.of(engine, served_names, default_routing, return_routed_experts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -61,6 +69,7 @@ def create_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: 401s are counted too
     app.state.serving = state
+    app.state.endpoints = endpoints(ROUTERS)  # what a 404 lists
     app.state.metrics = state.metrics
     for router in ROUTERS:
         app.include_router(router)

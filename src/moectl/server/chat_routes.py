@@ -44,6 +44,6 @@ async def chat_all(
     for index, got in enumerate(done):
         failed(got.last)
         lps = None if logprobs is None else chat_logprobs(state.tokenizer, got.logprobs or [])
-        choices.append(shape.choice(index, got.text, got.last.finish_reason, lps))
+        choices.append(shape.choice(index, got.text, got.last.finish_reason, lps, got.last.routed_experts))
         completion_tokens += len(got.token_ids)
     return JSONResponse(shape.choices(choices, usage_of(len(ids), completion_tokens), done[0].last.info))

@@ -61,7 +61,7 @@ async def complete_all(
                 tokenizer, tokens + token_ids, entries + (got.logprobs or [])[: len(token_ids)]
             )[0]
         finish = got.last.finish_reason if keep else "length"
-        choices.append(shape.choice(index, text, finish, lps))
+        choices.append(shape.choice(index, text, finish, lps, got.last.routed_experts))
         completion_tokens += len(token_ids)
     usage = usage_of(sum(map(len, ids_list)), completion_tokens)  # a prompt counted once, as OpenAI does
     return JSONResponse(shape.choices(choices, usage, done[0].last.info))

@@ -67,7 +67,7 @@ async def sse_events(
                 )
             yield sse(shape.chunk(event.text, logprobs=lps, index=index))
         if event.finish_reason is not None:
-            yield sse(shape.last_chunk(event.finish_reason, event.info, index=index))
+            yield sse(shape.last_chunk(event.finish_reason, event.info, index=index, routed_experts=event.routed_experts))
             usage = event.usage or {}
             completion_tokens += int(usage.get("completion_tokens", 0))
             if index % body.n == 0:  # a prompt counted once, as OpenAI does

@@ -108,10 +108,38 @@ class EngineCollector(Collector):
             if rate is not None:
                 rates.add_metric([str(name)], float(rate))
         yield rates
+        forwards = GaugeMetricFamily(
+            "moectl_decode_forwards",
+            "Decoding forwards run, by forward: lean (moectl.lm.lean_decode) or model (the model's own).",
+            labels=["forward"],
+        )
+        for path in ("lean", "model"):
+            forwards.add_metric([path], float((stats.get("decode_forward") or {}).get(path, 0)))
+        yield forwards
+        yield from _expert_tokens(self.engine)
         offload = stats.get("offload") or {}
         for key, (name, doc) in OFFLOAD_GAUGES.items():
             if offload.get(key) is not None:
                 yield _gauge(name, doc, offload[key])
+
+
+def _expert_tokens(engine: Any) -> Iterator[Metric]:
+    """The expert distribution window's counts (engine/expert_counts.py), while it holds any."""
+    counts = getattr(engine, "expert_counts", None)
+    dump = counts.dump() if counts is not None else None
+    if dump is None or dump["started"] is None:
+        return
+    family = GaugeMetricFamily(
+        "moectl_expert_tokens",
+        "Tokens routed to each expert of each MoE layer per routing, over the expert distribution record "
+        "window (/start_expert_distribution_record).",
+        labels=["routing", "layer", "expert"],
+    )
+    for name, entry in dump["routings"].items():
+        for layer, row in zip(dump["moe_layers"], entry["counts"], strict=True):
+            for expert, value in enumerate(row):
+                family.add_metric([name, str(layer), str(expert)], float(value))
+    yield family
 
 
 class ServerMetrics:

@@ -15,7 +15,8 @@ lm-eval's ``local-completions`` sends them); ``n`` choices are drawn per prompt,
 log-probabilities first; ``max_tokens: 0`` then scores the prompt alone) are answered as OpenAI's
 legacy API does. Two
 fields are moectl's own (the ``openai`` client sends them with ``extra_body``): ``routing``, the
-name of a routing the server registered with ``--routing NAME=SPEC``, and ``ignore_eos`` (as vLLM
+name of a routing the server registered with ``--routing NAME=SPEC`` (or a policy written inline:
+``server/inline_routing.py``), and ``ignore_eos`` (as vLLM
 names it), to generate ``max_tokens`` tokens whatever the model says (load tests, fixed-length
 switch-rate measurements).
 """
@@ -111,8 +112,9 @@ class SamplingFields(Body):
     repetition_penalty: float = 1.0  # vLLM's (transformers' meaning)
     stop_token_ids: list[int] | None = None  # vLLM's
     min_tokens: int = 0  # vLLM's
-    routing: str | None = None
+    routing: str | dict | list | None = None  # a registered name, or a policy inline (inline_routing.py)
     ignore_eos: bool = False  # moectl's (and vLLM's) extra: generate max_tokens whatever the model says
+    return_routed_experts: bool = False  # SGLang's: choices carry routed_experts (engine/routed_experts.py)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings."""

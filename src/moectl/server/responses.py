@@ -52,12 +52,17 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        """One choice of a response that was not streamed."""
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: Any = None, routed_experts: Any = None
+    ) -> dict[str, Any]:
+        """One choice of a response that was not streamed (``routed_experts``: the engine's tensor,
+        sent encoded where the request asked for it)."""
         if self.chat:
             message = {"role": "assistant", "content": text}
-            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            out = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return with_routed_experts(out, routed_experts)
 
     def choices(self, choices: list[dict[str, Any]], usage: dict | None, info: dict | None) -> dict[str, Any]:
         """The whole response of a request that was not streamed: its choices (``choice``), the usage
@@ -80,11 +85,26 @@ class Shape:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def last_chunk(self, finish_reason: str | None, info: dict | None, index: int = 0) -> dict[str, Any]:
-        """The chunk that closes choice ``index``, with moectl's routing fields."""
-        return {**self.chunk(None, finish_reason, index=index), **routing_fields(info)}
+    def last_chunk(
+        self, finish_reason: str | None, info: dict | None, index: int = 0, routed_experts: Any = None
+    ) -> dict[str, Any]:
+        """The chunk that closes choice ``index``, with moectl's routing fields (and the choice's
+        ``routed_experts`` where asked for)."""
+        body = {**self.chunk(None, finish_reason, index=index), **routing_fields(info)}
+        with_routed_experts(body["choices"][0], routed_experts)
+        return body
 
     def usage_chunk(self, usage: dict | None) -> dict[str, Any]:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return {**head, "choices": [], "usage": usage_body(usage)}
+
+
+def with_routed_experts(choice: dict[str, Any], experts: Any) -> dict[str, Any]:
+    """``choice`` with ``routed_experts`` (``engine/routed_experts.encode``: a .npy in base64, as
+    vLLM sends it) where the engine returned them."""
+    if experts is not None:
+        from moectl.engine.routed_experts import encode
+
+        choice["routed_experts"] = encode(experts)
+    return choice

@@ -52,7 +52,9 @@ class ServeConfig(RunConfig):
     that name none (None: the model as trained). ``max_batch``: sequences generated together;
     ``max_queue``: requests waiting for a row (past it: 429). ``prefix_cache``: prompt tokens whose
     KV is kept for later prompts (0: off); ``prefill_chunk``: longer prompts are prefilled a chunk
-    per step. ``api_key``: required as ``Authorization: Bearer KEY`` on all but /health (never
+    per step. ``lean_decode``: decode through ``moectl.lm.lean_decode`` where it applies.
+    ``return_routed_experts``: every choice carries ``routed_experts`` (vLLM's
+    ``--enable-return-routed-experts``; else only requests that ask). ``api_key``: required as ``Authorization: Bearer KEY`` on all but /health (never
     saved). ``tokenizer``: a tokenizer folder or hub id instead of the model's own.
     ``read_timeout``, ``timeout_keep_alive``, ``shutdown_timeout``: seconds (``ServeLimits``).
     ``seed``: a tiny model's weights. ``threads``: the engine loop's torch threads (None: the idle
@@ -71,6 +73,8 @@ class ServeConfig(RunConfig):
     max_queue: int = 64
     prefix_cache: int = 2048
     prefill_chunk: int = 512
+    lean_decode: bool = True
+    return_routed_experts: bool = False
     api_key: str | None = field(default=None, repr=False)
     offload: OffloadConfig | None = None
     tokenizer: str | None = None

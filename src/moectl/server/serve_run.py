@@ -77,6 +77,7 @@ def open_engine(config: ServeConfig, threads: int) -> tuple[Any, Any]:
                 adapt_threads=config.threads is None,
                 prefix_cache_tokens=config.prefix_cache,
                 prefill_chunk=config.prefill_chunk,
+                lean_decode=config.lean_decode,
                 threads=threads,
             ),
             routings=dict(config.routings),
@@ -122,7 +123,13 @@ def run_serve(config: ServeConfig, *, announce: Callable[[str], None] = print) -
     engine, reader = open_engine(config, threads)
     try:
         served = config.names()
-        app = create_app(engine, served, api_key=config.api_key, default_routing=config.default_routing)
+        app = create_app(
+            engine,
+            served,
+            api_key=config.api_key,
+            default_routing=config.default_routing,
+            return_routed_experts=config.return_routed_experts,
+        )
         names = ", ".join(sorted(config.routings)) or "none"
         default = f", default {config.default_routing}" if config.default_routing else ""
         announce(

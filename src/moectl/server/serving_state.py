@@ -20,6 +20,7 @@ from fastapi import Depends, Request
 from moectl.lm.lm_head import vocab_size
 from moectl.server.api_errors import APIError
 from moectl.server.engine_events import Generation
+from moectl.server.inline_routing import InlineRoutings
 from moectl.server.metrics import ServerMetrics
 from moectl.server.prompts import completion_ids
 from moectl.server.protocol import SamplingFields
@@ -45,9 +46,13 @@ class ServingState:
     tokenizer: Any
     vocab: int
     started: int = field(default_factory=lambda: int(time.time()))
+    routed_experts: bool = False  # --enable-return-routed-experts: every choice carries its routed_experts
+    inline: Any = None  # InlineRoutings: the routings requests write inline (set by ``of``)
 
     @classmethod
-    def of(cls, engine: Any, served_names: list[str], default_routing: str | None = None) -> ServingState:
+    def of(
+        cls, engine: Any, served_names: list[str], default_routing: str | None = None, routed_experts: bool = False
+    ) -> ServingState:
         """The state of an app serving ``engine`` under ``served_names`` (its metrics new)."""
         return cls(
             engine=engine,
@@ -56,6 +61,8 @@ class ServingState:
             metrics=ServerMetrics(engine),
             tokenizer=engine.tokenizer,
             vocab=vocab_size(engine.model),
+            routed_experts=routed_experts,
+            inline=InlineRoutings(engine),
         )
 
     @property
@@ -78,11 +85,14 @@ class ServingState:
                 code="model_not_found",
             )
 
-    def check_routing(self, name: str | None) -> str | None:
+    def check_routing(self, name: Any) -> Any:
         """The routing a request runs under: the one it names if registered (a 400 listing the
-        registered ones if not: a request never names a server-side path), else the default."""
+        registered ones if not: a request never names a server-side path), a policy it writes
+        inline (``inline_routing``), else the default."""
         if name is None:
             return self.default_routing
+        if isinstance(name, (dict, list)):
+            return self.inline.routing(name)
         if name in self.engine.routings:
             return name
         names = ", ".join(self.routing_names()) or "none"
@@ -160,6 +170,7 @@ class ServingState:
                 logit_bias=body.bias_pairs(),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 min_tokens=body.min_tokens,
+                return_routed_experts=body.return_routed_experts or self.routed_experts,
             )
         except ValueError as err:
             raise APIError(400, str(err)) from err

@@ -27,10 +27,12 @@ def matmul_peak(
 ) -> float:
     """FLOP/s of an n×n by n×n matmul in ``dtype`` on ``device`` (the CPU: this process's threads;
     best of ``repeats``; a CUDA device is synchronised around each product, and n is at least 8192
-    there, so the product outlasts a kernel launch)."""
+    there, so the product outlasts a kernel launch). On the CPU n grows from 256 by doubling up to
+    ``n`` while one product takes under :data:`PEAK_PRODUCT_S`: a CPU without native bf16 products
+    (AMD EPYC here) runs a 2048² bf16 product in minutes, not milliseconds."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    n = max(n, 8192) if cuda else n
+    n = max(n, 8192) if cuda else _cpu_size(dtype, n)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     a @ b  # warm-up
@@ -44,6 +46,22 @@ def matmul_peak(
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+PEAK_PRODUCT_S = 0.05  # a CPU product this long measures the peak well enough
+
+
+def _cpu_size(dtype: torch.dtype, largest: int) -> int:
+    """The matrix size :func:`matmul_peak` times on the CPU (see there)."""
+    size = min(256, largest)
+    while size < largest:
+        a = torch.randn(size, size).to(dtype)
+        start = time.perf_counter()
+        a @ a
+        if time.perf_counter() - start >= PEAK_PRODUCT_S:
+            break
+        size *= 2
+    return min(size, largest)
 
 
 def flops_per_token(config: Any, seq_len: int) -> float:

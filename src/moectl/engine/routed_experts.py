@@ -1,0 +1,48 @@
+"""The experts a request's tokens were routed to, in the layout vLLM and SGLang return.
+
+``SamplingParams(return_routed_experts=True)`` records the request's routing (its ``RoutingTrace``,
+as ``EngineConfig.record`` records every request's) and its completion carries
+``routed_experts`` [prompt + generated − 1, MoE layers, top-k]: one row per token that went through
+a forward — the prompt's tokens and every generated token but the last, which no forward reads —
+as vLLM's ``CompletionOutput.routed_experts`` and SGLang's ``meta_info["routed_experts"]`` hold
+them (row i: the experts that processed token i; ``moectl offload simulate`` reads this layout).
+Rows are MoE layers only (a model's dense layers have no experts). Routing restricted by a policy
+returns the experts the restricted router chose. :func:`encode` is the HTTP form: a ``.npy`` array
+in base64, as vLLM's server sends it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import torch
+from torch import Tensor
+
+
+def routed_experts(trace) -> Tensor | None:
+    """[T, MoE layers, k] int32 of a one-sequence ``RoutingTrace`` (None for none)."""
+    if trace is None:
+        return None
+    if isinstance(trace, list):
+        trace = trace[0]
+    chosen = trace.chosen
+    if not chosen:
+        return None
+    return torch.stack([chosen[layer][0] for layer in sorted(chosen)], 1).to(torch.int32)
+
+
+def encode(experts: Tensor) -> str:
+    """``experts`` as base64 of a ``.npy`` file (``np.load(io.BytesIO(base64.b64decode(s)))``)."""
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, experts.cpu().numpy().astype(np.int32), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode(text: str) -> Tensor:
+    """The array :func:`encode` wrote (a client's side, and the tests')."""
+    import numpy as np
+
+    return torch.from_numpy(np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False))
