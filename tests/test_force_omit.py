@@ -35,7 +35,7 @@ def test_every_rule_chooses_forced_first_and_keeps_its_weights(kind, norm):
     weights, idx = rule.select(logits, None, allowed, None, "pruned", forced)
     assert (idx == 6).any(-1).all() and (idx == 7).any(-1).all() and not (idx == 0).any()
     # the third slot is the rule's best other allowed expert; weights are the rule's for that set
-    plain_w, plain_idx = rule.select(logits, None, allowed & ~forced, None, "pruned")
+    _plain_w, plain_idx = rule.select(logits, None, allowed & ~forced, None, "pruned")
     assert torch.equal(idx[:, 2], plain_idx[:, 0]) or kind == "sigmoid_dense"
     assert torch.isfinite(weights).all() and (weights > 0).all()
 
@@ -50,8 +50,8 @@ def test_the_policy_forces_and_omits_and_leaves_the_rest_to_the_router():
         model(ids)
     chosen, free = routed.trace.chosen, plain.trace.chosen
     assert (chosen[0][0] == 3).any(-1).all()  # forced in layer 0 ...
-    best_other = [[e for e in row if e != 3][0] for row in plain.trace.probs[0][0].argsort(-1, descending=True).tolist()]
-    assert [[e for e in row if e != 3][0] for row in chosen[0][0].tolist()] == best_other  # ... the router's best beside it
+    best_other = [next(e for e in row if e != 3) for row in plain.trace.probs[0][0].argsort(-1, descending=True).tolist()]
+    assert [next(e for e in row if e != 3) for row in chosen[0][0].tolist()] == best_other  # ... the router's best beside it
     assert not ((chosen[1][0] == 0) | (chosen[1][0] == 1)).any()  # omitted in layer 1
     assert torch.equal(chosen[2][0].sort(-1).values, torch.tensor([[5, 6]] * ids.shape[1]))  # top-k = 2, both forced
     assert not torch.equal(free[0][0], chosen[0][0])

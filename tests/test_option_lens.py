@@ -18,7 +18,7 @@ PROMPTS = ["The mixture of experts routes each token", "def f(x):", "Once upon a
 
 
 def test_option_k_changes_no_output_and_reports_its_own_switch_rate():
-    model, tok, info = moectl.load("tiny:olmoe", dtype="float32")
+    model, tok, _info = moectl.load("tiny:olmoe", dtype="float32")
     params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=1)
     routings = {"opt4": "option:4", "opt6": "option:6"}
     order = [(routing, i) for routing in (None, "opt4", "opt6") for i in range(len(PROMPTS))]

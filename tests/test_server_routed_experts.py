@@ -88,7 +88,7 @@ def test_streamed_and_chat_choices_carry_the_same(loaded, tmp_path):
                                                 stream=True, extra_body=body))  # fmt: skip
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, temperature=0, extra_body=body)  # fmt: skip
-    last = [c.model_dump()["choices"][0] for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    last = next(c.model_dump()["choices"][0] for c in chunks if c.choices and c.choices[0].finish_reason)
     assert last["routed_experts"] == whole.model_dump()["choices"][0]["routed_experts"]
     experts = decode(chat.model_dump()["choices"][0]["routed_experts"])
     assert experts.shape == (chat.usage.prompt_tokens + chat.usage.completion_tokens - 1, 3, 2)

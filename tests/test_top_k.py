@@ -35,7 +35,7 @@ def test_n_experts_per_token_by_the_families_rule(n):
     probs = trace.probs[0][0]
     want = probs.topk(n, dim=-1).indices.sort(-1).values
     assert torch.equal(trace.chosen[0][0].sort(-1).values, want)
-    weights, idx = RouterRule("softmax_topk", n, 8, norm_topk_prob=rule.norm_topk_prob).select(torch.log(probs))
+    _weights, idx = RouterRule("softmax_topk", n, 8, norm_topk_prob=rule.norm_topk_prob).select(torch.log(probs))
     assert torch.equal(idx.sort(-1).values, want)
 
 
