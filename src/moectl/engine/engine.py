@@ -434,6 +434,8 @@ class Engine(PrefixPrefill):
             )
         seed = request_seed(params)
         policies = [] if chosen is None else chosen.for_request(seed, self.info)
+        trace = self._new_trace(params)  # None where nothing is recorded; one per copy where it is
+        traces = trace if copies == 1 or trace is None else [trace, *(self._new_trace(params) for _ in range(copies - 1))]
         stream = TextStream(self.tokenizer, params.stop, params.min_tokens)  # its automaton: outside the lock
         with self._lock:
             if self._stopping:
@@ -449,7 +451,7 @@ class Engine(PrefixPrefill):
                 key=seed_key(seed),
                 on_event=on_event,
                 stream=stream,
-                trace=self._new_trace(params) if copies == 1 else [self._new_trace(params) for _ in range(copies)],
+                trace=traces,
                 copies=copies,
             )
             self._waiting.append(req)
@@ -810,7 +812,8 @@ class Engine(PrefixPrefill):
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
             prompt_len = len(req.prompt) if offset < len(req.prompt) else None
             for trace in _traces(req):
-                trace.begin_call(offset, valid, prompt_len)
+                if trace is not None:
+                    trace.begin_call(offset, valid, prompt_len)
         self.meter.traces = [t for r in reqs for t in _traces(r)]  # None for the rows not recorded
 
     def _count_rows(self, reqs: list[_Request]) -> None:
