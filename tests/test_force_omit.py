@@ -93,7 +93,7 @@ def test_a_request_writes_its_routing_inline_and_it_equals_the_registered_one():
     assert inline["routing"].startswith("inline-") and again["routing"] == inline["routing"]
     assert bad.status_code == 400 and "'force' of MoE layer 1: expert 8 is out of range" in bad.json()["error"]["message"]
     assert bad.json()["error"]["param"] == "routing"
-    assert other.status_code == 400 and "type among experts, topk, expert_mask, gumbel, document_pool" in other.text
+    assert other.status_code == 400 and "type among experts, topk, replay, expert_mask, gumbel, document_pool" in other.text
     assert 'routing="inline"' in metrics and "inline-" not in metrics  # one label for every inline routing
 
 

@@ -140,6 +140,31 @@ class RouterRule:
             return sparsemixer(logits, self.jitter_eps, allowed, noise, renorm, dtype)
         raise ValueError(f"unknown rule kind {self.kind!r}")
 
+    def weights_of(self, logits: Tensor, idx: Tensor, live: Tensor | None = None) -> Tensor:
+        """The weights [N, k] float32 this rule gives the experts ``idx`` [N, k] (int64) chosen from
+        ``logits`` [N, E]: what :meth:`select` returns beside the same indices, the choice itself
+        taken as given (a replayed routing: ``routing/replay.py``). ``live`` [N, k] bool marks the
+        slots in use; the others weigh 0 and leave the renormalisation (narrower records)."""
+        logits = logits.float()
+        if self.kind == "sparsemixer":
+            raise ConfigError("replaying experts is not supported for Phi-MoE's sparsemixer router")
+        if self.kind in ("topk_softmax",):
+            chosen = logits.gather(-1, idx)
+            if live is not None:
+                chosen = chosen.masked_fill(~live, float("-inf"))
+            return torch.softmax(chosen, dim=-1)
+        if self.kind == "sigmoid_dense":
+            weights = torch.sigmoid(logits.gather(-1, idx))
+            return weights if live is None else weights * live
+        scores = torch.softmax(logits, dim=-1) if self.kind == "softmax_topk" else torch.sigmoid(logits)
+        weights = scores.gather(-1, idx)
+        if live is not None:
+            weights = weights * live
+        if self.norm_topk_prob:
+            total = weights.sum(-1, keepdim=True) + self.renorm_eps
+            weights = weights / (total.clamp(min=self.renorm_min) if self.kind == "softmax_topk" else total)
+        return weights * self.scaling
+
     def _restrict_to_groups(self, choice: Tensor, allowed: Tensor | None) -> Tensor:
         """Keep the ``topk_group`` best groups, scored by the sum of each group's ``group_topn`` best
         choice scores (DeepSeek-V3: two; DeepSeek-V2's group_limited_greedy: one, the group max)."""

@@ -13,11 +13,12 @@ in base64, as vLLM's server sends it.
 
 from __future__ import annotations
 
-import base64
-import io
-
 import torch
 from torch import Tensor
+
+from moectl.io.npy_text import decode, encode
+
+__all__ = ["decode", "encode", "routed_experts"]
 
 
 def routed_experts(trace) -> Tensor | None:
@@ -30,19 +31,3 @@ def routed_experts(trace) -> Tensor | None:
     if not chosen:
         return None
     return torch.stack([chosen[layer][0] for layer in sorted(chosen)], 1).to(torch.int32)
-
-
-def encode(experts: Tensor) -> str:
-    """``experts`` as base64 of a ``.npy`` file (``np.load(io.BytesIO(base64.b64decode(s)))``)."""
-    import numpy as np
-
-    buffer = io.BytesIO()
-    np.save(buffer, experts.cpu().numpy().astype(np.int32), allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def decode(text: str) -> Tensor:
-    """The array :func:`encode` wrote (a client's side, and the tests')."""
-    import numpy as np
-
-    return torch.from_numpy(np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False))

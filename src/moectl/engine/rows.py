@@ -105,6 +105,7 @@ class RowRouter:
         noise: Tensor | None = None
         forced: Tensor | None = None
         top_k: dict[int, list[Tensor]] = {}  # N -> rows whose routing chooses N experts (topk:N)
+        replays: list[tuple[Tensor, slice, Tensor]] = []  # (rows, columns, [n, t, k']) replayed experts
         renorm = None
         for group, sub_ctx in zip(self.groups, self._contexts, strict=True):
             rows = group.rows.to(state.logits.device)
@@ -131,6 +132,8 @@ class RowRouter:
                 forced[rows, cols] = sub.forced
             if sub.top_k is not None:
                 top_k.setdefault(sub.top_k, []).append(rows)
+            if sub.replayed is not None:
+                replays.append((rows, cols, sub.replayed))
         if allowed is not None:
             state.restrict(allowed, renorm=renorm)
             self.allowed[state.layer] = allowed
@@ -138,6 +141,12 @@ class RowRouter:
             state.add_noise(noise)
         if forced is not None:
             state.force(forced)
+        if replays:
+            width = max(given.shape[-1] for _, _, given in replays)
+            replayed = torch.full((*state.logits.shape[:2], width), -1, dtype=torch.long, device=state.logits.device)
+            for rows, cols, given in replays:
+                replayed[rows, cols, : given.shape[-1]] = given
+            state.replay(replayed)
         if top_k:
             state.row_top_k = {k: torch.cat(rows) for k, rows in top_k.items()}
             self.row_top_k = state.row_top_k

@@ -31,8 +31,10 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def __call__(
-        self, texts: list[str], return_tensors: str = "pt", padding: bool = True, **_: object
+        self, texts: list[str] | str, return_tensors: str = "pt", padding: bool = True, **_: object
     ) -> dict[str, torch.Tensor]:
+        if isinstance(texts, str):  # one text: a batch of one, as a Hugging Face tokenizer gives it
+            texts = [texts]
         encoded = [self.encode(t) or [self.bos_token_id] for t in texts]
         width = max(len(e) for e in encoded)
         ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)

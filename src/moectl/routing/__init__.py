@@ -1,4 +1,4 @@
-"""Routing policies (mask, force/omit, document pool, Gumbel-top-k, the option:K lens), the session that installs them, the trace,
+"""Routing policies (mask, force/omit, top-k, replay, document pool, Gumbel-top-k, the option:K lens), the session that installs them, the trace,
 and the one policy format (``config``: to_dict / from_dict / save; ``loader``: ``load_policy``)."""
 
 from moectl.routing.force_omit import ForceOmit
@@ -15,8 +15,10 @@ from moectl.routing.protocols import (
     SeededPolicy,
     SequencePolicy,
 )
+from moectl.routing.replay import Replay
 from moectl.routing.routing_state import RouteContext, RoutingState
 from moectl.routing.session import RoutingSession, route
+from moectl.routing.top_k import TopK
 from moectl.routing.trace import RoutingTrace
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "OptionLens",
     "Policy",
     "PolicyConfig",
+    "Replay",
     "ResettablePolicy",
     "RouteContext",
     "RoutingPolicy",
@@ -35,6 +38,7 @@ __all__ = [
     "RoutingTrace",
     "SeededPolicy",
     "SequencePolicy",
+    "TopK",
     "load_policy",
     "policy_types",
     "register_policy",

@@ -41,6 +41,7 @@ _PROVIDERS: dict[str, str] = {
     "expert_mask": "moectl.routing.mask",
     "experts": "moectl.routing.force_omit",
     "topk": "moectl.routing.top_k",
+    "replay": "moectl.routing.replay",
     "document_pool": "moectl.routing.pool",
     "gumbel": "moectl.routing.gumbel",
     "roe": "moectl.ensemble.roe_config",

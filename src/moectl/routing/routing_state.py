@@ -56,6 +56,7 @@ class RoutingState:
     forced: Tensor | None = None  # [B, T, E] bool: experts chosen first (``force``), or None
     top_k: int | None = None  # experts chosen per token (``topk:N``), or None: the rule's
     row_top_k: dict[int, Tensor] | None = None  # per row where rows differ: N -> rows [n] (the engine's)
+    replayed: Tensor | None = None  # [B, T, k] int64: each token's experts as given (``replay``); -1: the router's
     hidden: Tensor | None = None  # [B, T, H] the router's input h_t (pre-MLP hidden state), as the model holds it
     extras: dict = field(default_factory=dict)
 
@@ -76,6 +77,10 @@ class RoutingState:
         """Have the experts of ``forced`` (broadcastable to [B, T, E]) chosen first."""
         forced = forced.to(self.logits.device).expand_as(self.logits)
         self.forced = forced if self.forced is None else self.forced | forced
+
+    def replay(self, experts: Tensor) -> None:
+        """Fix the experts of the tokens ``experts`` [B, T, k] covers (rows of -1: not covered)."""
+        self.replayed = experts.to(self.logits.device)
 
     def add_noise(self, noise: Tensor) -> None:
         self.noise = noise if self.noise is None else self.noise + noise

@@ -20,6 +20,7 @@ from moectl.adapters.inspect import ModelInfo, MoELayer, UnsupportedModelError, 
 from moectl.errors import ConfigError
 from moectl.routing.kv_cache import cache_in
 from moectl.routing.policy_files import routing_policies
+from moectl.routing.replay import overlay as replay_overlay
 from moectl.routing.routing_state import Policy, RouteContext, RoutingState
 from moectl.routing.top_k import select as select_top_k
 from moectl.routing.trace import RoutingTrace
@@ -158,7 +159,8 @@ class RoutingSession:
                 policy.apply(state)
             new = None
             changed = state.top_k is not None or state.row_top_k is not None  # topk:N (routing/top_k.py)
-            if changed or state.allowed is not None or state.noise is not None or state.forced is not None:
+            replayed = state.replayed  # routing/replay.py: tokens whose experts are given
+            if changed or state.allowed is not None or state.noise is not None or state.forced is not None or replayed is not None:
                 n = ctx.batch * ctx.length
                 allowed = None if state.allowed is None else state.allowed.reshape(n, e)
                 if allowed is not None and not changed and (state.restrictions > 1 or rule.grouped):
@@ -174,6 +176,8 @@ class RoutingSession:
                     weights, idx = rule.select(
                         state.logits.reshape(n, e), bias_of(module), allowed, noise, state.renorm, forced
                     )
+                if replayed is not None:
+                    weights, idx = replay_overlay(rule, state.logits.reshape(n, e), weights, idx, replayed.reshape(n, -1))
                 new = adapter.repack(output, weights, idx)
                 chosen = idx
             else:

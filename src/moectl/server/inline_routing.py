@@ -20,7 +20,7 @@ from typing import Any
 
 from moectl.server.api_errors import APIError
 
-INLINE_TYPES = ("experts", "topk", "expert_mask", "gumbel", "document_pool")
+INLINE_TYPES = ("experts", "topk", "replay", "expert_mask", "gumbel", "document_pool")
 MAX_ITEMS = 8
 KEEP = 64
 
