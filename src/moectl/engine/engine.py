@@ -812,8 +812,7 @@ class Engine(PrefixPrefill):
             valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
             prompt_len = len(req.prompt) if offset < len(req.prompt) else None
             for trace in _traces(req):
-                if trace is not None:
-                    trace.begin_call(offset, valid, prompt_len)
+                trace.begin_call(offset, valid, prompt_len)
         self.meter.traces = [t for r in reqs for t in _traces(r)]  # None for the rows not recorded
 
     def _count_rows(self, reqs: list[_Request]) -> None:
@@ -988,7 +987,7 @@ class Engine(PrefixPrefill):
         )
         req.completion = completion
         self.counters["finished"] += 1
-        stats = self.routing_stats.setdefault(stats_name or "", {"requests": 0, "switches": 0, "steps": 0})
+        stats = self.routing_stats.setdefault(stats_name or COUNTS_DEFAULT, {"requests": 0, "switches": 0, "steps": 0})
         stats["requests"] += 1
         stats["switches"] += req.switches
         stats["steps"] += 0 if roe else decode_steps * layers * req.copies
@@ -1019,7 +1018,7 @@ class Engine(PrefixPrefill):
             "waiting": waiting,
             "decode_forward": {"path": self.runner.path, **self.runner.calls},
             "switch_rate": {
-                name or "default": (s["switches"] / s["steps"] if s["steps"] else None)
+                name: (s["switches"] / s["steps"] if s["steps"] else None)
                 for name, s in self.routing_stats.items()
             },
         }

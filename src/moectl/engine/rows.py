@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.metrics.switch_rate import option_of
+from moectl.metrics.switch_rate import option_step
 from moectl.routing.option_lens import OptionLens
 from moectl.routing.pool import DocumentPool
 from moectl.routing.protocols import SeededPolicy
@@ -251,11 +251,7 @@ class SwitchMeter:
         prev = self.prev[:, index].to(chosen.device)
         for k_hat, rows in self.router.lens.items():
             rows = rows.to(chosen.device)
-            fresh = option_of(p[rows], chosen[rows], k_hat)
-            if self.counting:
-                inside = ~(chosen[rows] & ~prev[rows]).any(-1, keepdim=True)
-                fresh = torch.where(inside, prev[rows], fresh)
-            omega[rows] = fresh
+            omega[rows] = option_step(prev[rows] if self.counting else None, p[rows], chosen[rows], k_hat)
         return omega
 
     def _record(self, layer, output, chosen: Tensor) -> None:
@@ -267,14 +263,14 @@ class SwitchMeter:
         rows = self.router.restricted_rows
         restricted = rows.tolist() if allowed is not None and rows is not None else [False] * b
         pads = self.pads or [0] * b
-        own = self._own_top_k(layer, b)
+        own = self._own_top_k(b)
         for r, trace in enumerate(self.traces):
             if trace is not None:
                 p = pads[r]  # the row's own tokens only, as its request alone records them
                 keep = allowed[r : r + 1, p:] if restricted[r] else None
                 trace.record(layer.index, probs[r : r + 1, p:], chosen[r : r + 1, p:, : own[r]], keep)
 
-    def _own_top_k(self, layer, rows: int) -> list[int]:
+    def _own_top_k(self, rows: int) -> list[int]:
         """Each row's own number of experts (its topk:N, else the call's): a wider row's padding cut."""
         width = [None] * rows
         for k, idx in (self.router.row_top_k or {}).items():

@@ -52,6 +52,21 @@ def option_of(probs: Tensor, chosen_onehot: Tensor, k_hat: int) -> Tensor:
     return torch.zeros_like(chosen_onehot).scatter_(-1, idx, True)
 
 
+def option_step(
+    current: Tensor | None, probs: Tensor, chosen: Tensor, k_hat: int, restart: Tensor | None = None
+) -> Tensor:
+    """One step of the router-as-option recurrence (TE-MoE §2.2): ω [..., E] kept while the activated
+    experts ``chosen`` [..., E] (bool) stay inside ``current``, else a fresh option (``option_of``);
+    ``current`` None, or ``restart`` [...] True: a fresh option."""
+    fresh = option_of(probs, chosen, k_hat)
+    if current is None:
+        return fresh
+    keep = ~(chosen & ~current).any(-1, keepdim=True)
+    if restart is not None:
+        keep = keep & ~restart[..., None]
+    return torch.where(keep, current, fresh)
+
+
 def router_option_masks(probs: Tensor, chosen: Tensor, k_hat: int, start: Tensor | None = None) -> Tensor:
     """ω for a plain router treated as an option policy, for probs [N, T, E] and chosen [N, T, E] bool.
 
@@ -69,13 +84,9 @@ def router_option_masks(probs: Tensor, chosen: Tensor, k_hat: int, start: Tensor
         )
     start = torch.zeros(n, dtype=torch.long) if start is None else start.long()
     masks = torch.zeros(n, t, e, dtype=torch.bool)
-    current = option_of(probs[:, 0], chosen[:, 0], k_hat)
-    for pos in range(t):
-        inside = ~(chosen[:, pos] & ~current).any(-1)
-        renew = (~inside) | (start == pos)
-        if pos == 0 or bool(renew.any()):
-            fresh = option_of(probs[:, pos], chosen[:, pos], k_hat)
-            current = torch.where(renew[:, None], fresh, current)
+    current: Tensor | None = None
+    for pos in range(t):  # sequential by definition; one tensor step per position, no host sync
+        current = option_step(current, probs[:, pos], chosen[:, pos], k_hat, restart=start == pos)
         masks[:, pos] = current
     return masks
 
