@@ -61,15 +61,19 @@ def test_a_body_that_never_arrives_is_closed(server):
 
 def test_a_request_answered_longer_than_the_read_timeout_is_not_cut(server):
     t0 = time.monotonic()
-    got = httpx.post(
-        f"{server.base}/v1/completions",
-        json={"model": "tiny:olmoe", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "temperature": 0},
-        timeout=120,
-    )
-    assert got.status_code == 200, got.text
-    assert got.json()["choices"][0]["finish_reason"] == "length"
-    assert got.json()["usage"]["completion_tokens"] == 400
-    assert time.monotonic() - t0 > 1.0  # it did outlast the 1 s read timeout
+    body = {"model": "tiny:olmoe", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=120) as got:
+        assert got.status_code == 200
+        lines = got.iter_lines()
+        events.append(next(lines))
+        time.sleep(1.5)  # the client reads slowly: the answer outlasts the 1 s read timeout whatever the speed
+        events += list(lines)
+    assert time.monotonic() - t0 > 1.0
+    chunks = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"  # all 400 tokens
+    assert "data: [DONE]" in events
 
 
 def test_sigterm_aborts_what_still_runs_after_the_shutdown_timeout():

@@ -1,7 +1,8 @@
 """The engine: the one place moectl runs a model forward for a set of sequences.
 
-Requests join and leave the running batch at step boundaries (continuous batching). A step admits
-waiting requests while the batch has room — prefilled together, left-padded, in as few forwards as
+Requests join and leave the running batch at step boundaries (continuous batching). A step runs
+the scheduler's plan (``scheduler.StepPlan``, chosen before anything runs): it admits waiting
+requests while the batch has room — prefilled together, left-padded, in as few forwards as
 ``batch.prefill_groups`` allows (usually one), their first tokens sampled and their KV cache rows
 joined to the batch's (``kv.join``) — then runs one decoding forward for every running row and
 samples each row's next token (``sampling.choose_tokens``). A prompt longer than
@@ -55,7 +56,6 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.engine.attention import attention_kernels
-from moectl.engine.batch import prefill_groups
 from moectl.engine.expert_counts import DEFAULT as COUNTS_DEFAULT
 from moectl.engine.expert_counts import ExpertCounts
 from moectl.engine.kv import check_batchable, new_cache
@@ -65,14 +65,16 @@ from moectl.engine.pad_skip import PadSkip
 from moectl.engine.penalties import check_bias_ids, penalise
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
+from moectl.engine.prefix_rules import PrefixRules
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.roe_rows import RoeRows
 from moectl.engine.routed_experts import routed_experts
 from moectl.engine.routings import Routing, resolve_all
-from moectl.engine.rows import Group, RowRouter, SwitchMeter, splittable
+from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.running import RunningBatch
 from moectl.engine.sampling import SamplingParams, request_seed
 from moectl.engine.sampling_batch import SamplingBatch
+from moectl.engine.scheduler import Scheduler, StepPlan
 from moectl.engine.text import TextStream, lone_surrogate
 from moectl.errors import ConfigError, MoectlError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
@@ -269,13 +271,14 @@ class Engine(PrefixPrefill):
         self.meter = SwitchMeter(self.info, self.router)
         self.expert_counts = ExpertCounts(self.info)  # expert use per routing over a window (start/stop/dump)
         self._pad_skip = PadSkip()
-        self._lock = threading.Condition()
-        self._waiting: deque[_Request] = deque()
         self.batch = RunningBatch(self.device)  # the requests decoding together and their rows' tensors
         self._roe_rows = RoeRows(self)  # RoE requests: one K-sample ensemble per routing (roe_rows)
+        self.prefixes = PrefixCache(self.config.prefix_cache_tokens)
+        self.prefix_rules = PrefixRules(self.prefixes, record=self.config.record, solo=self.config.solo)
+        # the waiting queue and each step's plan of admissions (scheduler.py)
+        self.scheduler = Scheduler(self.config, self.prefix_rules, self._roe_rows.batches)
         self._chunked: deque[_Chunked] = deque()  # long prompts prefilled a chunk per step, oldest first
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
-        self._cancelled: set[str] = set()
         self._ids = itertools.count()
         self._session = None
         self._offload = None
@@ -299,8 +302,6 @@ class Engine(PrefixPrefill):
         self.routing_stats: dict[str, dict[str, float]] = {}
         self._union = [0.0, 0, 0]  # offloading: Σ mean union per layer, max union, decode steps
         self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
-        self.prefixes = PrefixCache(self.config.prefix_cache_tokens)
-        self._prefixes_ok = True  # the model's cache layers allow prefixes (checked at the first prefill)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self) -> Engine:
@@ -323,6 +324,7 @@ class Engine(PrefixPrefill):
                 self._offload = runtime
                 policies += list(self.runtime.policy.routing(self.runtime.info))
             self._residency = policies
+            self.prefix_rules.residency = bool(policies)  # routing follows the resident set: no prefixes
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
@@ -372,9 +374,9 @@ class Engine(PrefixPrefill):
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with ``drain`` finish the running and waiting requests, else cancel them."""
-        with self._lock:
+        with self.scheduler.lock:
             self._stopping, self._drain = True, drain
-            self._lock.notify_all()
+            self.scheduler.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -384,9 +386,9 @@ class Engine(PrefixPrefill):
         """Finish every request, running or waiting, at the next step boundary with
         ``finish_reason: "abort"`` (vLLM's); new requests are still accepted unless shutting down.
         A server calls it when its shutdown deadline passes."""
-        with self._lock:
+        with self.scheduler.lock:
             self._abort_asked = True
-            self._lock.notify_all()
+            self.scheduler.lock.notify_all()
 
     # -- requests -----------------------------------------------------------------------------
     def submit(
@@ -437,11 +439,11 @@ class Engine(PrefixPrefill):
         trace = self._new_trace(params)  # None where nothing is recorded; one per copy where it is
         traces = trace if copies == 1 or trace is None else [trace, *(self._new_trace(params) for _ in range(copies - 1))]
         stream = TextStream(self.tokenizer, params.stop, params.min_tokens)  # its automaton: outside the lock
-        with self._lock:
+        with self.scheduler.lock:
             if self._stopping:
                 raise EngineClosed("the engine is shutting down")
-            if len(self._waiting) >= self.config.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
+            if len(self.scheduler.waiting) >= self.config.max_queue:
+                raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue)")
             req = _Request(
                 id=f"req-{next(self._ids)}",
                 prompt=ids,
@@ -454,15 +456,15 @@ class Engine(PrefixPrefill):
                 trace=traces,
                 copies=copies,
             )
-            self._waiting.append(req)
-            self._lock.notify_all()
+            self.scheduler.waiting.append(req)
+            self.scheduler.lock.notify_all()
         return req
 
     def cancel(self, request_id: str) -> None:
         """Finish a request at the next step boundary (its row and cache are freed)."""
-        with self._lock:
-            self._cancelled.add(request_id)
-            self._lock.notify_all()
+        with self.scheduler.lock:
+            self.scheduler.cancelled.add(request_id)
+            self.scheduler.lock.notify_all()
 
     def generate(
         self,
@@ -517,7 +519,7 @@ class Engine(PrefixPrefill):
         ids: list[str] = []
         reqs: dict[str, _Request] = {}
         while pending or any(not reqs[i].done.is_set() for i in ids):
-            while pending and len(self._waiting) < self.config.max_queue:
+            while pending and len(self.scheduler.waiting) < self.config.max_queue:
                 prompt, params, routing = pending.pop(0)
                 listen = None if on_event is None else functools.partial(on_event, len(ids))
                 req = self._submit(prompt, params, routing, listen)
@@ -545,19 +547,19 @@ class Engine(PrefixPrefill):
         while True:
             if governor is not None:
                 governor.update()  # in this thread: torch's thread count is per thread under OpenMP
-            with self._lock:
+            with self.scheduler.lock:
                 busy = self._busy()
-                while not self._stopping and not self._waiting and not busy and not self._abort_asked:
-                    self._lock.wait()
+                while not self._stopping and not self.scheduler.waiting and not busy and not self._abort_asked:
+                    self.scheduler.lock.wait()
                     busy = self._busy()
                 if (self._stopping and not self._drain) or self._abort_asked:
                     chunked = [c.req for c in self._chunked]
-                    every = {r.id for r in (*self._waiting, *self.batch, *self._roe_rows, *chunked)}
-                    self._cancelled |= every
+                    every = {r.id for r in (*self.scheduler.waiting, *self.batch, *self._roe_rows, *chunked)}
+                    self.scheduler.cancelled |= every
                     if self._abort_asked:
                         self._aborted |= every
                         self._abort_asked = False
-                if self._stopping and not self._waiting and not busy:
+                if self._stopping and not self.scheduler.waiting and not busy:
                     return
             self.step()
 
@@ -565,15 +567,18 @@ class Engine(PrefixPrefill):
         return bool(self.batch or self._roe_rows or self._chunked)
 
     def step(self) -> bool:
-        """One engine step: admit, drop cancelled, prefill one chunk of a long prompt, decode.
+        """One engine step: the scheduler's plan of admissions (``scheduler.StepPlan``) prefilled,
+        cancelled requests dropped, one chunk of a long prompt prefilled, the batch decoded.
         Returns whether any work was done."""
         with torch.inference_mode(), attention_kernels(self.device):
             try:
-                admitted = self._admit()
+                rows = self.batch.rows + len(self._roe_rows) + len(self._chunked)
+                plan = self.scheduler.schedule(rows, [c.req for c in self._chunked])
+                self._admit(plan)
                 self._drop_cancelled()
                 chunked = self._prefill_chunk()
                 if not self.batch and not self._roe_rows:
-                    return admitted or chunked
+                    return plan.admitted or chunked
                 if self.batch:
                     self._decode()
                 self._roe_rows.step()
@@ -582,83 +587,22 @@ class Engine(PrefixPrefill):
             self.counters["steps"] += 1
             return True
 
-    def _admit(self) -> bool:
-        """Take waiting requests while the batch has room and prefill them: RoE requests by routing
-        (``roe_rows``), the others together, a few forwards at most (``prefill_groups``)."""
-        taken: list[_Request] = []
-        used = self.batch.rows + len(self._roe_rows) + len(self._chunked)  # rows
-        while used < self.config.max_batch and not (self.config.solo and (used or taken)):
-            with self._lock:
-                if not self._waiting or used + self._waiting[0].copies > self.config.max_batch:
-                    break
-                req = self._waiting.popleft()
-                cancelled = req.id in self._cancelled
-            if cancelled:
-                self._finish(req, "cancelled")
-                continue
-            taken.append(req)
-            used += req.copies
-        taken = self._defer_twins(taken)
-        roe = [r for r in taken if r.routing is not None and r.routing.roe is not None]
-        plain = [r for r in taken if r.routing is None or r.routing.roe is None]
+    def _admit(self, plan: StepPlan) -> None:
+        """Run the plan's prefills, a few forwards at most; a failing one finishes its requests alone
+        (where nothing else runs, the step fails and the later ones go back to the queue)."""
+        for req in plan.cancelled:
+            self._finish(req, "cancelled")
+        self._chunked.extend(self._start_chunked(r) for r in plan.chunked)
         work: list[tuple[Callable[[Any], None], Any]] = [
-            (self._roe_rows.prefill, reqs) for reqs in self._roe_rows.batches(roe)
+            *((self._roe_rows.prefill, reqs) for reqs in plan.roe),
+            *((self._prefill_after, jobs) for jobs in plan.after_prefix),
+            *((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs) for reqs in plan.prefills),
         ]
-        hits = [(r, p) for r in plain if (p := self._stored_prefix(r)) is not None]
-        if hits:  # prompts that start as stored ones prefill only the rest, together
-            plain = [r for r in plain if all(r is not h for h, _ in hits)]
-            for group in prefill_groups(
-                [len(r.prompt) - p.length for r, p in hits], self.config.prefill_tokens
-            ):
-                work.append((self._prefill_after, [hits[i] for i in group]))
-        long = [
-            r
-            for r in plain
-            if len(r.prompt) > self.config.prefill_chunk
-            and r.copies == 1
-            and r.params.prompt_logprobs is None  # echo: the whole prompt's states in one forward
-            and not self.config.solo
-            and splittable(r.policies)
-        ]
-        self._chunked.extend(self._start_chunked(r) for r in long)
-        plain = [r for r in plain if all(r is not q for q in long)]
-        for group in prefill_groups([len(r.prompt) for r in plain], self.config.prefill_tokens):
-            reqs = [plain[i] for i in group]
-            work.append((self._prefill_shared if len(reqs) > 1 else self._prefill, reqs))
         for done, (prefill, arg) in enumerate(work):
             err = self._isolated(prefill, arg)
             if err is not None and not self.batch and not self._roe_rows:  # nothing runs: fail the step
-                later = [r for _, a in work[done + 1 :] for r in _requests_of(a)]
-                with self._lock:
-                    self._waiting.extendleft(reversed(later))
+                self.scheduler.put_back([r for _, a in work[done + 1 :] for r in _requests_of(a)])
                 raise err
-        return bool(taken)
-
-    def _defer_twins(self, taken: list[_Request]) -> list[_Request]:
-        """``taken`` without the requests whose prompt and routing equal an earlier one's of this
-        admission or of a prompt still being prefilled in chunks, where that prompt's KV will be in
-        the prefix cache: they go back to the front of the queue and, at the next step, prefill
-        only their last token from it (``n`` choices of one prompt, clients sending the same one)."""
-        def twin_of(req: _Request) -> tuple[str | None, tuple[int, ...]] | None:
-            ok, key = self._prefix_key(req)
-            cacheable = ok and req.params.prompt_logprobs is None and len(req.prompt) <= self.prefixes.max_tokens
-            return (key, tuple(req.prompt)) if cacheable else None
-
-        seen = {t for c in self._chunked if (t := twin_of(c.req)) is not None}
-        kept: list[_Request] = []
-        deferred: list[_Request] = []
-        for req in taken:
-            twin = twin_of(req)
-            if twin is not None and twin in seen and self._stored_prefix(req) is None:
-                deferred.append(req)
-                continue
-            if twin is not None:
-                seen.add(twin)
-            kept.append(req)
-        if deferred:
-            with self._lock:
-                self._waiting.extendleft(reversed(deferred))
-        return kept
 
     def _prefill_shared(self, reqs: list[_Request]) -> None:
         """Several requests in one forward; if it fails, each alone, so only a bad one fails."""
@@ -742,7 +686,7 @@ class Engine(PrefixPrefill):
         for req, row in zip(reqs, row_starts(copies), strict=True):
             req.seen = len(req.prompt)
             if req.copies == 1:
-                self._store_prefix(req, cache, row, mask[row].bool())
+                self.prefix_rules.store(req, cache, row, mask[row].bool())
         self.counters["prefills"] += len(reqs)
         sampling = self._sampling(reqs)
         tokens = self._choose(logits, reqs, sampling)
@@ -937,9 +881,7 @@ class Engine(PrefixPrefill):
             self._finish(req, reason, piece=piece)
 
     def _drop_cancelled(self) -> None:
-        with self._lock:
-            cancelled = self._cancelled
-            self._cancelled = set()
+        cancelled = self.scheduler.take_cancelled()
         if not cancelled:
             return
         rows = [i for i, r in enumerate(self.batch) if r.id in cancelled]
@@ -949,8 +891,8 @@ class Engine(PrefixPrefill):
             self._chunked.remove(chunked)  # its cache goes with it
             self._finish(chunked.req, "cancelled")
         self._roe_rows.cancel(cancelled)
-        with self._lock:  # ones still waiting are finished when admitted
-            self._cancelled |= {c for c in cancelled if any(r.id == c for r in self._waiting)}
+        with self.scheduler.lock:  # ones still waiting are finished when admitted
+            self.scheduler.cancelled |= {c for c in cancelled if any(r.id == c for r in self.scheduler.waiting)}
 
     def _fail_all(self, err: Exception) -> None:
         self.counters["errors"] += 1
@@ -1010,8 +952,8 @@ class Engine(PrefixPrefill):
     # -- figures ------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters, queue, per-routing switch rates and (offloading) the resident set's figures."""
-        with self._lock:
-            waiting = len(self._waiting)
+        with self.scheduler.lock:
+            waiting = len(self.scheduler.waiting)
         out: dict[str, Any] = {
             **self.counters,
             "running": len(self.batch) + len(self._roe_rows) + len(self._chunked),

@@ -1,5 +1,5 @@
-"""The engine's side of the prompt-prefix cache (``prefix_cache.py``): which requests may use it,
-storing each prefilled prompt's KV, and prefilling requests whose prompts start as stored ones.
+"""Prefilling requests whose prompts start as stored ones (``prefix_cache.py``; which requests may,
+and storing each prefilled prompt's KV: ``prefix_rules.py``).
 
 Requests with a stored prefix are prefilled together in one forward over their remaining tokens:
 the batch's cache starts as their prefixes, each left-padded to the longest, and the remaining
@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from moectl.engine.kv import new_cache
-from moectl.engine.prefix_cache import Prefix, supports
+from moectl.engine.prefix_cache import Prefix
 from moectl.engine.rows import Group
 from moectl.lm.padding import left_pad
 
@@ -29,47 +28,6 @@ if TYPE_CHECKING:
 
 class PrefixPrefill:
     """Prefix-cache use of the ``Engine`` (see the module doc)."""
-
-    prefixes: Any
-    _prefixes_ok: bool
-
-    def _prefix_key(self: Any, req: _Request) -> tuple[bool, str | None]:
-        """(whether ``req``'s prompt KV may be stored and reused, the key it is stored under): the
-        routing's name, for routings that depend on the tokens alone (see ``prefix_cache``)."""
-        ok = (
-            self.prefixes.max_tokens > 0
-            and self._prefixes_ok
-            and not self._residency
-            and not self.config.record
-            and req.trace is None  # a recorded prompt's routing is recorded by its own prefill
-            and not self.config.solo
-            and req.copies == 1
-            and (
-                req.routing is None
-                or (req.routing.roe is None and not req.routing.per_request and req.routing.row_codes is None)
-            )
-        )
-        return ok, None if req.routing is None else req.routing.name
-
-    def _stored_prefix(self: Any, req: _Request) -> Prefix | None:
-        if req.params.prompt_logprobs is not None:
-            return None  # echo needs every prompt position's hidden state: prefilled whole
-        ok, key = self._prefix_key(req)
-        return self.prefixes.lookup(key, req.prompt) if ok else None
-
-    def _store_prefix(self: Any, req: _Request, cache, row: int, cols: Tensor) -> None:
-        """Offer row ``row``'s prompt KV (its real columns ``cols`` [L] bool) to the prefix cache."""
-        if self.prefixes.max_tokens == 0 or not self._prefixes_ok:
-            return
-        if not supports(cache):
-            self._prefixes_ok = False
-            return
-        ok, key = self._prefix_key(req)
-        if ok and len(req.prompt) <= self.prefixes.max_tokens:
-            cols = cols.to(cache.layers[0].keys.device)
-            layers = [(x.keys[row : row + 1, :, cols].clone(), x.values[row : row + 1, :, cols].clone())
-                      for x in cache.layers]  # fmt: skip
-            self.prefixes.store(key, req.prompt, layers)
 
     def _prefill_after(self: Any, jobs: list[tuple[_Request, Prefix]]) -> None:
         """One forward over the remaining prompt tokens of requests with stored prefixes (module doc)."""
