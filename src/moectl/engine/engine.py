@@ -45,10 +45,9 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,14 +60,15 @@ from moectl.engine.expert_counts import ExpertCounts
 from moectl.engine.kv import check_batchable, new_cache
 from moectl.engine.logprobs import TokenLogprob, capture_hidden, of_logits, prompt_logprobs
 from moectl.engine.model_runner import ModelRunner
+from moectl.engine.output import Output
 from moectl.engine.pad_skip import PadSkip
 from moectl.engine.penalties import check_bias_ids, penalise
 from moectl.engine.prefix_cache import PrefixCache
 from moectl.engine.prefix_prefill import PrefixPrefill
 from moectl.engine.prefix_rules import PrefixRules
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
-from moectl.engine.roe_rows import RoeRows
-from moectl.engine.routed_experts import routed_experts
+from moectl.engine.request import Chunked, Completion, Event, Request
+from moectl.engine.roe_rows import RoeHost, RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
 from moectl.engine.running import RunningBatch
@@ -146,86 +146,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-@dataclass
-class Event:
-    """What a request produced in one step: one event per generated token (``token_ids``, its id), with
-    the text completed at that step — empty while the text is held back (an incomplete UTF-8
-    character, a possible start of a stop string), so ``text`` concatenates to the completion's text.
-    ``finish_reason`` (on its last event): stop (EOS or a stop string) | length | cancelled | abort
-    (:meth:`Engine.abort`, a server's shutdown deadline) | error;
-    ``usage`` and ``info`` come with the last event."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    usage: dict | None = None
-    info: dict | None = None
-    logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids`` (``SamplingParams.logprobs``)
-    prompt_logprobs: list[TokenLogprob] | None = None  # on the last event (``SamplingParams.prompt_logprobs``)
-    routed_experts: Tensor | None = None  # on the last event: [tokens, MoE layers, top-k] (routed_experts.py)
-
-
-@dataclass
-class Completion:
-    """A finished request, as ``Engine.generate`` returns it."""
-
-    request_id: str
-    prompt_tokens: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    routing: str | None
-    switch_rate: float | None
-    error: str | None = None
-    trace: Any = None  # its RoutingTrace (EngineConfig.record), as route(record=True) records one prompt
-    stop_token: int | None = None  # the EOS token that ended it (not in ``token_ids``)
-    logprobs: list[TokenLogprob] | None = None  # per generated token (``SamplingParams.logprobs``)
-    prompt_logprobs: list[TokenLogprob] | None = None  # per prompt token after the first (``prompt_logprobs``)
-    # SamplingParams.return_routed_experts: [prompt + generated - 1, MoE layers, top-k] (routed_experts.py)
-    routed_experts: Tensor | None = None
-
-
-@dataclass
-class _Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    routing: Routing | None
-    policies: list
-    key: int
-    on_event: Callable[[Event], None] | None
-    stream: TextStream
-    generated: list[int] = field(default_factory=list)
-    seen: int = 0  # real tokens fed through the model
-    submitted: float = field(default_factory=time.perf_counter)
-    switches: int = 0
-    unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
-    ending: tuple[str, str] | None = None  # (finish reason, last text) until its row is removed
-    done: threading.Event = field(default_factory=threading.Event)
-    completion: Completion | None = None
-    trace: Any = None  # its RoutingTrace; a list of one per copy when it runs as several rows
-    copies: int = 1  # batch rows it occupies (``Routing.repeats``: K routed copies, one token stream)
-    stop_token: int | None = None  # the EOS token that ended it
-    chosen_lp: TokenLogprob | None = None  # the latest chosen token's log-probability, for ``_emit``
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # every generated token's
-    unsent_lp: list[TokenLogprob] = field(default_factory=list)  # those of ``unsent``
-    prompt_lp: list[TokenLogprob] | None = None  # the prompt's, once prefilled (``prompt_logprobs``)
-    prompt_seen: Tensor | None = None  # [V] its prompt's tokens, for ``repetition_penalty`` (penalties.py)
-
-
-@dataclass
-class _Chunked:
-    """A request whose prompt is being prefilled in chunks: its own cache so far, and its ω and
-    switch counts ([1, L, E], [1, L]) to join the batch's with."""
-
-    req: _Request
-    cache: Any
-    prev: Tensor
-    switches: Tensor
-
-
-def _group(rows: list[int], members: list[_Request], offset: int, pad: int = 0) -> Group:
+def _group(rows: list[int], members: list[Request], offset: int, pad: int = 0) -> Group:
     """The group of ``rows`` (``members``' rows, in order) routed by their shared policies; where the
     policies are keyed by request (``Routing.row_codes``), each row's own code and tokens seen."""
     routing = members[0].routing
@@ -236,7 +157,7 @@ def _group(rows: list[int], members: list[_Request], offset: int, pad: int = 0) 
     return Group(torch.tensor(rows, dtype=torch.long), members[0].policies, offset, pad, offsets, codes)
 
 
-def _traces(req: _Request) -> list:
+def _traces(req: Request) -> list:
     """The request's trace per row it occupies."""
     return req.trace if isinstance(req.trace, list) else [req.trace]
 
@@ -271,25 +192,6 @@ class Engine(PrefixPrefill):
         self.meter = SwitchMeter(self.info, self.router)
         self.expert_counts = ExpertCounts(self.info)  # expert use per routing over a window (start/stop/dump)
         self._pad_skip = PadSkip()
-        self.batch = RunningBatch(self.device)  # the requests decoding together and their rows' tensors
-        self._roe_rows = RoeRows(self)  # RoE requests: one K-sample ensemble per routing (roe_rows)
-        self.prefixes = PrefixCache(self.config.prefix_cache_tokens)
-        self.prefix_rules = PrefixRules(self.prefixes, record=self.config.record, solo=self.config.solo)
-        # the waiting queue and each step's plan of admissions (scheduler.py)
-        self.scheduler = Scheduler(self.config, self.prefix_rules, self._roe_rows.batches)
-        self._chunked: deque[_Chunked] = deque()  # long prompts prefilled a chunk per step, oldest first
-        self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
-        self._ids = itertools.count()
-        self._session = None
-        self._offload = None
-        self.runtime = None  # the OffloadRuntime while open, if offloading
-        self._experts_before: str | None = None  # the experts implementation to restore on close
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._drain = True
-        self._abort_asked = False  # abort(): the loop cancels every request at its next turn ...
-        self._aborted: set[str] = set()  # ... and these finish with "abort" instead of "cancelled"
-        self._checked_cache = False
         self.counters = {
             "steps": 0,
             "prefills": 0,
@@ -299,7 +201,29 @@ class Engine(PrefixPrefill):
             "errors": 0,
             "prefix_tokens_reused": 0,
         }
-        self.routing_stats: dict[str, dict[str, float]] = {}
+        self.output = Output(self.info, self.eos_ids, self.counters)  # tokens to requests, requests to their ends
+        self.batch = RunningBatch(self.device)  # the requests decoding together and their rows' tensors
+        self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
+        # RoE requests: one K-sample ensemble per routing (roe_rows), handed what they use of the engine
+        self._roe_rows = RoeRows(
+            RoeHost(model, self.info, self.config.prefill_tokens, self._pad_id, self.device, self.output,
+                    self.counters, self._choose, self._log, lambda: self._residency)
+        )  # fmt: skip
+        self.prefixes = PrefixCache(self.config.prefix_cache_tokens)
+        self.prefix_rules = PrefixRules(self.prefixes, record=self.config.record, solo=self.config.solo)
+        # the waiting queue and each step's plan of admissions (scheduler.py)
+        self.scheduler = Scheduler(self.config, self.prefix_rules, self._roe_rows.batches)
+        self._chunked: deque[Chunked] = deque()  # long prompts prefilled a chunk per step, oldest first
+        self._ids = itertools.count()
+        self._session = None
+        self._offload = None
+        self.runtime = None  # the OffloadRuntime while open, if offloading
+        self._experts_before: str | None = None  # the experts implementation to restore on close
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._drain = True
+        self._abort_asked = False  # abort(): the loop cancels every request at its next turn (output.aborted)
+        self._checked_cache = False
         self._union = [0.0, 0, 0]  # offloading: Σ mean union per layer, max union, decode steps
         self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
 
@@ -409,7 +333,7 @@ class Engine(PrefixPrefill):
         params: SamplingParams | None,
         routing: str | Routing | None,
         on_event: Callable[[Event], None] | None,
-    ) -> _Request:
+    ) -> Request:
         params = params or SamplingParams()
         check_bias_ids(params, self.vocab)
         ids = encode(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -444,7 +368,7 @@ class Engine(PrefixPrefill):
                 raise EngineClosed("the engine is shutting down")
             if len(self.scheduler.waiting) >= self.config.max_queue:
                 raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue)")
-            req = _Request(
+            req = Request(
                 id=f"req-{next(self._ids)}",
                 prompt=ids,
                 params=params,
@@ -517,7 +441,7 @@ class Engine(PrefixPrefill):
         on_event: Callable[[int, Event], None] | None = None,
     ) -> list[Completion]:
         ids: list[str] = []
-        reqs: dict[str, _Request] = {}
+        reqs: dict[str, Request] = {}
         while pending or any(not reqs[i].done.is_set() for i in ids):
             while pending and len(self.scheduler.waiting) < self.config.max_queue:
                 prompt, params, routing = pending.pop(0)
@@ -557,7 +481,7 @@ class Engine(PrefixPrefill):
                     every = {r.id for r in (*self.scheduler.waiting, *self.batch, *self._roe_rows, *chunked)}
                     self.scheduler.cancelled |= every
                     if self._abort_asked:
-                        self._aborted |= every
+                        self.output.aborted |= every
                         self._abort_asked = False
                 if self._stopping and not self.scheduler.waiting and not busy:
                     return
@@ -591,7 +515,7 @@ class Engine(PrefixPrefill):
         """Run the plan's prefills, a few forwards at most; a failing one finishes its requests alone
         (where nothing else runs, the step fails and the later ones go back to the queue)."""
         for req in plan.cancelled:
-            self._finish(req, "cancelled")
+            self.output.finish(req, "cancelled")
         self._chunked.extend(self._start_chunked(r) for r in plan.chunked)
         work: list[tuple[Callable[[Any], None], Any]] = [
             *((self._roe_rows.prefill, reqs) for reqs in plan.roe),
@@ -604,7 +528,7 @@ class Engine(PrefixPrefill):
                 self.scheduler.put_back([r for _, a in work[done + 1 :] for r in _requests_of(a)])
                 raise err
 
-    def _prefill_shared(self, reqs: list[_Request]) -> None:
+    def _prefill_shared(self, reqs: list[Request]) -> None:
         """Several requests in one forward; if it fails, each alone, so only a bad one fails."""
         try:
             self._prefill(reqs)
@@ -621,11 +545,11 @@ class Engine(PrefixPrefill):
         except Exception as err:
             for req in _requests_of(arg):
                 if not req.done.is_set():
-                    self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+                    self.output.finish(req, "error", error=f"{type(err).__name__}: {err}")
             return err
         return None
 
-    def _prefill(self, reqs: list[_Request]) -> None:
+    def _prefill(self, reqs: list[Request]) -> None:
         """One forward over the prompts of ``reqs``, left-padded to the longest (each row with its own
         positions 0..n−1 and, through ``Group.pad``, its own routing over its own tokens), then their
         first tokens sampled and their cache rows joined to the batch's."""
@@ -636,7 +560,7 @@ class Engine(PrefixPrefill):
         ids, mask = left_pad([r.prompt for r in reqs for _ in range(r.copies)], self._pad_id, self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = None if self.config.solo else new_cache(self.model)  # solo: the model's own cache
-        groups: dict[tuple[int, int], tuple[list[int], list[_Request]]] = {}
+        groups: dict[tuple[int, int], tuple[list[int], list[Request]]] = {}
         for i, req in enumerate(reqs):
             if req.policies:
                 rows, members = groups.setdefault((id(req.policies), width - lengths[i]), ([], []))
@@ -677,7 +601,7 @@ class Engine(PrefixPrefill):
         return logits, cache
 
     def _join_rows(
-        self, reqs: list[_Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
+        self, reqs: list[Request], cache, mask: Tensor, logits: Tensor, prev: Tensor, switches: Tensor
     ) -> None:
         """Prefilled requests join the batch: each one-copy row's prompt KV offered to the prefix
         cache, their first tokens sampled from ``logits`` [rows, V], their cache rows (left-padded as
@@ -695,13 +619,13 @@ class Engine(PrefixPrefill):
         finished = [
             first + i
             for i, (req, tok) in enumerate(zip(reqs, tokens.tolist(), strict=True))
-            if self._emit(req, tok)
+            if self.output.emit(req, tok)
         ]
         if finished:
             self._remove(finished)
 
-    def _start_chunked(self, req: _Request) -> _Chunked:
-        return _Chunked(req, new_cache(self.model), *self.meter.new_rows(1, self.device))
+    def _start_chunked(self, req: Request) -> Chunked:
+        return Chunked(req, new_cache(self.model), *self.meter.new_rows(1, self.device))
 
     def _prefill_chunk(self) -> bool:
         """The next ``prefill_chunk`` tokens of the oldest chunked prompt through the model, on its
@@ -725,7 +649,7 @@ class Engine(PrefixPrefill):
             logits, chunked.cache = self._prefill_forward(ids, mask, positions, chunked.cache)
         except Exception as err:
             self._chunked.popleft()
-            self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+            self.output.finish(req, "error", error=f"{type(err).__name__}: {err}")
             return True
         req.seen = stop
         if stop == n:
@@ -743,7 +667,7 @@ class Engine(PrefixPrefill):
         meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
         return RoutingTrace(self.info.num_moe_layers, meta)
 
-    def _begin_traces(self, reqs: list[_Request], lengths: list[int], offsets: list[int]) -> None:
+    def _begin_traces(self, reqs: list[Request], lengths: list[int], offsets: list[int]) -> None:
         """Open a call in each recording request's trace (its own offset: the tokens it has seen;
         its own length: a prefill's rows record their own prompt, not its padding)."""
         self._count_rows(reqs)
@@ -759,7 +683,7 @@ class Engine(PrefixPrefill):
                 trace.begin_call(offset, valid, prompt_len)
         self.meter.traces = [t for r in reqs for t in _traces(r)]  # None for the rows not recorded
 
-    def _count_rows(self, reqs: list[_Request]) -> None:
+    def _count_rows(self, reqs: list[Request]) -> None:
         """Each row's routing name for the expert counts of the next forward (expert_counts.py)."""
         if self.expert_counts.recording:
             names = [req.routing.stats_name if req.routing is not None else COUNTS_DEFAULT for req in reqs]
@@ -779,12 +703,12 @@ class Engine(PrefixPrefill):
         self.meter.traces = self.meter.pads = None
         self._pad_skip.keep(None)
 
-    def _sampling(self, reqs: list[_Request]) -> SamplingBatch:
+    def _sampling(self, reqs: list[Request]) -> SamplingBatch:
         """The sampler's tensors for ``reqs`` (built when they join the batch, not at every step)."""
         steps = [len(r.generated) for r in reqs]
         return SamplingBatch.of([r.params for r in reqs], [r.key for r in reqs], steps, self.device)
 
-    def _choose(self, logits: Tensor, reqs: list[_Request], sampling: SamplingBatch | None = None) -> Tensor:
+    def _choose(self, logits: Tensor, reqs: list[Request], sampling: SamplingBatch | None = None) -> Tensor:
         """Each request's next token (a request's K copies: one distribution, ``repeats.combine``),
         after the penalties and bias of the requests that ask for them (``penalties.penalise``):
         greedy requests only need the argmax, else ``choose_tokens`` with the requests' parameters
@@ -806,7 +730,7 @@ class Engine(PrefixPrefill):
         return tokens
 
     def _groups(self) -> list[Group]:
-        by_policies: dict[int, tuple[list[int], list[_Request]]] = {}
+        by_policies: dict[int, tuple[list[int], list[Request]]] = {}
         for req, start in zip(self.batch, row_starts(self.batch.copies()), strict=True):
             if req.policies:
                 rows, members = by_policies.setdefault(id(req.policies), ([], []))
@@ -837,48 +761,16 @@ class Engine(PrefixPrefill):
         finished = [
             i
             for i, (req, tok) in enumerate(zip(batch, tokens.tolist(), strict=True))
-            if self._emit(req, tok)
+            if self.output.emit(req, tok)
         ]
         if finished:
             self._remove(finished)
-
-    def _emit(self, req: _Request, token: int) -> bool:
-        """Hand one new token to its request; finish it if it is done. Returns whether it finished."""
-        self.counters["generated_tokens"] += 1
-        eos = token in req.params.stop_token_ids or (token in self.eos_ids and not req.params.ignore_eos)
-        if eos:
-            piece, stopped = req.stream.finish(), True
-            req.stop_token = token
-        else:
-            req.generated.append(token)
-            piece, stopped = req.stream.push([token])
-        if eos or stopped:
-            reason = "stop"
-        elif len(req.generated) >= req.params.max_tokens:
-            reason = "length"
-            piece += req.stream.finish()
-        else:
-            reason = None
-        if not eos:
-            req.unsent.append(token)
-            if req.chosen_lp is not None:
-                req.logprobs.append(req.chosen_lp)
-                req.unsent_lp.append(req.chosen_lp)
-        req.chosen_lp = None
-        if reason is None:
-            if req.on_event is not None:  # every token, its text possibly held back (a client times tokens)
-                lps = req.unsent_lp if req.params.logprobs is not None else None
-                req.on_event(Event(req.id, req.unsent, piece, logprobs=lps))
-                req.unsent, req.unsent_lp = [], []
-            return False
-        req.ending = (reason, piece)  # finished when its row is removed
-        return True
 
     def _remove(self, rows: list[int]) -> None:
         """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""
         for req in self.batch.drop(set(rows)):
             reason, piece = req.ending or ("cancelled", "")
-            self._finish(req, reason, piece=piece)
+            self.output.finish(req, reason, piece=piece)
 
     def _drop_cancelled(self) -> None:
         cancelled = self.scheduler.take_cancelled()
@@ -889,7 +781,7 @@ class Engine(PrefixPrefill):
             self._remove(rows)
         for chunked in [c for c in self._chunked if c.req.id in cancelled]:
             self._chunked.remove(chunked)  # its cache goes with it
-            self._finish(chunked.req, "cancelled")
+            self.output.finish(chunked.req, "cancelled")
         self._roe_rows.cancel(cancelled)
         with self.scheduler.lock:  # ones still waiting are finished when admitted
             self.scheduler.cancelled |= {c for c in cancelled if any(r.id == c for r in self.scheduler.waiting)}
@@ -898,56 +790,7 @@ class Engine(PrefixPrefill):
         self.counters["errors"] += 1
         failed = [*self.batch.clear(), *self._roe_rows.clear()]
         for req in failed:
-            self._finish(req, "error", error=f"{type(err).__name__}: {err}")
-
-    def _finish(self, req: _Request, reason: str, *, piece: str = "", error: str | None = None) -> None:
-        if req.id in self._aborted:
-            self._aborted.discard(req.id)
-            reason = "abort" if reason == "cancelled" else reason
-        decode_steps = max(len(req.generated) - 1, 0)
-        layers = self.info.num_moe_layers
-        roe = req.routing is not None and req.routing.roe is not None  # K routings: no one switch rate
-        switch_rate = (
-            req.switches / (decode_steps * layers * req.copies) if decode_steps and not roe else None
-        )
-        name = req.routing.name if req.routing is not None else None
-        stats_name = req.routing.stats_name if req.routing is not None else None
-        completion = Completion(
-            req.id,
-            len(req.prompt),
-            list(req.generated),
-            req.stream.text,
-            reason,
-            name,
-            switch_rate,
-            error,
-            req.trace,
-            req.stop_token,
-            list(req.logprobs) if req.params.logprobs is not None else None,
-            req.prompt_lp,
-            routed_experts(req.trace) if req.params.return_routed_experts and error is None else None,
-        )
-        req.completion = completion
-        self.counters["finished"] += 1
-        stats = self.routing_stats.setdefault(stats_name or COUNTS_DEFAULT, {"requests": 0, "switches": 0, "steps": 0})
-        stats["requests"] += 1
-        stats["switches"] += req.switches
-        stats["steps"] += 0 if roe else decode_steps * layers * req.copies
-        if req.on_event is not None:
-            usage = {
-                "prompt_tokens": len(req.prompt),
-                "completion_tokens": len(req.generated),
-                "total_tokens": len(req.prompt) + len(req.generated),
-            }
-            info = {"routing": name, "switch_rate": switch_rate}
-            if error is not None:
-                info["error"] = error
-            lps = req.unsent_lp if req.params.logprobs is not None else None
-            req.on_event(
-                Event(req.id, req.unsent, piece, reason, usage, info, lps, req.prompt_lp, completion.routed_experts)
-            )
-            req.unsent, req.unsent_lp = [], []
-        req.done.set()
+            self.output.finish(req, "error", error=f"{type(err).__name__}: {err}")
 
     # -- figures ------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -961,7 +804,7 @@ class Engine(PrefixPrefill):
             "decode_forward": {"path": self.runner.path, **self.runner.calls},
             "switch_rate": {
                 name: (s["switches"] / s["steps"] if s["steps"] else None)
-                for name, s in self.routing_stats.items()
+                for name, s in self.output.routing_stats.items()
             },
         }
         if self.runtime is not None:
@@ -985,7 +828,7 @@ class Engine(PrefixPrefill):
         return out
 
 
-def _requests_of(arg: Any) -> list[_Request]:
+def _requests_of(arg: Any) -> list[Request]:
     """The requests of one prefill job: a list of requests or of (request, prefix), or one request."""
     items = arg if isinstance(arg, list) else [arg]
     return [item[0] if isinstance(item, tuple) else item for item in items]

@@ -23,13 +23,13 @@ from moectl.engine.rows import Group
 from moectl.lm.padding import left_pad
 
 if TYPE_CHECKING:
-    from moectl.engine.engine import _Request
+    from moectl.engine.request import Request
 
 
 class PrefixPrefill:
     """Prefix-cache use of the ``Engine`` (see the module doc)."""
 
-    def _prefill_after(self: Any, jobs: list[tuple[_Request, Prefix]]) -> None:
+    def _prefill_after(self: Any, jobs: list[tuple[Request, Prefix]]) -> None:
         """One forward over the remaining prompt tokens of requests with stored prefixes (module doc)."""
         reqs = [req for req, _ in jobs]
         k, dev = len(jobs), self.device

@@ -23,18 +23,35 @@ ensemble per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from moectl.engine.batch import prefill_groups
 from moectl.engine.ensemble_rows import join_rows, keep_rows, rebatchable
+from moectl.engine.output import Output
 from moectl.ensemble.adaptive_ensemble import AdaptiveEnsemble
 from moectl.ensemble.ensemble import Ensemble
 from moectl.lm.padding import left_pad
+
+
+@dataclass
+class RoeHost:
+    """What the RoE rows use of their engine, handed to them (they read nothing else of it)."""
+
+    model: nn.Module
+    info: Any  # ModelInfo
+    prefill_tokens: int  # EngineConfig.prefill_tokens: the most padded tokens of one prefill forward
+    pad_id: int
+    device: torch.device
+    output: Output  # tokens to requests, requests to their ends
+    counters: dict[str, Any]
+    choose: Callable[[Tensor, list], Tensor]  # the sampler: each request's next token from its log-probs
+    log: Callable[[str, int], None]  # the engine's forward log (kind, rows)
+    residency: Callable[[], list]  # the offload runtime's routing policies, composed into each ensemble
 
 
 @dataclass
@@ -56,8 +73,8 @@ class RoeRows:
     group) and ``roe_sample_tokens`` (routing samples run for the rows' tokens: K per row, or
     adaptive K's count)."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, host: RoeHost) -> None:
+        self.host = host
         self.groups: list[RoeGroup] = []
         self._rebatchable: dict[str, bool] = {}
 
@@ -72,7 +89,7 @@ class RoeRows:
 
     def _shared(self, routing) -> bool:
         if routing.name not in self._rebatchable:
-            self._rebatchable[routing.name] = rebatchable(self.engine.model, routing.roe)
+            self._rebatchable[routing.name] = rebatchable(self.host.model, routing.roe)
         return self._rebatchable[routing.name]
 
     def batches(self, reqs: list) -> list[list]:
@@ -87,41 +104,45 @@ class RoeRows:
                 out += [[req] for req in same]
                 continue
             lengths = [len(r.prompt) for r in same]
-            out += [[same[i] for i in g] for g in prefill_groups(lengths, self.engine.config.prefill_tokens)]
+            out += [[same[i] for i in g] for g in prefill_groups(lengths, self.host.prefill_tokens)]
         return out
 
     def _new_ensemble(self, routing):
-        engine = self.engine
-        policies = [*engine._residency, *routing.policies]
+        host = self.host
+        policies = [*host.residency(), *routing.policies]
         adaptive = getattr(routing, "adaptive", None)
         if adaptive is not None:
-            return AdaptiveEnsemble(engine.model, routing.roe, adaptive, info=engine.info, policies=policies)
-        return Ensemble(engine.model, routing.roe, info=engine.info, policies=policies)
+            return AdaptiveEnsemble(host.model, routing.roe, adaptive, info=host.info, policies=policies)
+        return Ensemble(host.model, routing.roe, info=host.info, policies=policies)
 
     def prefill(self, reqs: list) -> None:
         """Start one ensemble on the prompts of ``reqs`` (one routing), choose their first tokens and
         join the routing's running group (or start one). If a shared prefill fails, each request is
         prefilled alone, so only a bad one fails."""
-        engine = self.engine
+        host = self.host
         routing = reqs[0].routing
         ensemble = self._new_ensemble(routing)
-        ids, mask = left_pad([r.prompt for r in reqs], engine._pad_id, engine.device)
-        engine._log("prefill", len(reqs))
+        ids, mask = left_pad([r.prompt for r in reqs], host.pad_id, host.device)
+        host.log("prefill", len(reqs))
         try:
             with ensemble:
                 out = ensemble.start(ids, mask)
         except Exception:
             if len(reqs) == 1:
                 raise
-            for req in reqs:
-                engine._isolated(self.prefill, [req])
+            for req in reqs:  # each alone: only a bad one fails
+                try:
+                    self.prefill([req])
+                except Exception as err:
+                    if not req.done.is_set():
+                        host.output.finish(req, "error", error=f"{type(err).__name__}: {err}")
             return
         for req in reqs:
             req.seen = len(req.prompt)
         self._count(ensemble, len(reqs))
-        engine.counters["prefills"] += len(reqs)
-        engine.counters["prefill_forwards"] += 1
-        tokens = engine._choose(out.logprobs, reqs)
+        host.counters["prefills"] += len(reqs)
+        host.counters["prefill_forwards"] += 1
+        tokens = host.choose(out.logprobs, reqs)
         shared = self._shared(routing)
         group = next((g for g in self.groups if g.shared and g.routing is routing), None) if shared else None
         if group is None:
@@ -136,25 +157,25 @@ class RoeRows:
 
     def step(self) -> None:
         """One decoding forward per group: every row's next token."""
-        engine = self.engine
+        host = self.host
         for group in list(self.groups):
-            engine._log("decode", len(group.reqs))
+            host.log("decode", len(group.reqs))
             with group.ensemble:
                 out = group.ensemble.step(group.last)
             for req in group.reqs:
                 req.seen += 1
             self._count(group.ensemble, len(group.reqs))
-            group.last = engine._choose(out.logprobs, group.reqs)
+            group.last = host.choose(out.logprobs, group.reqs)
             self._emit(group, group.last, 0)
 
     def _count(self, ensemble, rows: int) -> None:
-        counters = self.engine.counters
+        counters = self.host.counters
         counters["roe_forwards"] = counters.get("roe_forwards", 0) + 1
         counters["roe_sample_tokens"] = counters.get("roe_sample_tokens", 0.0) + ensemble.last_samples * rows
 
     def _emit(self, group: RoeGroup, tokens: Tensor, first: int) -> None:
         reqs = group.reqs[first:]
-        emit = self.engine._emit
+        emit = self.host.output.emit
         done = [first + i for i, (r, t) in enumerate(zip(reqs, tokens.tolist(), strict=True)) if emit(r, t)]
         if done:
             self._drop(group, done)
@@ -173,7 +194,7 @@ class RoeRows:
             self.groups.remove(group)
         for req in done:
             reason, piece = req.ending or ("cancelled", "")
-            self.engine._finish(req, reason, piece=piece)
+            self.host.output.finish(req, reason, piece=piece)
 
     def cancel(self, ids: set[str]) -> None:
         """Finish the cancelled requests among the running ones; their rows are freed."""
