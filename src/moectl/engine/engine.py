@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
@@ -63,8 +64,7 @@ from moectl.engine.model_runner import ModelRunner
 from moectl.engine.output import Output
 from moectl.engine.pad_skip import PadSkip
 from moectl.engine.penalties import check_bias_ids, penalise
-from moectl.engine.prefix_cache import PrefixCache
-from moectl.engine.prefix_prefill import PrefixPrefill
+from moectl.engine.prefix_cache import Prefix, PrefixCache
 from moectl.engine.prefix_rules import PrefixRules
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.request import Chunked, Completion, Event, Request
@@ -162,7 +162,7 @@ def _traces(req: Request) -> list:
     return req.trace if isinstance(req.trace, list) else [req.trace]
 
 
-class Engine(PrefixPrefill):
+class Engine:
     """Continuous batching with routing per row over one model (see the module doc)."""
 
     def __init__(
@@ -566,16 +566,9 @@ class Engine(PrefixPrefill):
                 rows, members = groups.setdefault((id(req.policies), width - lengths[i]), ([], []))
                 rows.extend(rows_of(copies, [i]))
                 members.append(req)
-        self.router.set_groups(
-            [_group(rows, members, 0, pad) for (_, pad), (rows, members) in groups.items()], k, self.device
-        )
         prev, switches = self.meter.new_rows(k, self.device)
-        self.meter.start(prev, switches, counting=False)
-        self._begin_traces(reqs, lengths, [0] * len(reqs))
-        row_lengths = [n for n, c in zip(lengths, copies, strict=True) for _ in range(c)]
-        self.meter.pads = [width - n for n in row_lengths]
-        self._pad_skip.keep(row_lengths, width, self.device)
-        self._log("prefill", k)
+        routed = [_group(rows, members, 0, pad) for (_, pad), (rows, members) in groups.items()]
+        self._prepare("prefill", reqs, routed, prev, switches, lengths, [0] * len(reqs), width=width)
         echo = [i for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None]
         with capture_hidden(self.model, bool(echo)) as hidden:
             logits, cache = self._prefill_forward(ids, mask, positions, cache)
@@ -585,6 +578,40 @@ class Engine(PrefixPrefill):
             states = hidden[-1][row, width - lengths[i] : width - 1]
             req.prompt_lp = prompt_logprobs(self.model, states, req.prompt[1:], req.params.prompt_logprobs or 0)
         del hidden
+        self._join_rows(reqs, cache, mask, logits, prev, switches)
+
+    def _prefill_after(self, jobs: list[tuple[Request, Prefix]]) -> None:
+        """One forward over the remaining prompt tokens of requests with stored prefixes: the batch's
+        cache starts as their prefixes, each left-padded to the longest, and the remaining tokens
+        follow, left-padded too, so a row's real columns are [pad | prefix | pad | rest]; the 2-D
+        attention mask marks them and each row's positions continue from its prefix (m, m+1, …), as
+        in a prefill of the whole prompt. Each row's routing sees its own remaining tokens at its own
+        offset m (``rows.Group``)."""
+        reqs = [req for req, _ in jobs]
+        k, dev = len(jobs), self.device
+        starts = [prefix.length for _, prefix in jobs]
+        width = max(starts)
+        cache = new_cache(self.model)
+        for layer in range(len(jobs[0][1].layers)):
+            keys = torch.cat([F.pad(p.layers[layer][0], (0, 0, width - p.length, 0)) for _, p in jobs])
+            values = torch.cat([F.pad(p.layers[layer][1], (0, 0, width - p.length, 0)) for _, p in jobs])
+            cache.update(keys, values, layer)
+        start = torch.tensor(starts, device=dev)
+        before = (torch.arange(width, device=dev)[None, :] >= (width - start)[:, None]).long()
+        rest = [req.prompt[m:] for req, m in zip(reqs, starts, strict=True)]
+        ids, rest_mask = left_pad(rest, self._pad_id, dev)
+        mask = torch.cat([before, rest_mask], 1)
+        positions = start[:, None] + (rest_mask.cumsum(1) - 1).clamp(min=0)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, req in enumerate(reqs):
+            if req.policies:
+                groups.setdefault((id(req.policies), ids.shape[1] - len(rest[i]), starts[i]), []).append(i)
+        routed = [Group(torch.tensor(rows), reqs[rows[0]].policies, m, pad) for (_, pad, m), rows in groups.items()]
+        prev, switches = self.meter.new_rows(k, dev)
+        lengths = [len(r) for r in rest]  # the rests' padding skips the experts
+        self._prepare("prefill", reqs, routed, prev, switches, lengths, starts, width=ids.shape[1])
+        logits, cache = self._prefill_forward(ids, mask, positions, cache)
+        self.counters["prefix_tokens_reused"] += sum(starts)
         self._join_rows(reqs, cache, mask, logits, prev, switches)
 
     def _prefill_forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache) -> tuple[Tensor, Any]:
@@ -641,10 +668,7 @@ class Engine(PrefixPrefill):
         mask = torch.ones(1, stop, dtype=torch.long, device=self.device)
         positions = torch.arange(start, stop, device=self.device)[None]
         groups = [_group([0], [req], start)] if req.policies else []
-        self.router.set_groups(groups, 1, self.device)
-        self.meter.start(chunked.prev, chunked.switches, counting=False)
-        self._begin_traces([req], [stop - start], [start])
-        self._log("chunk", 1)
+        self._prepare("chunk", [req], groups, chunked.prev, chunked.switches, [stop - start], [start])
         try:
             logits, chunked.cache = self._prefill_forward(ids, mask, positions, chunked.cache)
         except Exception as err:
@@ -666,6 +690,24 @@ class Engine(PrefixPrefill):
 
         meta = {"family": self.info.family, "moe_layers": [layer.layer_idx for layer in self.info.layers]}
         return RoutingTrace(self.info.num_moe_layers, meta)
+
+    def _prepare(
+        self, kind: str, reqs: list[Request], groups: list[Group], prev: Tensor | None, switches: Tensor | None,
+        lengths: list[int], offsets: list[int], width: int | None = None,
+    ) -> None:  # fmt: skip
+        """Set up the next forward over the rows of ``reqs``: their routing groups, ω and switch
+        counts (counted when decoding), each recording request's trace call (its own length and
+        offset: the tokens it has seen), the rows' expert counts, a batched prefill's left padding to
+        ``width`` (skipping the experts: ``pad_skip``) and the forward log. ``_between_steps`` undoes it."""
+        rows = sum(r.copies for r in reqs)
+        self.router.set_groups(groups, rows, self.device)
+        self.meter.start(prev, switches, counting=kind == "decode")
+        self._begin_traces(reqs, lengths, offsets)
+        if width is not None:
+            row_lengths = [n for n, r in zip(lengths, reqs, strict=True) for _ in range(r.copies)]
+            self.meter.pads = [width - n for n in row_lengths]
+            self._pad_skip.keep(row_lengths, width, self.device)
+        self._log(kind, rows)
 
     def _begin_traces(self, reqs: list[Request], lengths: list[int], offsets: list[int]) -> None:
         """Open a call in each recording request's trace (its own offset: the tokens it has seen;
@@ -742,11 +784,9 @@ class Engine(PrefixPrefill):
         batch = self.batch
         assert batch.valid is not None and batch.last is not None and batch.sampling is not None
         b = batch.rows  # a request of K copies takes K
-        self.router.set_groups(self._groups(), b, self.device)
-        self.meter.start(batch.prev, batch.switches, counting=True)
+        offsets = [r.seen for r in batch]
+        self._prepare("decode", batch.requests, self._groups(), batch.prev, batch.switches, [1] * len(batch), offsets)
         valid = torch.cat([batch.valid, torch.ones(b, 1, dtype=torch.bool, device=batch.valid.device)], 1)
-        self._begin_traces(batch.requests, [1] * len(batch), [r.seen for r in batch])
-        self._log("decode", b)
         try:
             logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache)
         finally:
