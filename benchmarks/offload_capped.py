@@ -11,6 +11,9 @@ option policy, and the exact command. Rows that die for memory are kept, marked 
         --caps none,0.60,0.45,0.35 --policies lru,option:8 --budget 0.25 --tokens 16 \\
         [--gguf /work/ckpt/olmoe-1b-7b.gguf] --json benchmarks/results/offload_capped.json
 
+``--routings none,topk:4`` runs each policy also with a routing every prompt is served with
+(``serve-offload --routing``: N experts per token instead of top-k read fewer experts per token).
+
 Random weights route unlike a trained model (near-uniform expert use, switch rates near 1): the
 residency policies' hit rates here are a floor, not what a trained model gets. The same table on
 moectl's own reference models is ``--checkpoint models/moectl-small-standard``.
@@ -97,12 +100,12 @@ def corpus_prompts(args) -> list[str]:
     return [text for domain in sorted(per_domain) for text in per_domain[domain]]
 
 
-def moectl_cmd(args, policy: str, slot_dtype: str, out: Path, prompts: Path) -> list[str]:
+def moectl_cmd(args, policy: str, slot_dtype: str, out: Path, prompts: Path, routing: str = "none") -> list[str]:
     return [
         sys.executable, "-m", "moectl.cli", "serve-offload", str(args.checkpoint),
         "--budget", str(args.budget), "--policy", policy, "--store", "disk",
         "--read-method", args.read_method, "--slot-dtype", slot_dtype, "--max-new-tokens", str(args.tokens),
-        "--prompts", str(prompts), "--json", str(out),
+        "--prompts", str(prompts), "--json", str(out), *(["--routing", routing] if routing != "none" else []),
     ]  # fmt: skip
 
 
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "--caps", default="none,0.60,0.45,0.35", help="fractions of the checkpoint's bytes, or none"
     )
     ap.add_argument("--policies", default="lru,option:8")
+    ap.add_argument("--routings", default="none", help="comma list of routings each policy runs with "
+                    "(none: the model's; topk:N, a policy file or JSON: serve-offload --routing)")
     ap.add_argument("--budget", default="0.25")
     ap.add_argument(
         "--slot-dtypes", default="same", help="moectl rows per resident slot dtype: same,int8 (offload/int8.py)"
@@ -192,21 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         elif args.prompts is None:
             prompts.write_text(json.dumps({"prompt": args.prompt}) + "\n")
         slot_dtypes = args.slot_dtypes.split(",")
-        systems = [("moectl", p, d) for d in slot_dtypes for p in args.policies.split(",")]
+        routings = args.routings.split(",")
+        systems = [("moectl", p, d, r) for d in slot_dtypes for p in args.policies.split(",") for r in routings]
         if args.gguf is not None:
-            systems.insert(0, ("llama.cpp", "mmap", "bf16"))
+            systems.insert(0, ("llama.cpp", "mmap", "bf16", "none"))
         for fraction in caps:
             cap = None if fraction is None else int(fraction * total)
-            for system, policy, slot_dtype in systems:
-                out = Path(tmp) / f"{system}-{policy}-{slot_dtype}-{fraction}.json".replace(":", "_")
+            for system, policy, slot_dtype, routing in systems:
+                out = Path(tmp) / f"{system}-{policy}-{slot_dtype}-{routing}-{fraction}.json".replace(":", "_")
                 cmd = (
                     llama_cmd(args, out)
                     if system == "llama.cpp"
-                    else moectl_cmd(args, policy, slot_dtype, out, prompts)
+                    else moectl_cmd(args, policy, slot_dtype, out, prompts, routing)
                 )
-                print(f"[{system} {policy} {slot_dtype} cap={fraction}] running ...", flush=True)
+                print(f"[{system} {policy} {slot_dtype} {routing} cap={fraction}] running ...", flush=True)
                 row = _run(cmd, cap, out, args.timeout)
                 label = policy if slot_dtype == "same" else f"{policy}, {slot_dtype} slots"
+                label += "" if routing == "none" else f", routing {routing}"
                 row.update(
                     system=system,
                     policy_label=label if system == "moectl" else "mmap",

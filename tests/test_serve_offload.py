@@ -178,3 +178,34 @@ def test_static_policy_equals_masked_in_memory_model():
         assert rt.totals()["loads"] == 9  # each subset expert loaded once, never again
     assert torch.equal(out, reference)
     assert not torch.equal(out, greedy(model, ids))  # the subset really changes routing
+
+
+def test_a_routing_beside_the_residency_policy_serves_as_the_resident_model_routed_so(tmp_path):
+    """``serve-offload --routing topk:1``: every prompt routed to one expert per token (fewer loads),
+    its text the resident model's under the same routing; a bad routing is one line, exit 2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+    from moectl.engine import Engine, SamplingParams
+    from moectl.offload.offload_config import OffloadConfig
+    from moectl.server.offload_batch import serve_offload
+
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    prompts = ["The mixture of experts", "Once upon a time"]
+    config = OffloadConfig(budget=4, policy="lru", store="host")
+    plain = serve_offload(copy.deepcopy(model), tok, prompts, config, 6, progress=False)
+    one = serve_offload(copy.deepcopy(model), tok, prompts, config, 6, progress=False, routing="topk:1")
+    with Engine(model, tok, routings={"one": "topk:1"}) as engine:
+        resident = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), routing="one")
+    assert one["texts"] == [c.text for c in resident]
+    assert one["routing"] == "topk:1" and plain["routing"] is None
+    assert one["loads_per_token"] < plain["loads_per_token"]
+    out = tmp_path / "r.json"
+    ran = CliRunner().invoke(app, ["serve-offload", "--tiny", "olmoe", "--routing", "topk:1", "--max-new-tokens", "2",
+                                   "--json", str(out)])  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(out.read_text())["routing"] == "topk:1"
+    bad = CliRunner().invoke(app, ["serve-offload", "--tiny", "olmoe", "--routing", "topk:0", "--max-new-tokens", "2"])
+    assert bad.exit_code == 2 and "topk needs an integer n >= 1" in bad.output

@@ -151,6 +151,13 @@ def serve_offload_command(
         ),
     ] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of a tiny model's weights and of controller sampling.")] = 0,
+    routing: Annotated[
+        str | None,
+        typer.Option(
+            help="A routing every prompt is served with beside the residency policy: topk:N (N experts per "
+            "token: fewer to load), an expert-mask or policy file, or a policy as JSON ('moectl serve --routing' specs).",
+        ),
+    ] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
@@ -200,10 +207,12 @@ def serve_offload_command(
             seed=seed,
             device=device,
             dtype=dtype,
+            routing=routing,
         )
     with handle_moectl_errors():  # serve_app has one command: typer runs it without MoectlGroup
         result = run(config)
-    table = Table(title=f"serve-offload: policy {result['policy']}, store {result['store']}")
+    routed = f", routing {result['routing']}" if result.get("routing") else ""
+    table = Table(title=f"serve-offload: policy {result['policy']}{routed}, store {result['store']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [

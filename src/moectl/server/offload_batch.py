@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,6 +36,8 @@ class ServeOffloadConfig(RunConfig):
     or None for the built-in set. ``offload.policy`` is a spec string (``lru``, ``option:8``,
     ``controller:DIR``, a policy file) or a residency policy object. ``seed`` seeds a tiny model's
     weights and a controller's sampling. ``max_batch``: prompts decoded together by the engine.
+    ``routing``: a routing every prompt is served with, beside the residency policy (``topk:N``,
+    an expert mask, forced/omitted experts: anything a server's ``--routing`` takes), or None.
     """
 
     kind: ClassVar[str] = "serve-offload config"
@@ -49,6 +51,7 @@ class ServeOffloadConfig(RunConfig):
     seed: int = 0
     device: str = "cpu"
     dtype: str = "auto"
+    routing: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -90,6 +93,7 @@ def run(config: ServeOffloadConfig, *, progress: bool = True) -> dict:
             progress=progress,
             reader=reader,
             max_batch=config.max_batch,
+            routing=config.routing,
         )
     finally:
         if reader is not None:
@@ -142,6 +146,7 @@ def serve_offload(
     progress: bool = True,
     reader=None,
     max_batch: int = 1,
+    routing: Any = None,
 ) -> dict:
     """Generate ``max_new_tokens`` per prompt (greedy) with offloaded experts, through the engine.
 
@@ -150,6 +155,7 @@ def serve_offload(
     ``config``: the budget, residency policy, store and loader settings (``OffloadConfig``).
     ``reader``: the checkpoint's shard reader when the model was loaded lazily
     (``moectl.models.load_lazy``): its experts are then read from the checkpoint's own shards.
+    ``routing``: a routing spec every prompt is served with (``topk:N``, a mask, …), or None.
     Returns the generated texts and the measured figures; ``plot`` writes the load timeline PNG.
     ``load_s`` is the loads' own time, ``stall_s`` the part of it compute waited for (equal when
     loads are synchronous; ``expert_loader.py``); ``load_overlap`` = 1 - stall_s / load_s.
@@ -157,19 +163,21 @@ def serve_offload(
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
     # the engine runs offloaded experts with their eager forward and restores the implementation on close
     impl = getattr(model.config, "_experts_implementation", None)
-    return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch)
+    return _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch, routing)
 
 
-def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch) -> dict:
+def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, reader, impl, max_batch, routing) -> dict:
     total_params = _tensor_bytes(model)
     io0 = _io_bytes()
-    engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, offload=config, log_forwards=True), reader=reader)
+    routings = {"served": routing} if routing is not None else None
+    engine_config = EngineConfig(max_batch=max_batch, offload=config, log_forwards=True)
+    engine = Engine(model, tokenizer, engine_config, routings=routings, reader=reader)
     with engine:
         rt = engine.runtime
         non_expert_bytes = _tensor_bytes(model)
         t0, c0 = time.perf_counter(), time.process_time()
         params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
-        done = engine.generate([p.text for p in prompts], params, progress=progress)
+        done = engine.generate([p.text for p in prompts], params, routing=routings and "served", progress=progress)
         texts = [c.text for c in done]
         t1 = time.perf_counter()
         wall, cpu = t1 - t0, time.process_time() - c0
@@ -206,6 +214,7 @@ def _serve(model, tokenizer, prompts, config, max_new_tokens, plot, progress, re
     pinned = rt.policy.pins  # keeps an option resident: switches count
     result = {
         "policy": rt.policy.name,
+        "routing": routing if routing is None or isinstance(routing, str) else type(routing).__name__,
         "store": store,
         "read_method": read_method,
         "config": config.to_dict(),
