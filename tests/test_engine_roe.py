@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import moectl
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.engine.engine import encode
 from moectl.ensemble.ensemble import Ensemble
+from moectl.errors import ConfigError
 from moectl.roe import RoEConfig
 
 PROMPTS = [
@@ -244,3 +246,36 @@ def test_a_failing_prefill_leaves_the_running_roe_rows_alone(bad_prompts_fail):
     assert events.final[good].finish_reason == "length" and events.tokens[good] == _reference(
         "good", NOISY, 5
     )
+
+
+def test_a_roe_request_returns_its_k_samples_routed_experts_the_clean_one_the_models():
+    """``return_routed_experts`` on a RoE request (#41 item 1): [K, tokens, MoE layers, k], the clean
+    prefix the same in every copy, copy 0 (the clean sample) the model's own routing of the tokens,
+    the noisy copies their own; requests that do not ask, in the same ensemble, carry none."""
+    model, tok, info = moectl.load("tiny:olmoe", dtype="float32")
+    routings = {"roe": json.dumps({"tau": [1.0] * info.num_moe_layers, "K": 3})}
+    ask = SamplingParams(max_tokens=5, ignore_eos=True, return_routed_experts=True)
+    quiet = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = ["The mixture of experts routes", "Hi", "Once upon a time"]
+    with Engine(model, tok, EngineConfig(max_batch=4), routings=routings) as engine:
+        done = engine.generate(prompts, [ask, quiet, ask], routing="roe")
+    assert done[1].routed_experts is None
+    for completion in (done[0], done[2]):
+        experts = completion.routed_experts
+        n = completion.prompt_tokens + len(completion.token_ids) - 1
+        assert experts.shape == (3, n, info.num_moe_layers, info.layers[0].top_k)
+        prefix = completion.prompt_tokens - 1
+        assert torch.equal(experts[1, :prefix], experts[0, :prefix]) and torch.equal(experts[2, :prefix], experts[0, :prefix])
+        ids = encode(tok, prompts[done.index(completion)]) + completion.token_ids[:-1]
+        with moectl.route(model, record=True) as clean, torch.no_grad():
+            model(torch.tensor([ids]))
+        want = torch.stack([clean.trace.chosen[layer][0] for layer in range(info.num_moe_layers)], 1)
+        assert torch.equal(experts[0].long(), want)
+        assert not torch.equal(experts[1, prefix:], experts[0, prefix:])  # the noisy samples route otherwise
+
+
+def test_routed_experts_of_a_roe_routing_without_the_clean_cache_are_refused():
+    model, tok, info = moectl.load("tiny:olmoe", dtype="float32")
+    routings = {"sep": json.dumps({"tau": [1.0] * info.num_moe_layers, "K": 2, "cache": "separate"})}
+    with Engine(model, tok, routings=routings) as engine, pytest.raises(ConfigError, match="needs its clean cache"):
+        engine.generate(["Hi"], SamplingParams(max_tokens=2, return_routed_experts=True), routing="sep")

@@ -102,11 +102,14 @@ def test_streamed_and_chat_choices_carry_the_same(loaded, tmp_path):
     assert json.loads(out.read_text())
 
 
-def test_the_server_flag_returns_them_for_every_request_and_roe_is_refused(loaded):
+def test_the_server_flag_returns_them_for_every_request_a_roe_request_its_k_samples(loaded):
     test, client = _client(loaded, return_routed_experts=True)
     with test:
         got = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0,
                                         extra_body={"ignore_eos": True, "routing": "opt4"})  # fmt: skip
         assert decode(got.model_dump()["choices"][0]["routed_experts"]).shape[1:] == (3, 2)
-        with pytest.raises(openai.BadRequestError, match="return_routed_experts needs a routing of one row"):
-            client.completions.create(model=MODEL, prompt="Once", max_tokens=3, extra_body={"routing": "roe"})
+        roe = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, "routing": "roe"})  # fmt: skip
+    experts = decode(roe.model_dump()["choices"][0]["routed_experts"])
+    prompt = len(encode(loaded[1], "Once"))
+    assert experts.shape == (ROE["K"], prompt + 3 - 1, 3, 2)  # [K samples, tokens, MoE layers, top-k]

@@ -68,6 +68,7 @@ from moectl.engine.prefix_cache import Prefix, PrefixCache
 from moectl.engine.prefix_rules import PrefixRules
 from moectl.engine.repeats import combine, expand, row_starts, rows_of
 from moectl.engine.request import Chunked, Completion, Event, Request
+from moectl.engine.roe_experts import check_recordable
 from moectl.engine.roe_rows import RoeHost, RoeRows
 from moectl.engine.routings import Routing, resolve_all
 from moectl.engine.rows import Group, RowRouter, SwitchMeter
@@ -353,11 +354,10 @@ class Engine:
             raise ConfigError("prompt log-probabilities (echo) need a routing of one row per request, not RoE or repeats")
         if copies > self.config.max_batch:
             raise ConfigError(f"repeats = {copies} needs more rows than max_batch = {self.config.max_batch}")
-        if params.return_routed_experts and (copies > 1 or (chosen is not None and chosen.roe is not None)):
-            raise ConfigError(
-                "return_routed_experts needs a routing of one row per request; a RoE or repeats routing "
-                "runs K routings per token"
-            )
+        if params.return_routed_experts and copies > 1:
+            raise ConfigError("return_routed_experts needs a routing of one row per request; a repeats routing runs K copies")
+        if params.return_routed_experts and chosen is not None and chosen.roe is not None:
+            check_recordable(chosen)  # its K samples' experts, as the clean cache lays them out
         seed = request_seed(params)
         policies = [] if chosen is None else chosen.for_request(seed, self.info)
         trace = self._new_trace(params)  # None where nothing is recorded; one per copy where it is

@@ -14,6 +14,7 @@ from typing import Any
 from moectl.adapters.inspect import ModelInfo
 from moectl.engine.expert_counts import DEFAULT
 from moectl.engine.request import Completion, Event, Request
+from moectl.engine.roe_experts import routed as roe_routed
 from moectl.engine.routed_experts import routed_experts
 
 
@@ -84,7 +85,7 @@ class Output:
             req.stop_token,
             list(req.logprobs) if req.params.logprobs is not None else None,
             req.prompt_lp,
-            routed_experts(req.trace) if req.params.return_routed_experts and error is None else None,
+            self._routed_experts(req) if req.params.return_routed_experts and error is None else None,
         )
         req.completion = completion
         self.counters["finished"] += 1
@@ -107,3 +108,10 @@ class Output:
             )
             req.unsent, req.unsent_lp = [], []
         req.done.set()
+
+    @staticmethod
+    def _routed_experts(req: Request) -> Any:
+        """The experts of every forwarded token: [tokens, L, k], or a RoE request's [K, tokens, L, k]."""
+        if req.roe_experts is not None:
+            return roe_routed(req.roe_experts)
+        return routed_experts(req.trace)

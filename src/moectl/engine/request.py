@@ -58,7 +58,8 @@ class Completion:
     stop_token: int | None = None  # the EOS token that ended it (not in ``token_ids``)
     logprobs: list[TokenLogprob] | None = None  # per generated token (``SamplingParams.logprobs``)
     prompt_logprobs: list[TokenLogprob] | None = None  # per prompt token after the first (``prompt_logprobs``)
-    # SamplingParams.return_routed_experts: [prompt + generated - 1, MoE layers, top-k] (routed_experts.py)
+    # SamplingParams.return_routed_experts: [prompt + generated - 1, MoE layers, top-k] (routed_experts.py);
+    # a RoE request's K samples: [K, prompt + generated - 1, MoE layers, top-k] (roe_experts.py)
     routed_experts: Tensor | None = None
 
 
@@ -90,6 +91,7 @@ class Request:
     unsent_lp: list[TokenLogprob] = field(default_factory=list)  # those of ``unsent``
     prompt_lp: list[TokenLogprob] | None = None  # the prompt's, once prefilled (``prompt_logprobs``)
     prompt_seen: Tensor | None = None  # [V] its prompt's tokens, for ``repetition_penalty`` (penalties.py)
+    roe_experts: list[Tensor] | None = None  # a RoE request's routed experts so far, [n, K, L, k] each (roe_experts.py)
 
 
 @dataclass

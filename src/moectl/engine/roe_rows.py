@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from moectl.engine.batch import prefill_groups
 from moectl.engine.ensemble_rows import join_rows, keep_rows, rebatchable
 from moectl.engine.output import Output
+from moectl.engine.roe_experts import RoeExperts
 from moectl.ensemble.adaptive_ensemble import AdaptiveEnsemble
 from moectl.ensemble.ensemble import Ensemble
 from moectl.lm.padding import left_pad
@@ -75,6 +76,7 @@ class RoeRows:
 
     def __init__(self, host: RoeHost) -> None:
         self.host = host
+        self.experts = RoeExperts(host.info)  # the routed experts of requests that ask (roe_experts.py)
         self.groups: list[RoeGroup] = []
         self._rebatchable: dict[str, bool] = {}
 
@@ -125,7 +127,7 @@ class RoeRows:
         ids, mask = left_pad([r.prompt for r in reqs], host.pad_id, host.device)
         host.log("prefill", len(reqs))
         try:
-            with ensemble:
+            with ensemble, self.experts.recording(reqs, [len(r.prompt) for r in reqs], routing.roe.K):
                 out = ensemble.start(ids, mask)
         except Exception:
             if len(reqs) == 1:
@@ -160,7 +162,7 @@ class RoeRows:
         host = self.host
         for group in list(self.groups):
             host.log("decode", len(group.reqs))
-            with group.ensemble:
+            with group.ensemble, self.experts.recording(group.reqs, None, group.routing.roe.K):
                 out = group.ensemble.step(group.last)
             for req in group.reqs:
                 req.seen += 1

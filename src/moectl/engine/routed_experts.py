@@ -7,8 +7,9 @@ a forward — the prompt's tokens and every generated token but the last, which 
 as vLLM's ``CompletionOutput.routed_experts`` and SGLang's ``meta_info["routed_experts"]`` hold
 them (row i: the experts that processed token i; ``moectl offload simulate`` reads this layout).
 Rows are MoE layers only (a model's dense layers have no experts). Routing restricted by a policy
-returns the experts the restricted router chose. :func:`encode` is the HTTP form: a ``.npy`` array
-in base64, as vLLM's server sends it.
+returns the experts the restricted router chose; a RoE request returns one such array per routing
+sample, [K, tokens, MoE layers, top-k] (``roe_experts.py``). :func:`encode` is the HTTP form: a
+``.npy`` array in base64, as vLLM's server sends it.
 """
 
 from __future__ import annotations
