@@ -16,6 +16,7 @@ from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
     OptionalModelArg,
+    QuantizeOpt,
     ThreadsOpt,
     TinyOpt,
     console,
@@ -27,9 +28,11 @@ from moectl.server.serve_config import LOG_LEVELS, served_name
 if TYPE_CHECKING:
     from moectl.offload.offload_config import OffloadConfig
 
-__all__ = ["parse_routings", "serve_command", "served_name"]  # served_name: the library's, re-exported
+__all__ = ["parse_routings", "parse_tokens", "serve_command", "served_name"]  # served_name: the library's, re-exported
 
 ROUTING = re.compile(r"^([^=]+)=(.+)$")
+TOKENS = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")  # vLLM's human-readable lengths: 1k = 1000, 1K = 1024
+SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def parse_routings(items: list[str]) -> dict[str, str]:
@@ -49,6 +52,27 @@ def parse_routings(items: list[str]) -> dict[str, str]:
             raise ConfigError(f"--routing {name!r} is given twice: one spec per name")
         out[name] = spec
     return out
+
+
+def parse_tokens(flag: str, value: str | None, rest: bool = False) -> int | None:
+    """A number of tokens as vLLM's ``--max-model-len`` takes it (``4096``, ``4k`` = 4000, ``4K`` =
+    4096); ``rest``: ``-1`` is accepted too (the rest of the context). ``ConfigError`` in one line
+    naming the flag; None stays None (the flag not given)."""
+    from moectl.errors import ConfigError
+
+    if value is None:
+        return None
+    text = value.strip()
+    if rest and text == "-1":
+        return -1
+    match = TOKENS.match(text)
+    amount = float(match.group(1)) * SCALES[match.group(2)] if match else None
+    if amount is None or amount != int(amount):
+        allowed = "a whole number of tokens like 4096 or 4k (1000s) or 4K (1024s)" + (
+            ", or -1 for the rest of the context" if rest else ""
+        )
+        raise ConfigError(f"{flag} must be {allowed}; got {value!r}")
+    return int(amount)
 
 
 def serve_command(
@@ -80,6 +104,35 @@ def serve_command(
             "--default-routing",
             help="A registered routing NAME for requests that name none (clients that cannot send the "
             "routing field, e.g. lm-eval's local-completions); unset: the model as trained.",
+        ),
+    ] = None,
+    max_model_len: Annotated[
+        str | None,
+        typer.Option(
+            "--max-model-len",
+            metavar="N",
+            help="Tokens a request may hold, prompt + max_tokens (vLLM's flag; 4096, or 4k = 4000, 4K = 4096): "
+            "past it a 400 names the numbers. Default: the model's max_position_embeddings, which it may "
+            "not pass.",
+        ),
+    ] = None,
+    default_max_tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--default-max-tokens",
+            metavar="N",
+            help="max_tokens of a request that gives none, on completions and chat alike, cut to the room "
+            "the prompt leaves (-1: the rest of the context, as llama-server's --n-predict -1). Default: "
+            "OpenAI's and vLLM's, 16 for /v1/completions and the rest of the context for chat.",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template",
+            metavar="FILE|TEMPLATE",
+            help="A file holding a Jinja chat template, or the template itself (vLLM's flag), used for "
+            "/v1/chat/completions and /tokenize instead of the tokenizer's own.",
         ),
     ] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences generated together.")] = 8,
@@ -175,6 +228,7 @@ def serve_command(
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions
     (stream: true as server-sent events), /health, /metrics (Prometheus). SIGTERM drains and exits 0;
@@ -199,6 +253,9 @@ def serve_command(
         prefill_chunk=prefill_chunk,
         lean_decode=lean_decode,
         return_routed_experts=return_routed_experts,
+        max_model_len=parse_tokens("--max-model-len", max_model_len),
+        default_max_tokens=parse_tokens("--default-max-tokens", default_max_tokens, rest=True),
+        chat_template=chat_template,
         api_key=api_key,
         offload=_offload_config(budget, residency, slot_dtype, store),
         tokenizer=tokenizer_path,
@@ -210,6 +267,7 @@ def serve_command(
         threads=threads,
         device=device,
         dtype=dtype,
+        quantize=quantize,
     )
     try:
         run_serve(config, announce=_announce)

@@ -18,6 +18,7 @@ from moectl.data.sample import corpus_files, iter_documents
 from moectl.data.split import SPLITS
 from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir
+from moectl.io.portable_config import make_portable
 
 __all__ = [
     "BOS",
@@ -109,6 +110,7 @@ def train_tokenizer(
     }
     with atomic_dir(out, keep_others=True) as tmp:  # the old tokenizer or the new, never a mix
         fast.save_pretrained(str(tmp))
+        make_portable(tmp)  # a tokenizer class every loader knows (io/portable_config.py)
         (tmp / "moectl_tokenizer.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

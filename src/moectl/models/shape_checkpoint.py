@@ -30,6 +30,7 @@ from transformers import PretrainedConfig
 
 from moectl.errors import ConfigError, OutputExistsError, UnavailableError
 from moectl.io.atomic import default_mode
+from moectl.io.portable_config import make_portable
 from moectl.io.safetensors_index import DTYPES, INDEX, CheckpointIndex
 from moectl.models.shape_build import (
     build_from_config,
@@ -216,6 +217,7 @@ def write_shape_checkpoint(
         config.architectures = [type(meta).__name__]
         config.dtype = dtype
         config.save_pretrained(tmp)
+        make_portable(tmp)  # the config keys other loaders read (io/portable_config.py)
         weight_map: dict[str, str] = {}
         file_bytes = 0
         for index, shard in enumerate(shards, start=1):

@@ -102,7 +102,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def endpoints(routers: Any) -> list[str]:
-    """``METHOD /path`` of every endpoint of ``routers`` (what a 404 lists)."""
+    """``METHOD /path`` of every endpoint of ``routers`` (what a 404 lists); an entry without a path
+    and methods (an included router, as FastAPI keeps it) is left to its own router's listing."""
     found = {(route.path, method) for router in routers for route in router.routes
              for method in getattr(route, "methods", ()) if method != "HEAD"}  # fmt: skip
     return [f"{method} {path}" for path, method in sorted(found)]

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: OpenAI's chat completions over the engine.
 
-The conversation goes through the tokenizer's chat template (``prompts.py``: a plain transcript
-for a tokenizer without one) and becomes ``n`` engine requests; the answer is streamed
-(``stream: true``) or whole, ``max_tokens`` defaulting to the rest of the context.
+The conversation goes through the server's ``--chat-template`` or the tokenizer's chat template
+(``prompts.py``: a plain transcript for a tokenizer without one) and becomes ``n`` engine requests;
+the answer is streamed (``stream: true``) or whole, ``max_tokens`` defaulting to the server's
+``--default-max-tokens``, else to the rest of the context (``ServingState.max_tokens_for``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: Serving) -> Response:
     body.check()
     state.check_model(body.model)
-    ids = chat_ids(state.tokenizer, message_dicts(body.messages), body.template_kwargs())
+    ids = chat_ids(state.tokenizer, message_dicts(body.messages), body.template_kwargs(), state.chat_template)
     return await chat_all(state, request, body, ids, Shape(state.model_name, chat=True))
 
 

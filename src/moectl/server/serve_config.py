@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from moectl.errors import ConfigError
 from moectl.offload.offload_config import OffloadConfig
+from moectl.quant.quant_config import check_scheme
 from moectl.runconfig import RunConfig
 
 if TYPE_CHECKING:
     from moectl.server.uvicorn_run import ServeLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+REST_OF_CONTEXT = -1  # --default-max-tokens -1: the rest of the context (llama-server's n_predict -1)
 SECRET_FIELDS = ("api_key",)  # never saved: a config file is shared, copied and committed
 
 
@@ -54,11 +56,18 @@ class ServeConfig(RunConfig):
     KV is kept for later prompts (0: off); ``prefill_chunk``: longer prompts are prefilled a chunk
     per step. ``lean_decode``: decode through ``moectl.lm.lean_decode`` where it applies.
     ``return_routed_experts``: every choice carries ``routed_experts`` (vLLM's
-    ``--enable-return-routed-experts``; else only requests that ask). ``api_key``: required as ``Authorization: Bearer KEY`` on all but /health (never
+    ``--enable-return-routed-experts``; else only requests that ask). ``max_model_len``: the tokens
+    a request may hold, prompt + max_tokens (vLLM's flag; None: the model's
+    ``max_position_embeddings``, which it may not pass). ``default_max_tokens``: the max_tokens of a
+    request that gives none, on /v1/completions and /v1/chat/completions alike (-1: the rest of the
+    context; None: OpenAI's and vLLM's defaults, 16 for a completion, the rest of the context for a
+    chat). ``chat_template``: a file holding a Jinja chat template, or the template itself, used for
+    chats instead of the tokenizer's (vLLM's ``--chat-template``; ``chat_template.py``). ``api_key``: required as ``Authorization: Bearer KEY`` on all but /health (never
     saved). ``tokenizer``: a tokenizer folder or hub id instead of the model's own.
     ``read_timeout``, ``timeout_keep_alive``, ``shutdown_timeout``: seconds (``ServeLimits``).
     ``seed``: a tiny model's weights. ``threads``: the engine loop's torch threads (None: the idle
-    CPUs, re-picked as load changes). ``device``, ``dtype``: as every verb's.
+    CPUs, re-picked as load changes). ``device``, ``dtype``: as every verb's. ``quantize``
+    (``int8`` | ``int4``): the experts quantized at load (``moectl.quant``; not with ``offload``).
     """
 
     kind: ClassVar[str] = "serve config"
@@ -75,6 +84,9 @@ class ServeConfig(RunConfig):
     prefill_chunk: int = 512
     lean_decode: bool = True
     return_routed_experts: bool = False
+    max_model_len: int | None = None
+    default_max_tokens: int | None = None
+    chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)
     offload: OffloadConfig | None = None
     tokenizer: str | None = None
@@ -86,12 +98,19 @@ class ServeConfig(RunConfig):
     threads: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.default_routing is not None and self.default_routing not in self.routings:
             names = ", ".join(sorted(self.routings)) or "none"
             raise ConfigError(
                 f"--default-routing {self.default_routing!r} is not a --routing NAME; registered: {names}"
+            )
+        check_scheme(self.quantize)
+        if self.quantize is not None and self.offload is not None:
+            raise ConfigError(
+                "--quantize does not apply with --budget yet: offloaded experts are read in the "
+                "checkpoint's dtype (issue 40 item 2); leave out one of them"
             )
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
@@ -101,6 +120,17 @@ class ServeConfig(RunConfig):
             raise ConfigError(f"--prefill-chunk must be a number of tokens >= 1, got {self.prefill_chunk}")
         if self.prefix_cache < 0:
             raise ConfigError(f"--prefix-cache must be a number of tokens >= 0, got {self.prefix_cache}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be a number of tokens >= 1, got {self.max_model_len}")
+        if self.default_max_tokens is not None and not (
+            self.default_max_tokens >= 1 or self.default_max_tokens == REST_OF_CONTEXT
+        ):
+            raise ConfigError(
+                f"--default-max-tokens must be a number of tokens >= 1, or -1 for the rest of the context; "
+                f"got {self.default_max_tokens}"
+            )
+        if self.chat_template is not None:
+            self.template_text()  # a file that is not there, a template that does not compile: refused now
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
         if self.served_model_names is not None:
@@ -112,6 +142,15 @@ class ServeConfig(RunConfig):
         self.limits()  # the three timeouts' ranges (ServeLimits' own check)
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+
+    def template_text(self) -> str | None:
+        """The chat template ``chat_template`` gives (a file's text, or the value itself), compiled;
+        None without one."""
+        if self.chat_template is None:
+            return None
+        from moectl.server.chat_template import load_chat_template
+
+        return load_chat_template(self.chat_template)
 
     def names(self) -> list[str]:
         """The names the server accepts as ``model``, the reported one first."""

@@ -101,7 +101,12 @@ def _load(config: ServeConfig) -> tuple[Any, Any]:
         from moectl.distributed import process_device, ranks
 
         device = process_device(device, ranks())
-    return load_model(config.model, dtype=config.dtype, device=device, seed=config.seed)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, seed=config.seed)
+    if config.quantize is not None:  # a controller routing's adapters merge first, into the unquantized weights
+        from moectl.loaded import quantize_loaded
+
+        quantize_loaded(model, config.quantize, merge_first=config.routings.values())
+    return model, tokenizer
 
 
 def run_serve(config: ServeConfig, *, announce: Callable[[str], None] = print) -> None:
@@ -129,12 +134,15 @@ def run_serve(config: ServeConfig, *, announce: Callable[[str], None] = print) -
             api_key=config.api_key,
             default_routing=config.default_routing,
             return_routed_experts=config.return_routed_experts,
+            max_model_len=config.max_model_len,
+            default_max_tokens=config.default_max_tokens,
+            chat_template=config.template_text(),
         )
         names = ", ".join(sorted(config.routings)) or "none"
         default = f", default {config.default_routing}" if config.default_routing else ""
         announce(
             f"serving {served[0]} on http://{config.host}:{config.port}/v1 "
-            f"(routings: {names}{default}; {threads} torch threads)"
+            f"(routings: {names}{default}; max model len {engine.max_context}; {threads} torch threads)"
         )
         if config.host not in LOOPBACK and not config.api_key:
             announce(

@@ -2,7 +2,8 @@
 
 The endpoints live in one module per group (``completion_routes.py``, ``chat_routes.py``,
 ``tokenizer_routes.py``, ``status_routes.py``); the checks they have in common (the model a
-request names, its routing, its max_tokens against the context, its token ids against the
+request names, its routing, its max_tokens against the context (``--max-model-len``; the default
+of a request that gives none, ``--default-max-tokens``), its token ids against the
 vocabulary) and the way a request becomes engine generations are methods here, on the state
 ``create_app`` builds once and keeps in ``app.state.serving``. A handler receives it with the
 :data:`Serving` dependency, so a check has one implementation whichever endpoint calls it, and a
@@ -24,8 +25,10 @@ from moectl.server.inline_routing import InlineRoutings
 from moectl.server.metrics import ServerMetrics
 from moectl.server.prompts import completion_ids
 from moectl.server.protocol import SamplingFields
+from moectl.server.serve_config import REST_OF_CONTEXT
 
-# OpenAI's default max_tokens for /v1/completions; chat's default is the rest of the context
+# OpenAI's (and vLLM's) default max_tokens for /v1/completions; chat's default is the rest of the
+# context. A server's --default-max-tokens replaces both (-1: the rest of the context, for both).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
@@ -37,6 +40,10 @@ class ServingState:
     responses). ``default_routing``: the registered routing of requests that name none (None: the
     model as trained). ``vocab``: the token ids a prompt may hold (the LM head's rows, which may
     be more than the tokenizer's). ``started``: the Unix time /v1/models reports as ``created``.
+    ``default_max_tokens``: the max_tokens of a request that gives none, on both endpoints
+    (``--default-max-tokens``; -1: the rest of the context; None: OpenAI's defaults, 16 for a
+    completion and the rest of the context for a chat). ``chat_template``: the server's chat
+    template (``--chat-template``; None: the tokenizer's own).
     """
 
     engine: Any
@@ -48,11 +55,14 @@ class ServingState:
     started: int = field(default_factory=lambda: int(time.time()))
     routed_experts: bool = False  # --enable-return-routed-experts: every choice carries its routed_experts
     inline: Any = None  # InlineRoutings: the routings requests write inline (set by ``of``)
+    default_max_tokens: int | None = None
+    chat_template: str | None = None
 
     @classmethod
     def of(
-        cls, engine: Any, served_names: list[str], default_routing: str | None = None, routed_experts: bool = False
-    ) -> ServingState:
+        cls, engine: Any, served_names: list[str], default_routing: str | None = None, routed_experts: bool = False,
+        default_max_tokens: int | None = None, chat_template: str | None = None,
+    ) -> ServingState:  # fmt: skip
         """The state of an app serving ``engine`` under ``served_names`` (its metrics new)."""
         return cls(
             engine=engine,
@@ -63,6 +73,8 @@ class ServingState:
             vocab=vocab_size(engine.model),
             routed_experts=routed_experts,
             inline=InlineRoutings(engine),
+            default_max_tokens=default_max_tokens,
+            chat_template=chat_template,
         )
 
     @property
@@ -105,24 +117,35 @@ class ServingState:
         )
 
     def max_tokens_for(self, body: SamplingFields, prompt_len: int, default: int | None, param: str) -> int:
-        """The request's max_tokens, checked against the context (a 400 naming what fits); chat's
-        default is the rest of the context."""
-        if body.max_tokens == 0:  # echo scoring the prompt alone (CompletionRequest.check)
-            return 1  # one token, generated and left out
+        """The request's max_tokens, checked against the context the server admits (``--max-model-len``:
+        the engine's ``max_context``; a 400 in vLLM's words naming the numbers). A request that gives
+        none gets the server's ``default_max_tokens``, else the endpoint's ``default`` (None: the rest
+        of the context), cut to the room the prompt leaves."""
         context = self.engine.max_context
         room = None if context is None else context - prompt_len
+        where = "messages" if param == "messages" else "prompt"
         if room is not None and room < 1:
             raise APIError(
-                400, f"the prompt is {prompt_len} tokens; the model's context is {context}", param=param
+                400,
+                f"This model's maximum context length is {context} tokens. However, your request has "
+                f"{prompt_len} tokens in the {where}, which leaves no room for the completion. Please reduce "
+                f"the length of the {where}.",
+                param=param,
             )
+        if body.max_tokens == 0:  # echo scoring the prompt alone (CompletionRequest.check)
+            return 1  # one token, generated and left out
         if body.max_tokens is None:
-            wanted = default or room or COMPLETION_DEFAULT_MAX_TOKENS
+            wanted = self.default_max_tokens if self.default_max_tokens is not None else default
+            if wanted is None or wanted == REST_OF_CONTEXT:
+                wanted = room or COMPLETION_DEFAULT_MAX_TOKENS
             return wanted if room is None else min(wanted, room)
         if room is not None and body.max_tokens > room:
             raise APIError(
                 400,
-                f"max_tokens={body.max_tokens} with a {prompt_len}-token prompt passes the model's context of "
-                f"{context} tokens: at most {room}",
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_len + body.max_tokens} tokens ({prompt_len} in the {where}, {body.max_tokens} in "
+                f"the completion). Please reduce the length of the {where} or completion: max_tokens at "
+                f"most {room} with this {where}.",
                 param="max_tokens",
             )
         return body.max_tokens
@@ -216,3 +239,32 @@ def serving_state(request: Request) -> ServingState:
 
 Serving = Annotated[ServingState, Depends(serving_state)]
 """A handler's parameter ``state: Serving`` receives the app's :class:`ServingState`."""
+
+
+def limit_context(engine: Any, max_model_len: int | None) -> None:
+    """Admit at most ``max_model_len`` tokens per request (prompt + max_tokens; vLLM's
+    ``--max-model-len``): the engine's ``max_context``, which it checks every request against and
+    which /v1/models and /tokenize report. None keeps the model's own (``max_position_embeddings``).
+    :class:`~moectl.errors.ConfigError` for a length below 1 or past what the model supports."""
+    from moectl.errors import ConfigError
+
+    if max_model_len is None:
+        return
+    supported = model_context(engine)
+    if max_model_len < 1:
+        raise ConfigError(f"--max-model-len must be a number of tokens >= 1, got {max_model_len}")
+    if supported is not None and max_model_len > supported:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} is more than the model supports: its max_position_embeddings "
+            f"is {supported} tokens (give at most {supported}, or leave the flag out)"
+        )
+    engine.max_context = int(max_model_len)
+
+
+def model_context(engine: Any) -> int | None:
+    """The context the model supports: its config's ``max_position_embeddings`` (as the engine reads
+    it), whatever ``--max-model-len`` has set since; None where the config names none."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    if config is None:
+        return engine.max_context
+    return int(getattr(config, "max_position_embeddings", 0) or 0) or None

@@ -25,7 +25,7 @@ async def tokenize(body: TokenizeRequest, state: Serving) -> dict[str, Any]:
         state.check_model(body.model)
     tokenizer = state.tokenizer
     if body.messages is not None:
-        ids = chat_ids(tokenizer, message_dicts(body.messages), body.chat_template_kwargs)
+        ids = chat_ids(tokenizer, message_dicts(body.messages), body.chat_template_kwargs, state.chat_template)
     else:
         ids = [
             int(i) for i in tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
@@ -44,7 +44,8 @@ async def detokenize(body: DetokenizeRequest, state: Serving) -> dict[str, Any]:
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(state: Serving) -> dict[str, Any]:
-    """The tokenizer's class, special tokens and chat template (None where it has none)."""
+    """The tokenizer's class, special tokens and the chat template chat requests go through (the
+    server's ``--chat-template``, else the tokenizer's; None where there is none)."""
     tokenizer = state.tokenizer
     info: dict[str, Any] = {
         "tokenizer_class": type(tokenizer).__name__,
@@ -53,6 +54,6 @@ async def tokenizer_info(state: Serving) -> dict[str, Any]:
     for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
         value = getattr(tokenizer, name, None)
         info[name] = value if isinstance(value, str) else None
-    template = getattr(tokenizer, "chat_template", None)
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
     info["chat_template"] = template if isinstance(template, str) else None
     return info

@@ -19,6 +19,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, slice_experts
 from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir, remove_stale_tmps
+from moectl.io.portable_config import make_portable
 from moectl.subsets.card import write_subset_card
 
 METADATA = "moectl_subset.json"
@@ -85,6 +86,7 @@ def export_subset(
         target.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
+        make_portable(tmp)  # the config keys and tokenizer class other loaders read (io/portable_config.py)
         after = {
             "parameters": count_parameters(target),
             "tensor_bytes": tensor_bytes(target),

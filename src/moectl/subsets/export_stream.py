@@ -41,6 +41,7 @@ from moectl.adapters.linear_gate import GateRouter
 from moectl.adapters.slicing import EXPERT_COUNT_KEYS, check_keep, per_expert_tensors
 from moectl.errors import FileFormatError
 from moectl.io.atomic import atomic_dir, default_mode, remove_stale_tmps
+from moectl.io.portable_config import make_portable
 from moectl.io.range_read import RangeReader
 from moectl.io.safetensors_index import INDEX, SINGLE, CheckpointIndex, TensorEntry
 from moectl.io.shards import ShardReader
@@ -195,6 +196,7 @@ def export_checkpoint_subset(
             (tmp / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
         _config(folder, tmp, experts)
         _copy_side_files(folder, tmp)
+        make_portable(tmp)  # the config keys and tokenizer class other loaders read (io/portable_config.py)
         report = {
             "out": str(out_dir),
             "streamed": True,

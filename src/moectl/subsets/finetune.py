@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from moectl.distributed import Ranks, check_divides, ranks
 from moectl.errors import ConfigError
+from moectl.io.portable_config import make_portable
 from moectl.subsets.finetune_data import Example, as_example, collate, encode_example, targets
 from moectl.train.checkpoint import write_dir_atomic
 from moectl.train.master_weights import MasterWeights
@@ -274,6 +275,7 @@ def save_finetuned(
         model.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
+        make_portable(tmp)  # the config keys and tokenizer class other loaders read
         (tmp / LOG).write_text(json.dumps(log, indent=2, default=str) + "\n")
         steps = [s["step"] for s in log["steps"]]
         plot_curves({"train loss (output tokens)": (steps, [s["loss"] for s in log["steps"]])},

@@ -26,6 +26,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.adapters.slicing import check_keep, per_expert_tensors, write_experts
 from moectl.errors import ConfigError
+from moectl.io.portable_config import make_portable
 from moectl.train.checkpoint import write_dir_atomic
 
 METADATA = "moectl_merge.json"
@@ -98,6 +99,7 @@ def save_merged(
         model.save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
+        make_portable(tmp)  # the config keys and tokenizer class other loaders read
         (tmp / METADATA).write_text(json.dumps(metadata or {}, indent=2, default=str) + "\n")
 
     return write_dir_atomic(Path(out), write, overwrite=overwrite)

@@ -23,6 +23,7 @@ import torch
 
 from moectl.errors import ConfigError
 from moectl.io.atomic import atomic_dir, crash_point, recover_dir, write_text_atomic
+from moectl.io.portable_config import make_portable
 
 
 def write_dir_atomic(final: Path, write: Callable[[Path], None], overwrite: bool = True) -> Path:
@@ -50,6 +51,7 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, state: dict[str, Any
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        make_portable(tmp)  # the config keys and tokenizer class other loaders read
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save({**state, "step": step, "rng": rng}, tmp / "trainer_state.pt")
 

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moectl.adapters.inspect import inspect
 from moectl.errors import OutputExistsError
+from moectl.io.portable_config import make_portable
 from moectl.models.grouped_experts import register as register_grouped_experts
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
@@ -367,6 +368,7 @@ class Trainer:
     def _write_final(self, folder: Path) -> None:
         self.raw_model.save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
+        make_portable(folder)  # the config keys and tokenizer class other loaders read
 
     def save(self, step: int) -> Path | None:
         self.accelerator.wait_for_everyone()
