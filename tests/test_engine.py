@@ -385,3 +385,55 @@ def test_the_loop_thread_runs_torch_with_the_configured_threads(threads):
         engine.close()
     assert seen and set(seen) == {threads or before}
     assert torch.get_num_threads() == before  # the caller's own count is left as it was
+
+
+def test_row_constant_routings_prepared_once_route_as_run_per_group(monkeypatch):
+    """Masks, forced/omitted experts, topk:N and the option lens are prepared once per batch as tensors
+    (``engine/row_constants.py``, #39 item 2): the same tokens, traces and switch rates as running each
+    group's policies at every layer, beside rows of per-layer routings (noise, a pool)."""
+    import json
+
+    from moectl.engine import rows as engine_rows
+
+    model, tok, info = moectl.load("tiny:qwen3_moe", dtype="float32")
+    n = info.layers[0].num_experts
+    routings = {
+        "mask": json.dumps({"type": "expert_mask", "everywhere": list(range(n // 2))}),
+        "force": json.dumps({"type": "experts", "force": {"0": [3]}, "omit": {"1": [0, 1]}}),
+        "top2": "topk:2",
+        "both": json.dumps([{"type": "topk", "n": 3}, {"type": "experts", "omit": {"0": [1]}}]),
+        "opt6": "option:6",
+        "noisy": json.dumps({"type": "gumbel", "tau": 1.0}),
+        "pool": json.dumps({"type": "document_pool", "d": 4}),
+    }
+    order = [None, "mask", "force", "top2", "both", "opt6", "noisy", "pool"]
+    prompts = [f"Prompt {i} about experts" for i in range(len(order))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, seed=1)  # the noisy routing's draws seeded by it
+
+    built: list[int] = []
+
+    class Counted(engine_rows.ConstantRows):
+        def __init__(self, groups, *args) -> None:
+            built.append(len(groups))
+            super().__init__(groups, *args)
+
+    monkeypatch.setattr(engine_rows, "ConstantRows", Counted)
+
+    def run() -> list:
+        with Engine(model, tok, EngineConfig(max_batch=8, record=True), routings=routings) as engine:
+            return engine.generate(prompts, params, routing=order)
+
+    prepared = run()
+    assert built and max(built) == 5  # mask, force, top2, both, opt6: prepared, not rebuilt every step
+    assert len(built) < 6 * 3
+    built.clear()
+    monkeypatch.setattr(engine_rows, "row_effects", lambda policies, layers: None)
+    per_group = run()
+    assert not built  # every routing ran per group and layer
+    for a, b in zip(prepared, per_group, strict=True):
+        assert a.token_ids == b.token_ids and a.switch_rate == b.switch_rate
+        for layer in range(info.num_moe_layers):
+            assert torch.equal(a.trace.chosen[layer], b.trace.chosen[layer])
+            assert (a.trace.allowed.get(layer) is None) == (b.trace.allowed.get(layer) is None)
+            if a.trace.allowed.get(layer) is not None:
+                assert torch.equal(a.trace.allowed[layer], b.trace.allowed[layer])

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
+from moectl.engine.row_constants import ConstantRows, row_effects
 from moectl.metrics.switch_rate import option_step
 from moectl.routing.option_lens import OptionLens
 from moectl.routing.pool import DocumentPool
@@ -75,10 +76,18 @@ class RowRouter:
         self.lens: dict[int, Tensor] = {}  # k-hat -> rows [n] counted with the router-as-option lens
         self.row_top_k: dict[int, Tensor] | None = None  # topk:N -> its rows, in the current forward
         self._call: RouteContext | None = None  # the forward call the group contexts below belong to
-        self._contexts: list[RouteContext] = []  # per group: its context, one object for every layer
+        self._contexts: list[RouteContext] = []  # per dynamic group: its context, one object for every layer
+        self.dynamic: list[Group] = []  # groups whose policies run per layer (not row-constant)
+        self.constants: ConstantRows | None = None  # the row-constant groups, prepared (row_constants.py)
+        self._constants_key: tuple | None = None
+        self._constants_held: list = []  # their policy lists, kept alive while the key names their ids
+        self._effects: dict[int, tuple[list, list | None]] = {}  # id(policies) -> (policies, row effects)
+        self._experts: list[int] = []  # experts per MoE layer
 
     def bind(self, info: ModelInfo) -> None:
         self.allowed = {}
+        self._experts = [layer.num_experts for layer in info.layers]
+        self._effects, self._constants_key, self.constants = {}, None, None
 
     def set_groups(self, groups: list[Group], batch: int, device: torch.device) -> None:
         """The rows of the next forward by routing (empty: route every row as the model does)."""
@@ -93,6 +102,30 @@ class RowRouter:
                     lens.setdefault(policy.k_hat, []).append(group.rows)
         self.lens = {k: torch.cat(rows).to(device) for k, rows in lens.items()}
         self.row_top_k = None  # {N: rows} of the latest layer where rows choose their own number of experts
+        self._split(groups, batch, device)
+
+    def _split(self, groups: list[Group], batch: int, device: torch.device) -> None:
+        """Row-constant groups (unpadded, every policy a ``RowConstantPolicy``) into ``constants``,
+        prepared again only when their rows or routings change; the rest into ``dynamic``."""
+        effects: dict[int, tuple[list, list | None]] = {}
+        constant: list[tuple[Group, list]] = []
+        self.dynamic = []
+        for group in groups:
+            key = id(group.policies)
+            found = effects.get(key) or self._effects.get(key)
+            if found is None or found[0] is not group.policies:
+                found = (group.policies, row_effects(group.policies, len(self._experts)))
+            effects[key] = found
+            if found[1] is not None and group.pad == 0 and self._experts:
+                constant.append((group, found[1]))
+            else:
+                self.dynamic.append(group)
+        self._effects = effects  # only the routings of this forward's groups
+        key = (batch, str(device), tuple((tuple(g.rows.tolist()), id(g.policies)) for g, _ in constant))
+        if key != self._constants_key:
+            rows = [(g.rows, e) for g, e in constant]
+            self.constants = ConstantRows(rows, batch, self._experts, device) if constant else None
+            self._constants_key, self._constants_held = key, [g.policies for g, _ in constant]
 
     def apply(self, state: RoutingState) -> None:
         if not self.groups:
@@ -100,14 +133,29 @@ class RowRouter:
         ctx = state.ctx
         if ctx is not self._call:  # a group's context is one object across the call's layers, as a
             self._call = ctx  # request alone sees it (policies keep per-call work keyed by it)
-            self._contexts = [self._context(ctx, group, state.logits.device) for group in self.groups]
+            self._contexts = [self._context(ctx, group, state.logits.device) for group in self.dynamic]
         allowed: Tensor | None = None
         noise: Tensor | None = None
         forced: Tensor | None = None
         top_k: dict[int, list[Tensor]] = {}  # N -> rows whose routing chooses N experts (topk:N)
         replays: list[tuple[Tensor, slice, Tensor]] = []  # (rows, columns, [n, t, k']) replayed experts
         renorm = None
-        for group, sub_ctx in zip(self.groups, self._contexts, strict=True):
+        shared = False  # ``allowed`` / ``forced`` are the prepared tensors' views: copied before writing
+        if self.constants is not None:  # the row-constant groups: this layer's prepared tensors
+            layer = self.constants.layers[state.layer]
+            if layer.allowed is not None:
+                allowed, renorm, shared = layer.allowed.expand(state.logits.shape), self.constants.renorm, True
+                if self.restricted_rows is not None and layer.restricting is not None:
+                    self.restricted_rows |= layer.restricting
+            if layer.forced is not None:
+                forced, shared = layer.forced.expand(state.logits.shape), True
+            for k, rows in self.constants.top_k.items():
+                top_k[k] = [rows]
+        for group, sub_ctx in zip(self.dynamic, self._contexts, strict=True):
+            if shared:
+                allowed = None if allowed is None else allowed.clone()
+                forced = None if forced is None else forced.clone()
+                shared = False
             rows = group.rows.to(state.logits.device)
             cols = slice(group.pad, None)  # the group's real columns (all, but in a batched prefill)
             sub = RoutingState(state.layer, state.logits[rows, cols], state.rule, sub_ctx)
@@ -148,7 +196,7 @@ class RowRouter:
                 replayed[rows, cols, : given.shape[-1]] = given
             state.replay(replayed)
         if top_k:
-            state.row_top_k = {k: torch.cat(rows) for k, rows in top_k.items()}
+            state.row_top_k = {k: rows[0] if len(rows) == 1 else torch.cat(rows) for k, rows in top_k.items()}
             self.row_top_k = state.row_top_k
 
     @staticmethod

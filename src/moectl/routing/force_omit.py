@@ -29,7 +29,7 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import Renorm
 from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, layer_key, register_policy
-from moectl.routing.routing_state import RoutingState
+from moectl.routing.routing_state import RoutingState, RowEffect
 
 _RENORMS = ("pruned", "stock")
 
@@ -117,6 +117,10 @@ class ForceOmit(PolicyConfig):
             mask[ids] = False
             rule.check_allowed(mask, where=f"'omit' of MoE layer {layer}")
             self._allowed[layer] = mask
+
+    def row_effect(self, layer: int) -> RowEffect:
+        """The same for every token (``RowConstantPolicy``)."""
+        return RowEffect(allowed=self._allowed.get(layer), forced=self._forced.get(layer), renorm=self.renorm)
 
     def apply(self, state: RoutingState) -> None:
         allowed = self._allowed.get(state.layer)

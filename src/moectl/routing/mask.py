@@ -28,7 +28,7 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import Renorm
 from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, layer_key, register_policy
-from moectl.routing.routing_state import RoutingState
+from moectl.routing.routing_state import RoutingState, RowEffect
 
 _RENORMS = ("pruned", "stock")
 # the ways a policy file names the allowed experts (exactly one per expert_mask)
@@ -187,6 +187,13 @@ class ExpertMask(PolicyConfig):
             rule = info.layer(layer).rule
             rule.check_allowed(mask, where=f"ExpertMask, MoE layer {layer}")
             self._bound[layer] = mask
+
+    def row_effect(self, layer: int) -> RowEffect | None:
+        """One set of experts per layer is row-constant (``RowConstantPolicy``); per-row or per-position masks are not."""
+        mask = self._bound.get(layer)
+        if mask is None:
+            return RowEffect()
+        return RowEffect(allowed=mask, renorm=self.renorm) if mask.dim() == 1 else None
 
     def apply(self, state: RoutingState) -> None:
         mask = self._bound.get(state.layer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.errors import ConfigError
-from moectl.routing.routing_state import RoutingState
+from moectl.routing.routing_state import RoutingState, RowEffect
 
 
 class OptionLens:
@@ -33,6 +33,10 @@ class OptionLens:
                     f"{layer.num_experts} experts of MoE layer {layer.index} (an option holds the "
                     "activated experts)"
                 )
+
+    def row_effect(self, layer: int) -> RowEffect:
+        """Nothing, for every token (``RowConstantPolicy``)."""
+        return RowEffect()
 
     def apply(self, state: RoutingState) -> None:
         """Nothing: the lens only changes how switches are counted."""

@@ -58,6 +58,16 @@ class SequencePolicy(Protocol):
 
 
 @runtime_checkable
+class RowConstantPolicy(Protocol):
+    """A policy whose effect at a layer is the same for every token of every row it routes (an
+    expert mask of one set per layer, forced/omitted experts, ``topk:N``): the engine prepares such
+    routings once for the whole batch instead of calling them per layer and group."""
+
+    def row_effect(self, layer: int) -> Any:
+        """The ``RowEffect`` at MoE layer ``layer``, or None where this policy is not row-constant."""
+
+
+@runtime_checkable
 class ResettablePolicy(Protocol):
     """A policy whose sequence state can be forgotten in place (new sequences follow)."""
 

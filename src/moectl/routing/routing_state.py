@@ -36,6 +36,27 @@ class RouteContext:
         return self.valid.to(device)
 
 
+@dataclass(frozen=True)
+class RowEffect:
+    """What a policy does at one MoE layer to every token of the rows it routes, whatever their
+    position, logits or history (``RowConstantPolicy``): experts allowed [E] and forced [E] (bool, or
+    None), experts per token (``topk:N``, or None), the renormalisation of a restriction."""
+
+    allowed: Tensor | None = None
+    forced: Tensor | None = None
+    top_k: int | None = None
+    renorm: Renorm = "pruned"
+
+    def then(self, later: RowEffect) -> RowEffect:
+        """This effect followed by ``later``'s, as ``apply`` would compose them on one state."""
+        allowed = self.allowed if later.allowed is None else later.allowed if self.allowed is None else self.allowed & later.allowed
+        forced = self.forced if later.forced is None else later.forced if self.forced is None else self.forced | later.forced
+        return RowEffect(
+            allowed, forced, later.top_k if later.top_k is not None else self.top_k,
+            later.renorm if later.allowed is not None else self.renorm,
+        )  # fmt: skip
+
+
 @dataclass
 class RoutingState:
     """One MoE layer's routing inputs during one forward call, as policies leave them.

@@ -29,7 +29,7 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.rules import RouterRule
 from moectl.errors import ConfigError
 from moectl.routing.policy_config import PolicyConfig, register_policy
-from moectl.routing.routing_state import RoutingState
+from moectl.routing.routing_state import RoutingState, RowEffect
 
 _FIXED_K = ("sparsemixer", "sigmoid_dense")
 
@@ -79,6 +79,10 @@ class TopK(PolicyConfig):
                 raise ConfigError(
                     f"topk:{self.n}: MoE layer {layer.index} has {layer.num_experts} experts; n must be 1..{layer.num_experts}"
                 )
+
+    def row_effect(self, layer: int) -> RowEffect:
+        """The same for every token (``RowConstantPolicy``)."""
+        return RowEffect(top_k=self.n)
 
     def apply(self, state: RoutingState) -> None:
         state.top_k = self.n
