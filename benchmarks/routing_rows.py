@@ -5,7 +5,9 @@ own routing — none, two expert masks, forced/omitted experts, ``topk:2``, ``op
 a document pool — against the same eight with no routing. Row-constant routings (masks, force/omit,
 ``topk:N``, the option lens) are prepared once per batch as tensors (``engine/row_constants.py``);
 ``--per-group`` also times them the way every routing ran before, each group's policies called per
-MoE layer, in the same run (alternating, ``--repeats`` times, the median).
+MoE layer, in the same run (alternating, ``--repeats`` times, the median). Tokens per second of
+process CPU time (one torch thread: other work on a shared machine distorts it less than wall time)
+and of wall time.
 
     python benchmarks/routing_rows.py --threads 1 --json benchmarks/results/routing_rows.json
 """
@@ -59,12 +61,14 @@ def per_group():
         rows.row_effects = kept
 
 
-def tok_s(engine: Engine, routing: list, tokens: int) -> float:
+def tok_s(engine: Engine, routing: list, tokens: int) -> tuple[float, float]:
+    """(tokens per CPU second, tokens per wall second) of one batch."""
     prompts = [f"Story {i}: once upon a time there was" for i in range(len(routing))]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     engine.generate(prompts, params, routing=routing)
-    return len(routing) * tokens / (time.perf_counter() - start)
+    n = len(routing) * tokens
+    return n / (time.process_time() - cpu), n / (time.perf_counter() - wall)
 
 
 def main() -> None:
@@ -80,7 +84,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok, info = moectl.load(args.model)
     cases = {"none": [None] * 8, "constant": CONSTANT, "mixed": MIX}
-    runs: dict[str, list[float]] = {f"{c} {how}": [] for c in cases for how in ("prepared", "per-group")}
+    runs: dict[str, list[tuple[float, float]]] = {f"{c} {how}": [] for c in cases for how in ("prepared", "per-group")}
     with Engine(model, tok, EngineConfig(max_batch=8), routings=routings(info.layers[0].num_experts)) as engine:
         tok_s(engine, MIX, 4)  # warm-up
         for _ in range(args.repeats):
@@ -88,14 +92,16 @@ def main() -> None:
                 runs[f"{case} prepared"].append(tok_s(engine, routing, args.tokens))
                 with per_group():
                     runs[f"{case} per-group"].append(tok_s(engine, routing, args.tokens))
-    median = {name: statistics.median(v) for name, v in runs.items()}
-    base = median["none prepared"]
+    cpu = {name: statistics.median(r[0] for r in v) for name, v in runs.items()}
+    wall = {name: statistics.median(r[1] for r in v) for name, v in runs.items()}
+    base = cpu["none prepared"]
     print(f"{args.model}, 8 rows, {args.tokens} tokens, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}")
-    print(f"{'rows routed':<22} {'tok/s':>8} {'vs none':>8}")
+    print(f"{'rows routed':<22} {'tok/cpu-s':>9} {'vs none':>8} {'tok/s wall':>10}")
     rows = []
-    for name, value in median.items():
-        rows.append({"case": name, "tok_s": value, "vs_none": value / base, "runs": runs[name]})
-        print(f"{name:<22} {value:>8.1f} {value / base:>7.2f}x")
+    for name in runs:
+        rows.append({"case": name, "tok_per_cpu_s": cpu[name], "tok_s": wall[name], "vs_none": cpu[name] / base,
+                     "runs": runs[name]})  # fmt: skip
+        print(f"{name:<22} {cpu[name]:>9.1f} {cpu[name] / base:>7.2f}x {wall[name]:>10.1f}")
     if args.json_path is not None:
         result = {"model": args.model, "threads": args.threads, "tokens": args.tokens, "loadavg": os.getloadavg(),
                   "routings": {"constant": CONSTANT, "mixed": MIX}, "rows": rows}  # fmt: skip

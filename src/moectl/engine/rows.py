@@ -81,13 +81,14 @@ class RowRouter:
         self.constants: ConstantRows | None = None  # the row-constant groups, prepared (row_constants.py)
         self._constants_key: tuple | None = None
         self._constants_held: list = []  # their policy lists, kept alive while the key names their ids
+        self._prepared: ConstantRows | None = None  # the latest prepared tensors, reused while the key holds
         self._effects: dict[int, tuple[list, list | None]] = {}  # id(policies) -> (policies, row effects)
         self._experts: list[int] = []  # experts per MoE layer
 
     def bind(self, info: ModelInfo) -> None:
         self.allowed = {}
         self._experts = [layer.num_experts for layer in info.layers]
-        self._effects, self._constants_key, self.constants = {}, None, None
+        self._effects, self._constants_key, self.constants, self._prepared = {}, None, None, None
 
     def set_groups(self, groups: list[Group], batch: int, device: torch.device) -> None:
         """The rows of the next forward by routing (empty: route every row as the model does)."""
@@ -120,12 +121,18 @@ class RowRouter:
                 constant.append((group, found[1]))
             else:
                 self.dynamic.append(group)
+        if not groups:  # between forwards: the prepared tensors stay for the next step's groups
+            self.constants = None
+            return
         self._effects = effects  # only the routings of this forward's groups
+        if not constant:
+            self.constants = None
+            return
         key = (batch, str(device), tuple((tuple(g.rows.tolist()), id(g.policies)) for g, _ in constant))
         if key != self._constants_key:
-            rows = [(g.rows, e) for g, e in constant]
-            self.constants = ConstantRows(rows, batch, self._experts, device) if constant else None
+            self._prepared = ConstantRows([(g.rows, e) for g, e in constant], batch, self._experts, device)
             self._constants_key, self._constants_held = key, [g.policies for g, _ in constant]
+        self.constants = self._prepared
 
     def apply(self, state: RoutingState) -> None:
         if not self.groups:
