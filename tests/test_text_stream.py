@@ -115,6 +115,18 @@ def test_each_push_decodes_a_bounded_number_of_ids(byte_tok):
     assert shown_before + stream.finish() == stream.text == byte_tok.decode(ids)
 
 
+def test_ids_that_never_form_a_character_are_not_decoded_again_at_every_step(byte_tok):
+    """2,000 lone continuation bytes (which a logit bias can force) decode to U+FFFD for ever: the held
+    tail is shown past ``MAX_HELD`` ids, so each push still decodes a few ids, not all of them."""
+    lone = next(i for i in range(byte_tok.vocab_size) if byte_tok.decode([i] * 6) == "\ufffd" * 6)
+    counting = Counting(byte_tok)
+    stream = TextStream(counting)
+    shown = "".join(stream.push([lone])[0] for _ in range(2000))
+    assert counting.decoded < 100 * 2000  # re-decoding the whole held tail at every push: ≈ 2,000,000
+    assert len(shown) > 1900 and set(shown) == {"\ufffd"}
+    assert shown + stream.finish() == stream.text
+
+
 def test_a_decode_that_is_not_additive_still_ends_with_everything_shown():
     """A tokenizer whose decode of all ids is not the pieces joined (here it capitalises a long
     text's first letter): nothing shown is taken back, nothing is lost."""

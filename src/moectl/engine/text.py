@@ -20,6 +20,9 @@ from collections.abc import Sequence
 
 from moectl.engine.stop_match import matcher
 
+MAX_HELD = 32  # ids held back at most while the text ends in an incomplete character (a character is
+# at most 4 bytes; ids that split characters unevenly realign within a few ids)
+
 
 def lone_surrogate(text: str) -> int | None:
     """The index of the first lone surrogate in ``text`` (it cannot be encoded to UTF-8), or None."""
@@ -67,7 +70,10 @@ class TextStream:
     def push(self, ids: Sequence[int]) -> tuple[str, bool]:
         self.ids.extend(int(i) for i in ids)
         piece = self._pending()
-        if piece and not piece.endswith("\ufffd"):  # complete characters: they can no longer change
+        # complete characters can no longer change; a tail of U+FFFD is held back until the next ids
+        # complete it — but not past MAX_HELD ids: ids that never form a character (a run of
+        # continuation bytes, which a logit bias can force) would otherwise be decoded again at every step
+        if piece and (not piece.endswith("\ufffd") or len(self.ids) - self.read > MAX_HELD):
             self.decoded += piece
             self.prefix, self.read = self.read, len(self.ids)
         if len(self.ids) < self.min_ids:  # no stop string yet: all the complete text can be shown
