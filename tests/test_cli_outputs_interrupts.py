@@ -168,18 +168,25 @@ def test_a_subset_chosen_on_a_model_with_other_expert_counts_is_refused(tmp_path
         app, ["subset", "export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
     )
     assert result.exit_code == 2, result.output
-    assert "made for another model: it records 64 experts per MoE layer, this model has 8" in _flat(
-        result.output
+    assert result.stderr.strip() == (
+        f"error: subset file {subset} was made for another model (64 experts per MoE layer), not for tiny:olmoe "
+        "(8 experts per MoE layer): select one on this model (`moectl subset select`), or pass --force to apply "
+        "it anyway"
     )
     assert not (tmp_path / "o").exists()
 
 
-def test_a_subset_chosen_on_another_model_of_the_same_expert_count_warns(tmp_path):
+def test_a_subset_chosen_on_another_model_of_the_same_expert_count_is_refused_unless_forced(tmp_path):
+    """Issue #43 (2): was a warning and exit 0 — the ids name other experts of another model."""
     subset = tmp_path / "s.json"
     save_subset(subset, {0: [0, 1], 1: [0, 1], 2: [0, 1]}, model="tiny:other", num_experts=8)
-    result = runner.invoke(
-        app, ["subset", "export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
-    )
+    args = ["subset", "export", "tiny:olmoe", "--subset", str(subset), "--out", str(tmp_path / "o")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "was made for tiny:other (8 experts per MoE layer), not for tiny:olmoe" in result.stderr
+    assert "--force" in result.stderr and not (tmp_path / "o").exists()
+    result = runner.invoke(app, [*args, "--force"])
     assert result.exit_code == 0, result.output
     assert "was chosen on tiny:other, used on tiny:olmoe (8 experts" in _flat(result.output)
 

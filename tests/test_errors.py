@@ -70,8 +70,9 @@ def test_every_error_class_is_a_moectl_error_or_listed_with_a_reason():
 
 
 def test_every_moectl_error_keeps_a_built_in_base():
-    """``except ValueError`` (IndexError, OSError, RuntimeError, MemoryError) written before the base existed still catches."""
-    builtin = (ValueError, LookupError, OSError, RuntimeError, MemoryError)
+    """``except ValueError`` (IndexError, OSError, RuntimeError, MemoryError, ImportError: a missing
+    extra) written before the base existed still catches."""
+    builtin = (ValueError, LookupError, OSError, RuntimeError, MemoryError, ImportError)
     for path, cls in _moectl_exception_classes().items():
         if issubclass(cls, MoectlError) and cls is not MoectlError:
             assert issubclass(cls, builtin), path

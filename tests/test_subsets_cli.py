@@ -247,7 +247,7 @@ def test_a_subset_file_for_another_model_is_refused_by_export(tmp_path, stream):
         moectl.tiny("olmoe").save_pretrained(model)
     cases = {
         "num_experts": ({"0": [0, 1], "1": [0, 1], "2": [0, 1]}, 32,
-                        "made for another model: it records 32 experts per MoE layer, this model has 8"),
+                        f"made for another model (32 experts per MoE layer), not for {model} (8 experts per MoE layer)"),
         "expert id": ({"0": [0, 1], "1": [0, 1], "2": [0, 9]}, None, "expert ids must lie in 0..7"),
         "MoE layer": ({"0": [0, 1], "1": [0, 1], "2": [0, 1], "3": [0, 1]}, None,
                       "MoE layers [3]; the model has MoE layers 0..2"),

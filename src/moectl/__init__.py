@@ -41,8 +41,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RoEConfig": ("moectl.ensemble.roe_config", "RoEConfig"),
 }
 _SUBPACKAGES = (
-    "adapters", "data", "eval", "io", "metrics", "models", "offload", "options", "reporting", "roe", "routing",
-    "subsets", "train",
+    "adapters", "data", "eval", "io", "metrics", "models", "offload", "options", "quant", "reporting", "roe",
+    "routing", "subsets", "train",
 )  # fmt: skip
 
 __all__ = [

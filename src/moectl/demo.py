@@ -10,7 +10,6 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
 from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
-from moectl.reporting.plots import plot_expert_activation
 from moectl.routing import DocumentPool, ExpertMask, GumbelTopK, route
 
 
@@ -86,6 +85,8 @@ def run_demo(
         ),
     }
     if out_dir:
+        from moectl.reporting.plots import plot_expert_activation  # matplotlib only when plotting
+
         label = f"prompt 0 ({prompts[0].category}): {prompts[0].text!r}"
         figure = plot_expert_activation(
             plain, Path(out_dir) / "expert_activation_layer0.png", k_hat=k, label=label, model=name

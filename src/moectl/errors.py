@@ -60,3 +60,8 @@ class NotSupportedError(MoectlError, NotImplementedError):
 
 class NoSuchLayerError(MoectlError, IndexError):
     """A MoE layer index the model does not have (the message names the valid range)."""
+
+
+class MissingExtraError(MoectlError, ModuleNotFoundError):
+    """An optional package is not installed: the message names the extra that brings it
+    (``pip install 'moectl[serve]'``; :mod:`moectl.extras`)."""

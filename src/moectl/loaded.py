@@ -2,15 +2,22 @@
 
 model, tokenizer, info = moectl.load("tiny:olmoe")      # or a checkpoint folder, or a hub id
 loaded = moectl.load("runs/emo-small"); loaded.info.top_k
+model, tokenizer, info = moectl.load("models/moectl-small-standard", quantize="int4")  # int4 experts
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
+
+if TYPE_CHECKING:
+    from moectl.quant.quantize_model import QuantSummary
 
 
 class Loaded(NamedTuple):
@@ -21,11 +28,66 @@ class Loaded(NamedTuple):
     info: ModelInfo
 
 
-def load(spec: str, *, dtype: str = "auto", device: str = "cpu", seed: int = 0) -> Loaded:
+def load(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    seed: int = 0,
+    quantize: str | None = None,
+    group_size: int | None = None,
+    scope: str = "experts",
+) -> Loaded:
     """Load ``spec`` — ``tiny:FAMILY``, a checkpoint folder or a hub id (``moectl.models.load.load_model``)
     — in eval mode with a left-padding tokenizer, and describe its MoE layers (``moectl.inspect``).
-    ``seed`` sets a tiny model's random weights."""
-    from moectl.models.load import load_model
+    ``seed`` sets a tiny model's random weights.
 
+    ``quantize`` (``int8`` | ``int4``, issue 40) quantizes the experts at load
+    (``moectl.quant.quantize_model``; ``scope="all"``: every Linear layer but the routers; int4 in
+    groups of ``group_size`` inputs, default ``moectl.quant.DEFAULT_GROUP_SIZE``). The values are
+    checked before the model loads."""
+    from moectl.models.load import load_model
+    from moectl.quant.quant_config import DEFAULT_GROUP_SIZE, check_group_size, check_scheme, check_scope
+
+    if check_scheme(quantize) is not None:
+        check_scope(scope)
+        group_size = check_group_size(DEFAULT_GROUP_SIZE if group_size is None else group_size)
     model, tokenizer = load_model(str(spec), dtype=dtype, device=device, seed=seed)
+    if quantize is not None:
+        quantize_loaded(model, quantize, group_size=group_size, scope=scope)
     return Loaded(model, tokenizer, inspect(model))
+
+
+def _is_controller(spec: Any) -> bool:
+    """Whether a routing spec (as ``moectl.load_policy`` takes it) names a trained controller folder."""
+    if isinstance(spec, dict):
+        return spec.get("type") == "controller"
+    if not isinstance(spec, (str, os.PathLike)):
+        return False
+    if str(spec).startswith("controller:"):
+        return True
+    path = Path(spec).expanduser()
+    return path.is_dir() and any((p / "controller.json").is_file() for p in (path, path / "final"))
+
+
+def quantize_loaded(
+    model: nn.Module,
+    scheme: str,
+    *,
+    group_size: int | None = None,
+    scope: str = "experts",
+    merge_first: Iterable[Any] = (),
+) -> QuantSummary:
+    """``moectl.quant.quantize_model`` on a loaded model, after the controllers among ``merge_first``
+    (routing specs, e.g. a server's routings) are attached: a TE-MoE controller's LoRA adapters merge
+    into the unquantized weights, so they must be in before the weights are quantized (attaching
+    one to a quantized model is refused). The other specs are left to whoever runs them."""
+    from moectl.quant.quant_config import DEFAULT_GROUP_SIZE
+    from moectl.quant.quantize_model import quantize_model
+    from moectl.routing import load_policy
+
+    for spec in merge_first:
+        if _is_controller(spec):
+            load_policy(spec, model)  # merges once per model (options.policy remembers it)
+    size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return quantize_model(model, scheme, group_size=size, scope=scope)

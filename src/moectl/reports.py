@@ -14,7 +14,6 @@ from moectl.adapters.inspect import inspect
 from moectl.adapters.selftest import self_test
 from moectl.generate import generate_traced, load_prompts
 from moectl.metrics.switch_rate import switch_rate
-from moectl.reporting.plots import model_label, plot_expert_activation, plot_switch_rate_per_layer
 from moectl.routing.policy_config import PolicyConfig
 from moectl.routing.policy_files import load_policy
 
@@ -109,6 +108,8 @@ def switch_rate_report(
     if trace_path:
         result["trace"] = str(trace.save(trace_path))
     if plot_dir:
+        from moectl.reporting.plots import model_label, plot_expert_activation, plot_switch_rate_per_layer
+
         out = Path(plot_dir)
         name = model_label(model_spec)  # its last two path parts: a title never wraps a long path
         under = f", under {model_label(policy)}" if policy else ""

@@ -40,6 +40,14 @@ JsonOpt = Annotated[
         "--json", help="Also write the results to this JSON file.", callback=lambda p: check_json_path(p)
     ),
 ]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Apply a subset, expert mask or tau profile made for another model anyway (refused by default, "
+        "naming both models: moectl.routing.made_for).",
+    ),
+]
 DeviceOpt = Annotated[
     str,
     typer.Option(
@@ -52,6 +60,28 @@ DeviceOpt = Annotated[
 DtypeOpt = Annotated[
     str,
     typer.Option("--dtype", help="Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+]
+
+
+def check_quantize(value: str | None) -> str | None:
+    """``--quantize`` checked when the command line is parsed: one of ``moectl.quant.SCHEMES`` (int8,
+    int4), else ``error: ...`` naming them and exit 2 before any model loads."""
+    if value is not None:
+        from moectl.quant.quant_config import SCHEMES
+
+        if value not in SCHEMES:
+            fail(f"--quantize must be one of {', '.join(SCHEMES)}, got {value!r}")
+    return value
+
+
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize",
+        help="Quantize the experts at load (issue 40): int4 (group-wise, groups of 64) or int8 (per output "
+        "channel), run by PyTorch's weight-only CPU kernels; the routers stay in --dtype.",
+        callback=check_quantize,
+    ),
 ]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.")]
 ThreadsOpt = Annotated[
@@ -104,11 +134,21 @@ def split_list(value: str | None) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
 
-def load(spec: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, with_tokenizer: bool = True):
+def load(
+    spec: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    quantize: str | None = None,
+    merge_first: Any = (),
+):
     """``(model, tokenizer)`` for a model spec (``moectl.models.load.load_model``), imported here so
     that ``--help`` never loads transformers. ``device`` auto or balanced is a device map (the
     model spread over every visible device); under ``accelerate launch``, ``cuda`` is each
-    process's own GPU (:func:`moectl.distributed.process_device`)."""
+    process's own GPU (:func:`moectl.distributed.process_device`). ``quantize`` (``--quantize``):
+    the experts quantized at load, after the controllers among the routing specs ``merge_first`` are
+    attached (``moectl.loaded.quantize_loaded``)."""
     from moectl.distributed import launched_world_size
     from moectl.models.load import load_model
 
@@ -116,7 +156,13 @@ def load(spec: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, wit
         from moectl.distributed import process_device, ranks
 
         device = process_device(device, ranks())
-    return load_model(spec, dtype=dtype, device=device, seed=seed, with_tokenizer=with_tokenizer)
+    model, tokenizer = load_model(spec, dtype=dtype, device=device, seed=seed, with_tokenizer=with_tokenizer)
+    if quantize is not None:
+        from moectl.loaded import quantize_loaded
+
+        summary = quantize_loaded(model, quantize, merge_first=merge_first)
+        err_console.print(f"[dim]quantized {escape(str(summary))}[/dim]")
+    return model, tokenizer
 
 
 def model_spec(model: str | None, tiny: str | None) -> str:
@@ -237,9 +283,32 @@ class MoectlGroup(TyperGroup):
             return super().invoke(ctx)
         except MoectlError as err:
             fail(err)
+        except USAGE_ERROR as err:  # a verb's bad option value, a missing argument, an unknown verb
+            usage_failed(err)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except USAGE_ERROR as err:  # the group's own options (``moectl --bogus``)
+            usage_failed(err)
+
+
+USAGE_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+"""click's ``UsageError`` as typer raises it (typer 0.2x carries its own copy of click)."""
+
+
+def usage_failed(err: Exception) -> NoReturn:
+    """A usage error as the one line every error is (``error: Invalid value for '--num-experts': ...``,
+    exit 2) instead of typer's usage box; a group given no verb still prints its help."""
+    if type(err).__name__ == "NoArgsIsHelpError":
+        raise err
+    unnamed = type(err).__name__ == "BadParameter" and getattr(err, "param", None) is None
+    if unnamed and getattr(err, "param_hint", None) is None:  # raised by a verb: its message names the flags
+        fail(getattr(err, "message", str(err)))
+    fail(err.format_message() if hasattr(err, "format_message") else str(err))
 
 
 def fail(err: Exception | str) -> NoReturn:
-    """Print ``error: ERR`` on standard error and leave with exit code 2."""
-    err_console.print(f"[bold red]error:[/bold red] {escape(str(err))}")
+    """Print ``error: ERR`` on standard error, on one line however long, and leave with exit code 2."""
+    err_console.print(f"[bold red]error:[/bold red] {escape(str(err))}", soft_wrap=True)
     raise typer.Exit(code=2) from (err if isinstance(err, BaseException) else None)

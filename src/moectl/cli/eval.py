@@ -18,8 +18,10 @@ from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
     EvalsCacheOpt,
+    ForceOpt,
     ModelArg,
     MoectlGroup,
+    QuantizeOpt,
     check_out_file,
     console,
     interrupted,
@@ -77,6 +79,7 @@ def eval_command(
     cache: EvalsCacheOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
     label: Annotated[str | None, typer.Option(help="Row name in reports (default: MODEL).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "--json", help="Write the results JSON here.", callback=check_out_file)] = None,
     allow_code_exec: Annotated[
@@ -87,9 +90,11 @@ def eval_command(
             "same as MOECTL_ALLOW_CODE_EXEC=1). Off by default.",
         ),
     ] = False,
+    force: ForceOpt = False,
 ) -> None:
     """Evaluate MODEL through lm-eval (moectl as its model backend) or moectl's scorer, routing policies active."""
     from moectl.eval.eval_run import EvalConfig, evaluate
+    from moectl.routing.made_for import policy_target
 
     config = EvalConfig(
         model,
@@ -113,9 +118,10 @@ def eval_command(
         dtype=dtype,
         label=label,
         allow_code_exec=allow_code_exec,
+        quantize=quantize,
     )
     kept = "no results were written (--out is written once every task has finished); run the command again"
-    with interrupted(kept):
+    with interrupted(kept), policy_target(model, force=force):  # --policy/--roe made for another model
         doc = evaluate(config)
     if doc is None:  # another process of `accelerate launch -m moectl eval`: rank 0 reports
         return

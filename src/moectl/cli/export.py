@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import JsonOpt, MoectlGroup, check_out_file, console, write_json
+from moectl.cli.common import ForceOpt, JsonOpt, MoectlGroup, check_out_file, console, write_json
 
 export_app = typer.Typer(
     cls=MoectlGroup,
@@ -44,12 +44,15 @@ def gguf_cmd(
         typer.Option("--tokenizer", help="Folder of the tokenizer.json to write (default: MODEL's)."),
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+    force: ForceOpt = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Write MODEL as one GGUF file llama.cpp loads (tied embeddings untied where llama.cpp needs it)."""
     from moectl.export.to_gguf import write_gguf
+    from moectl.routing.made_for import policy_target
 
-    report = write_gguf(model, out, subset, outtype, tokenizer, overwrite)
+    with policy_target(model, force=force):  # a --subset made for another model: refused unless --force
+        report = write_gguf(model, out, subset, outtype, tokenizer, overwrite)
     table = Table(title=f"wrote {out}: llama.cpp {report['arch']}, {report['outtype']}")
     table.add_column("")
     table.add_column("", justify="right")

@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperCommand
 
 from moectl.cli.common import MoectlGroup
+from moectl.cli.extras import extras_named
 
 
 @contextmanager
@@ -34,7 +35,12 @@ def _no_flag_types(params: Sequence[Any]) -> Iterator[None]:
 
 
 class FlagCommand(TyperCommand):
-    """A verb whose ``--help`` shows flags without a type."""
+    """A verb whose ``--help`` shows flags without a type, and which names the extra it needs when
+    that is not installed (:func:`moectl.cli.extras.extras_named`)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        with extras_named(ctx):
+            return super().invoke(ctx)
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         with _no_flag_types(self.get_params(ctx)):

@@ -22,10 +22,12 @@ from rich.table import Table
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    ForceOpt,
     JsonOpt,
     MaxNewTokensOpt,
     MoectlGroup,
     OptionalModelArg,
+    QuantizeOpt,
     RoEAggregationOpt,
     RoECacheOpt,
     RoEKOpt,
@@ -35,7 +37,6 @@ from moectl.cli.common import (
     check_out_file,
     check_out_folder,
     console,
-    fail,
     interrupted,
     load,
     model_spec,
@@ -105,6 +106,8 @@ def generate_cmd(
     ] = True,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
+    force: ForceOpt = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Generate with a K-sample RoE ensemble per token (greedy by default, RoE §3.1)."""
@@ -112,6 +115,7 @@ def generate_cmd(
     from moectl.ensemble.roe_config import config_dict
     from moectl.generate import load_prompts
     from moectl.roe.roe_generate import GenerationStats, generate
+    from moectl.routing.made_for import policy_target
 
     spec = model_spec(model, tiny)
     config = _config(k, temperatures, cache, aggregation, seed)
@@ -120,9 +124,10 @@ def generate_cmd(
         texts += [p.text for p in load_prompts(str(prompts))]
     if not texts:
         raise ConfigError("give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-    lm, tokenizer = load(spec, device, dtype)
+    lm, tokenizer = load(spec, device, dtype, quantize=quantize)
     info = inspect(lm)
-    taus = config.taus(info.num_moe_layers)
+    with policy_target(spec, force=force):  # a tau profile made for another model: refused unless --force
+        taus = config.taus(info.num_moe_layers)
     streaming = stream and len(texts) == 1
     if streaming:
         console.print(f"[bold]{texts[0]}[/bold]", end="")
@@ -191,6 +196,8 @@ def score_cmd(
     seed: RoESeedOpt = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
+    force: ForceOpt = False,
     json_path: JsonOpt = None,
 ) -> None:
     """RoE log-likelihood of held-out data: perplexity, multiple-choice or exact-match accuracy."""
@@ -198,15 +205,17 @@ def score_cmd(
     from moectl.ensemble.roe_config import config_dict
     from moectl.roe.score import score
     from moectl.roe.score_data import load_items
+    from moectl.routing.made_for import policy_target
 
     spec = model_spec(model, tiny)
     if data is None:
         raise ConfigError("give --data FILE.jsonl (see `moectl.roe.score_data` for the accepted lines)")
     config = _config(k, temperatures, cache, aggregation, seed)
     items = load_items(data, limit)
-    lm, tokenizer = load(spec, device, dtype)
+    lm, tokenizer = load(spec, device, dtype, quantize=quantize)
     info = inspect(lm)
-    taus = config.taus(info.num_moe_layers)
+    with policy_target(spec, force=force):  # a tau profile made for another model: refused unless --force
+        taus = config.taus(info.num_moe_layers)
     runs = [("RoE", config)]
     if baseline:
         runs.insert(0, ("plain (K=1)", config.with_(K=1, tau=0.0)))
@@ -322,11 +331,8 @@ def tune_cmd(
     )  # fmt: skip
     study_file = storage or out.with_suffix(".optuna.journal" if several else ".optuna.db")
     kept = f"the finished trials are kept in {study_file}; run the same command again to resume the study"
-    try:
-        with interrupted(kept):
-            result = run(config)
-    except ImportError as err:
-        fail(ImportError(f"{err}; `moectl roe tune` needs optuna: pip install optuna"))
+    with interrupted(kept):  # optuna missing: `moectl.cli.extras` names the train extra
+        result = run(config)
     if several and not ranks().is_main:
         return  # rank 0 reports the study every process added to
     label = "validation perplexity" if objective == "ppl" else "validation accuracy"

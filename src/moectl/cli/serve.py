@@ -15,6 +15,7 @@ from rich.markup import escape
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    ForceOpt,
     OptionalModelArg,
     QuantizeOpt,
     ThreadsOpt,
@@ -229,6 +230,7 @@ def serve_command(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     quantize: QuantizeOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions
     (stream: true as server-sent events), /health, /metrics (Prometheus). SIGTERM drains and exits 0;
@@ -237,6 +239,7 @@ def serve_command(
         spec = model_spec(model, tiny)
     except typer.BadParameter as err:
         fail(str(err))
+    from moectl.routing.made_for import policy_target
     from moectl.server.serve_config import ServeConfig
     from moectl.server.serve_run import run_serve
 
@@ -270,7 +273,8 @@ def serve_command(
         quantize=quantize,
     )
     try:
-        run_serve(config, announce=_announce)
+        with policy_target(spec, force=force):  # --routing files made for another model: refused unless --force
+            run_serve(config, announce=_announce)
     except (ValueError, OSError, RuntimeError, MemoryError) as err:  # loading the model, binding the port
         fail(err)
 

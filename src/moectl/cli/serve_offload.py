@@ -14,6 +14,7 @@ from rich.table import Table
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    ForceOpt,
     JsonOpt,
     MoectlGroup,
     OptionalModelArg,
@@ -161,11 +162,13 @@ def serve_offload_command(
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    force: ForceOpt = False,
 ) -> None:
     """Generate greedily with experts offloaded; report memory, loads, bytes moved, time and hit rate."""
     from moectl.offload.int8 import SLOT_DTYPES
     from moectl.offload.offload_config import EXPERTS_FORWARDS, STORES, OffloadConfig
     from moectl.offload.prefetch import PrefetchConfig
+    from moectl.routing.made_for import policy_target
     from moectl.server.offload_batch import ServeOffloadConfig, run
 
     spec = model_spec(model, tiny)
@@ -209,7 +212,7 @@ def serve_offload_command(
             dtype=dtype,
             routing=routing,
         )
-    with handle_moectl_errors():  # serve_app has one command: typer runs it without MoectlGroup
+    with handle_moectl_errors(), policy_target(spec, force=force):  # serve_app has one command: no MoectlGroup
         result = run(config)
     routed = f", routing {result['routing']}" if result.get("routing") else ""
     table = Table(title=f"serve-offload: policy {result['policy']}{routed}, store {result['store']}")

@@ -27,6 +27,7 @@ from rich.table import Table
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    ForceOpt,
     JsonOpt,
     ModelArg,
     MoectlGroup,
@@ -90,7 +91,7 @@ def select_cmd(
     info = inspect(lm)
     batch = tokenize(tokenizer, texts, max_length)
     kept = select_subset(
-        lm, batch["input_ids"], keep, method, batch["attention_mask"], layerwise, seed, info
+        lm, batch["input_ids"], keep, method, batch["attention_mask"], layerwise, seed, info, progress=True
     )
     calibration = {
         "data": str(data),
@@ -134,10 +135,12 @@ def export_cmd(
             "for a checkpoint folder; --dtype and --device then do not apply: tensors are copied as stored).",
         ),
     ] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Slice the unselected experts out and save a checkpoint plain transformers loads."""
     from moectl.adapters import inspect
     from moectl.models.load_lazy import is_checkpoint_folder
+    from moectl.routing.made_for import policy_target
     from moectl.subsets.export import check_out_dir, export_subset
     from moectl.subsets.files import load_subset
 
@@ -145,7 +148,7 @@ def export_cmd(
     if stream is None:
         stream = is_checkpoint_folder(model) and dtype == "auto"
     if stream:
-        _export_streamed(model, subset, out, json_path)
+        _export_streamed(model, subset, out, json_path, force)
         return
     try:
         lm, tokenizer = load(model, device, dtype, seed=seed)
@@ -153,7 +156,8 @@ def export_cmd(
         lm, tokenizer = load(model, device, dtype, seed=seed, with_tokenizer=False)
         console.print(f"[yellow]note:[/yellow] no tokenizer loads from {model}; exporting weights only")
     info = inspect(lm)
-    chosen = load_subset(subset, info)
+    with policy_target(model, force=force):  # a subset made for another model: refused unless --force
+        chosen = load_subset(subset, info)
     warn_mismatch(subset, chosen, model, info)
     source = Path(model) if Path(model).is_dir() else None
     metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
@@ -193,19 +197,21 @@ def _print_export(out: Path, report: dict, how: str = "") -> None:
     console.print(table)
 
 
-def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None) -> None:
+def _export_streamed(model: str, subset: Path, out: Path, json_path: Path | None, force: bool = False) -> None:
     """``subset export`` of a checkpoint folder, shard by shard (``moectl.subsets.export_stream``)."""
     from moectl.adapters import inspect
     from moectl.errors import ConfigError
     from moectl.models.load_lazy import is_checkpoint_folder
     from moectl.models.meta_model import build_meta, load_config
+    from moectl.routing.made_for import policy_target
     from moectl.subsets.export_stream import export_checkpoint_subset
     from moectl.subsets.files import load_subset
 
     if not is_checkpoint_folder(model):
         raise ConfigError(f"--stream needs a checkpoint folder with safetensors shards, got {model!r}")
     meta_info = inspect(build_meta(load_config(model)))
-    chosen = load_subset(subset, meta_info)
+    with policy_target(model, force=force):
+        chosen = load_subset(subset, meta_info)
     warn_mismatch(subset, chosen, model, meta_info)
     metadata = {"model": model, "subset_file": str(subset), "method": chosen.method,
                 "calibration": chosen.calibration}  # fmt: skip
@@ -229,17 +235,20 @@ def gate_cmd(
     json_path: JsonOpt = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    force: ForceOpt = False,
 ) -> None:
     """Per-domain loss with and without the subset's experts blocked (EMO §6, fine-grained control)."""
     from moectl.adapters import inspect
     from moectl.data.domains import texts_by_domain
+    from moectl.routing.made_for import policy_target
     from moectl.subsets.files import load_subset
     from moectl.subsets.gating import gate_report
 
     texts = texts_by_domain(data, "validation", max_docs)
     lm, tokenizer = load(model, device, dtype, seed=seed)
     info = inspect(lm)
-    chosen = load_subset(subset, info)
+    with policy_target(model, force=force):
+        chosen = load_subset(subset, info)
     warn_mismatch(subset, chosen, model, info)
     own = domain or Path(str(chosen.calibration.get("data", ""))).stem
     report = gate_report(lm, tokenizer, texts, chosen.keep, info, own, max_length)

@@ -11,8 +11,10 @@ from rich.table import Table
 from moectl.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    ForceOpt,
     JsonOpt,
     OptionalModelArg,
+    QuantizeOpt,
     TinyOpt,
     check_out_file,
     check_out_folder,
@@ -57,17 +59,21 @@ def switch_rate_cmd(
     ] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
+    force: ForceOpt = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Generate, record routing and report the switch rate (TE-MoE §2.2, Table 1) per layer and category."""
     from moectl.reports import switch_rate_report
+    from moectl.routing.made_for import policy_target
 
     spec = model_spec(model, tiny)
-    lm, tokenizer = load(spec, device, dtype, seed=seed)
-    result = switch_rate_report(
-        lm, tokenizer, spec, str(prompts) if prompts else None, k_hat, max_new_tokens, temperature,
-        batch_size, seed, str(plot) if plot else None, str(trace) if trace else None, policy=policy,
-    )  # fmt: skip
+    with policy_target(spec, force=force):  # a --policy made for another model: refused unless --force
+        lm, tokenizer = load(spec, device, dtype, seed=seed, quantize=quantize, merge_first=[policy] if policy else ())
+        result = switch_rate_report(
+            lm, tokenizer, spec, str(prompts) if prompts else None, k_hat, max_new_tokens, temperature,
+            batch_size, seed, str(plot) if plot else None, str(trace) if trace else None, policy=policy,
+        )  # fmt: skip
     cats = result["categories"]
     omega = "recorded mask" if result["source"] == "allowed" else f"k-hat = {result['k_hat']}"
     table = Table(title=f"Switch rate (mean ± std over prompts), {omega}, top-k = {result['top_k']}")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moectl.data.corpus_fetch import fetch_source
@@ -36,6 +37,7 @@ from moectl.data.markup import normalise_whitespace, strip
 from moectl.data.sources import SOURCES, Source, select_sources
 from moectl.data.split import DEFAULT_FRACTIONS, SPLITS, content_key, split_of, unit_hash
 from moectl.errors import ConfigError
+from moectl.extras import extra_of
 from moectl.io.atomic import atomic_dir, atomic_path, write_text_atomic
 
 __all__ = ["CHARS_PER_TOKEN", "PIPELINE_VERSION", "build_corpus", "source_documents"]
@@ -198,8 +200,9 @@ def build_corpus(
         for source in chosen:
             missing = [m for m in source.requires if importlib.util.find_spec(m) is None]
             if missing:
+                install = " ".join(sorted({f"'moectl[{extra_of(m)}]'" if extra_of(m) else m for m in missing}))
                 console.print(f"[yellow]warning:[/] skipping source {source.name}: it needs the Python "
-                              f"package(s) {', '.join(missing)} (pip install {' '.join(missing)})")
+                              f"package(s) {', '.join(missing)} (pip install {escape(install)})")
                 source_stats[source.name] = {"domain": source.domain, "skipped": f"missing {', '.join(missing)}"}
                 continue
             task = bar.add_task(source.name, total=None, domain=source.domain, chars=0.0)

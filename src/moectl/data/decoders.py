@@ -21,6 +21,8 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from moectl.extras import optional_import
+
 __all__ = ["DECODERS", "Decoder", "read_text"]
 
 Decoder = Callable[[Path, Sequence[Path]], Iterator[tuple[str, str]]]
@@ -121,10 +123,7 @@ def decode_r_lazyload_books(path: Path, roots: Sequence[Path]) -> Iterator[tuple
     Each object is a vector of text lines; a novel is split into chapters at ``CHAPTER``/``Chapter``
     lines. Reading R serialisation needs the PyPI package ``rdata``.
     """
-    try:
-        import rdata  # type: ignore[import-not-found]
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the janeaustenr source needs the PyPI package 'rdata' (pip install rdata)") from exc
+    rdata = optional_import("rdata", "the janeaustenr source")  # MissingExtraError: the corpus extra
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         index = rdata.conversion.convert(rdata.parser.parse_data(gzip.decompress(path.with_suffix(".rdx").read_bytes())))

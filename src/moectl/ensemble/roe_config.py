@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.io.atomic import write_text_atomic
+from moectl.routing.made_for import check_profile_made_for
 from moectl.routing.policy_config import PolicyConfig, check_version, register_policy
 
 if TYPE_CHECKING:
@@ -85,7 +86,10 @@ class RoEConfig(PolicyConfig):
         _check_tau_values(self.tau)
 
     def taus(self, num_moe_layers: int) -> list[float]:
-        """tau for each of the model's MoE layers (RoE §2.2's vector τ), checked against the model."""
+        """tau for each of the model's MoE layers (RoE §2.2's vector τ), checked against the model (a
+        profile that records another model is refused: ``moectl.routing.made_for``)."""
+        count = len(self.tau) if isinstance(self.tau, Sequence) and not isinstance(self.tau, str) else None
+        check_profile_made_for(self.meta.get("model"), count, num_moe_layers)
         return resolve_tau(self.tau, num_moe_layers)
 
     def with_(self, **changes: Any) -> RoEConfig:

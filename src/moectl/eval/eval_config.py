@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from moectl.errors import ConfigError
+from moectl.quant.quant_config import check_scheme
 from moectl.runconfig import RunConfig
 
 ENGINES = ("lm-eval", "moectl")
@@ -25,6 +26,8 @@ class EvalConfig(RunConfig):
     choice in process: the same scores). ``switch`` (None: on with a policy) records the switch
     rate per task. ``cache``: the evaluation sets (default ``$MOECTL_EVALS``).
     ``allow_code_exec`` lets humaneval/mbpp run generated code (else ``$MOECTL_ALLOW_CODE_EXEC=1``).
+    ``quantize`` (``int8`` | ``int4``): the experts quantized at load (``moectl.quant``), after a
+    controller's adapters are merged.
     """
 
     kind: ClassVar[str] = "eval config"
@@ -50,11 +53,13 @@ class EvalConfig(RunConfig):
     dtype: str = "auto"
     label: str | None = None
     allow_code_exec: bool = False
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str):
             self.tasks = tuple(t.strip() for t in self.tasks.split(",") if t.strip())
         self.tasks = tuple(self.tasks)
+        check_scheme(self.quantize)
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if not self.tasks and self.perplexity is None:

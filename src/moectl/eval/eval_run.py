@@ -21,6 +21,7 @@ from moectl.eval.eval_config import ENGINES, EvalConfig
 from moectl.eval.forward import SwitchStats
 from moectl.eval.policy_file import EvalRouting, check_routing_args, experts_allowed, setup_routing
 from moectl.eval.results import new_results
+from moectl.extras import require
 
 __all__ = ["ENGINES", "EvalConfig", "evaluate"]
 
@@ -49,6 +50,8 @@ def evaluate(
             f"--engine moectl scores in one process; with {launched_world_size()} processes use --engine "
             "lm-eval (the default: the same scores, the documents split over the processes)"
         )
+    if engine == "lm-eval":
+        require("eval", "moectl.eval.evaluate with engine lm-eval")  # before any data or model loads
     processes = ranks()
     # the arguments first, then the data: a wrong flag is named even where no set is fetched yet
     check_routing_args(roe, controller, seed)
@@ -72,6 +75,12 @@ def evaluate(
     # --policy: any file load_policy reads; --controller: a controller folder (TE-MoE: adapters and
     # trained routers merged into the model, per-sequence option state); --roe: a RoE config
     routing = setup_routing(model, policy, roe, controller, seed)
+    # --quantize: after the routing, so that a controller's adapters merge into the unquantized weights
+    if c.quantize is not None:
+        from moectl.quant.quantize_model import quantize_model, quantized_scheme
+
+        if quantized_scheme(model) != c.quantize:
+            quantize_model(model, c.quantize)
     info, policies, roe_cfg = routing.info, routing.policies, routing.roe
     assert info is not None
     switch = bool(policies) and roe_cfg is None if switch is None else switch
@@ -87,6 +96,7 @@ def evaluate(
             "num_experts": summary["num_experts"][0],
             "top_k": summary["top_k"][0],
             "moe_layers": len(summary["moe_layers"]),
+            "quantize": c.quantize,
         },
         routing={
             "label": routing.label,

@@ -49,8 +49,11 @@ def output_head(model: nn.Module) -> Head:
 
 
 def vocab_size(model: nn.Module) -> int:
-    """Rows of the model's output embedding: the V of its logits."""
-    return int(model.get_output_embeddings().weight.shape[0])
+    """Rows of the model's output embedding: the V of its logits (``out_features``, which a quantized
+    head keeps without a ``weight``: ``moectl.quant``)."""
+    head = model.get_output_embeddings()
+    out_features = getattr(head, "out_features", None)
+    return int(out_features) if out_features is not None else int(head.weight.shape[0])
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.errors import ConfigError, MoectlFileError
+from moectl.errors import ConfigError, MoectlFileError, NotSupportedError
 from moectl.options.controller import OptionController
 from moectl.options.expert_lora import (
     add_expert_lora,
@@ -155,6 +155,13 @@ def load_controlled(
     controller.check(info)
     config = json.loads((path / "options.json").read_text()) if (path / "options.json").exists() else {}
     if (path / "adapter.safetensors").exists():
+        from moectl.quant.quantize_model import quantized_scheme
+
+        if quantized_scheme(model) is not None:  # PEFT would skip the quantized modules with a warning
+            raise NotSupportedError(  # short: the policy loader quotes 200 characters of it
+                f"its adapters merge into unquantized weights, the model is {quantized_scheme(model)}: attach "
+                "the controller before quantizing (moectl.loaded.quantize_loaded's merge_first)"
+            )
         from peft import LoraConfig
 
         from moectl.models.peft_quiet import get_peft_model

@@ -39,6 +39,7 @@ from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.distributed import Ranks, launched_world_size, process_device, ranks
 from moectl.ensemble.roe_config import RoEConfig, save_profile
 from moectl.errors import ConfigError
+from moectl.extras import optional_import
 from moectl.io.atomic import crash_point
 from moectl.progress import progress_bar
 from moectl.roe.score import score
@@ -162,7 +163,7 @@ def tune(
     of a domain-ordered split, unlike ``limit``'s first N), the same slice in every trial; with
     ``max_length`` it bounds a trial's cost (``max_docs`` × ``max_length`` tokens × K).
     ``model_name`` (``config.model``) is recorded in the profile."""
-    import optuna
+    optuna = optional_import("optuna", "moectl.roe.tune")
 
     if model_name is not None:
         settings["model"] = model_name

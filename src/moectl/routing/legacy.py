@@ -10,7 +10,7 @@
 
 ``load_policy`` (``routing/policy_files.py``) reads every file through :func:`normalise`;
 :func:`check_subset_layers` and :func:`check_expert_count` keep the rules ``subset export`` applies
-to subset files.
+to subset files (a file made for another model: ``routing/made_for.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moectl.errors import ConfigError, FileFormatError
+from moectl.routing.made_for import check_made_for
 from moectl.routing.policy_config import policy_types
 
 
@@ -46,19 +47,24 @@ def normalise(data: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def check_subset_layers(data: Any, info, path: Path) -> None:
+def check_subset_layers(data: Any, info, path: Path, model: Any = None) -> None:
     """A subset file (an expert mask spelled ``keep``, as ``subset select`` writes) must list every MoE
     layer, the rule ``subset export`` applies: a layer it leaves out would run unmasked, silently.
     (A policy meant for some layers only spells its lists ``experts``.) An expert mask that records
-    another expert count than the model's was made for another model: refused
-    (:func:`check_expert_count`, the rule ``subset export`` applies too). A list is checked item by item."""
+    another model (another expert count, or another ``model`` than ``model``'s: the rule ``subset
+    export`` applies too) is refused first, naming both (``moectl.routing.made_for``); under
+    ``--force`` it applies as it is, on the layers it lists. A list is checked item by item."""
     if isinstance(data, list):
         for item in data:
-            check_subset_layers(item, info, path)
+            check_subset_layers(item, info, path, model)
         return
     if not isinstance(data, Mapping) or data.get("type", "expert_mask") not in ("expert_mask", "static"):
         return
-    check_expert_count(data, path, expert_counts(info))
+    check_expert_count(data, path)  # a positive integer or null
+    if "keep" in data and data["keep"] is None:  # the random baseline: no expert ids of any model
+        return
+    if check_made_for(data, path, info, model, "subset file" if "keep" in data else "expert mask"):
+        return  # made for another model, applied anyway (--force)
     keep = data.get("keep")
     if info is None or not isinstance(keep, Mapping) or not keep:
         return
@@ -77,7 +83,7 @@ def check_expert_count(
 ) -> None:
     """Refuse the subset file or expert mask ``data`` (read from ``path``) when its ``num_experts`` (the
     experts per MoE layer of the model it was made for; null or absent: not recorded) is not a positive
-    integer, or is none of ``counts`` (the model's experts per MoE layer, :func:`expert_counts`): its
+    integer, or is none of ``counts`` (the experts per MoE layer of the model or trace it is used on): its
     expert ids would name other experts than the ones it was chosen as."""
     recorded = data.get("num_experts")
     if recorded is None or ("keep" in data and data["keep"] is None):  # not recorded; a random baseline
@@ -95,8 +101,3 @@ def check_expert_count(
             f"layer, this model has {' or '.join(map(str, counts))}; select a subset on this model "
             "(`moectl subset select`)"
         )
-
-
-def expert_counts(info) -> list[int] | None:
-    """The experts per MoE layer of the model ``info`` describes (None without one)."""
-    return None if info is None else sorted({layer.num_experts for layer in info.layers})

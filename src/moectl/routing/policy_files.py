@@ -45,6 +45,7 @@ from torch import nn
 from moectl.adapters.inspect import ModelInfo, inspect
 from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.routing.legacy import check_subset_layers, normalise
+from moectl.routing.made_for import MadeForAnotherModelError
 from moectl.routing.policy_config import PolicyConfig, check_version, policy_class
 from moectl.routing.protocols import MergingPolicy, RoutingPolicy, RoutingSource
 
@@ -133,7 +134,8 @@ def _from_dict(data: Mapping[str, Any], model, info, base: Path | None, where: s
     except ValueError as err:
         if where is None:
             raise
-        raise ConfigError(f"{where}: {err}") from None
+        kind = MadeForAnotherModelError if isinstance(err, MadeForAnotherModelError) else ConfigError
+        raise kind(f"{where}: {err}") from None
 
 
 def read_policy_json(path: Path, what: str = "policy file") -> Any:
@@ -183,7 +185,7 @@ def _from_path(path: Path, model, info) -> Any:
         if path.is_dir():
             return _from_folder(path, model, info)
         data = read_policy_json(path)
-        check_subset_layers(data, info, path)
+        check_subset_layers(data, info, path, model)
         if not isinstance(data, (Mapping, list)):
             raise ConfigError(
                 f"{path}: a policy file holds a JSON object (or a list of them), got {json.dumps(data)[:40]}"
@@ -229,7 +231,7 @@ def _from_string(spec: str, model, info) -> Any:
         data = read_policy_json(path, f"policy {spec!r}: subset file")
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: static:FILE needs one expert mask, got a {type(data).__name__}")
-        check_subset_layers(data, info, path)
+        check_subset_layers(data, info, path, model)
         data = normalise(data)
         if data["type"] not in ("expert_mask", "static"):
             raise ConfigError(
@@ -268,7 +270,7 @@ def _from_inline(spec: str, model, info) -> Any:
     except RecursionError:
         raise ConfigError(f"inline policy {spec[:60]!r}: not valid JSON (nested too deeply)") from None
     try:
-        check_subset_layers(data, info, Path("inline policy"))
+        check_subset_layers(data, info, Path("inline policy"), model)
         return _load(data, model, info, Path.cwd(), "inline policy")
     except _MALFORMED as err:
         detail = " ".join(str(err).split()) or type(err).__name__

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moectl.errors import ConfigError
+from moectl.extras import optional_import
 from moectl.offload.offload_config import OffloadConfig
 from moectl.quant.quant_config import check_scheme
 from moectl.runconfig import RunConfig
@@ -157,10 +158,10 @@ class ServeConfig(RunConfig):
         return list(self.served_model_names or [served_name(self.model)])
 
     def limits(self) -> ServeLimits:
-        """The timeouts as uvicorn_run's ``ServeLimits`` (checked there; uvicorn loads on first use)."""
-        from moectl.server.uvicorn_run import ServeLimits
-
-        return ServeLimits(self.read_timeout, self.timeout_keep_alive, self.shutdown_timeout)
+        """The timeouts as uvicorn_run's ``ServeLimits`` (checked there; uvicorn loads on first use:
+        without it, :class:`~moectl.errors.MissingExtraError` naming the serve extra)."""
+        uvicorn_run = optional_import("moectl.server.uvicorn_run", "moectl.server.ServeConfig")
+        return uvicorn_run.ServeLimits(self.read_timeout, self.timeout_keep_alive, self.shutdown_timeout)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready settings without the secrets (:data:`SECRET_FIELDS`): a saved config loads

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moectl.errors import ConfigError, UnavailableError
+from moectl.extras import require
 from moectl.server.serve_config import ServeConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -118,6 +119,7 @@ def run_serve(config: ServeConfig, *, announce: Callable[[str], None] = print) -
     use, a routing that does not load); loading a model may also raise the built-in ``OSError``
     or ``ValueError`` of transformers or the hub.
     """
+    require("serve", "moectl.server.run_serve")  # before a model loads
     from moectl.server.app import create_app
     from moectl.server.uvicorn_run import serve
     from moectl.threads import pick_threads

@@ -20,7 +20,7 @@ with layers 0..l already pruned. ``capture`` keeps every token instead (for insp
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,11 +120,13 @@ def collect(
     batch_size: int | None = 8,
     max_tokens: int | None = None,
     seed: int = 0,
+    advance: Callable[[int], object] | None = None,
 ) -> dict[int, LayerStats]:
     """``{layer: LayerStats}`` of the real tokens at MoE layers ``layers`` (default all), streamed.
 
     ``needs``: the statistics to keep (``stats.NEEDS[method]``, or ``{"inputs"}`` for every token);
-    ``batch_size`` rows per forward (None: all at once); ``max_tokens`` bounds the token sample.
+    ``batch_size`` rows per forward (None: all at once); ``max_tokens`` bounds the token sample;
+    ``advance(rows)`` after each forward (a progress bar's).
     """
     wanted = list(range(info.num_moe_layers)) if layers is None else list(layers)
     needs = frozenset(needs)
@@ -196,6 +198,8 @@ def collect(
                     else attention_mask[first : first + rows].to(device),
                     logits_to_keep=1,
                 )
+                if advance is not None:
+                    advance(min(rows, input_ids.shape[0] - first))
     finally:
         for handle in handles:
             handle.remove()

@@ -12,11 +12,12 @@ files that spell the lists ``experts`` load here too.
 Keys of ``keep`` are MoE layer indices (dense layers skipped), values the kept expert ids. Loading
 refuses, naming the file and the layer: a missing file, a folder, unreadable or non-UTF-8 bytes,
 non-JSON (``read_policy_json``, the reader ``load_policy`` uses too), missing fields, non-integer
-layers or ids, duplicates; with the model's ``ModelInfo`` also another expert count than the
-file's ``num_experts`` (made for another model), unknown or missing layers, out-of-range ids,
-fewer than top-k experts, unequal counts and unbalanced router groups (``slicing.check_keep``).
-A file records the model it was chosen on and its experts per MoE layer (``num_experts``); a verb
-using it on a model of another name but the same expert count warns (:func:`subset_mismatch`).
+layers or ids, duplicates; with the model's ``ModelInfo`` also a file made for another model
+(another ``num_experts``, or another ``model`` than the verb's: ``routing/made_for.py``, applied
+anyway under ``--force``), unknown or missing layers, out-of-range ids, fewer than top-k experts,
+unequal counts and unbalanced router groups (``slicing.check_keep``). A file records the model it
+was chosen on and its experts per MoE layer (``num_experts``); one applied anyway to another model
+(``--force``) is named in a warning (:func:`subset_mismatch`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from moectl.adapters.inspect import ModelInfo
 from moectl.adapters.slicing import check_keep
 from moectl.errors import ConfigError, FileFormatError
 from moectl.io.atomic import write_text_atomic
-from moectl.routing.legacy import check_expert_count, expert_counts
+from moectl.routing.legacy import check_expert_count
+from moectl.routing.made_for import check_made_for
 from moectl.routing.policy_config import FORMAT_VERSION
 from moectl.routing.policy_files import read_policy_json
 
@@ -109,7 +111,7 @@ def load_subset(path: str | Path, info: ModelInfo | None = None) -> SubsetFile:
             raise FileFormatError(f"subset file {path}: MoE layer {layer}: negative expert ids in {ids}")
         keep[layer] = sorted(ids)
     if info is not None:
-        check_expert_count(data, path, expert_counts(info))  # another model: its ids name other experts
+        check_made_for(data, path, info)  # another model: its ids name other experts (--force: apply anyway)
         try:
             keep = check_keep(info, keep)
         except ValueError as err:

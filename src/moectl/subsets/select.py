@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, MoELayer, inspect
 from moectl.errors import ConfigError
+from moectl.progress import progress_bar
 from moectl.subsets import methods
 from moectl.subsets.calibrate import LayerInputs, collect
 from moectl.subsets.reconstruction import reconstruction_keep
@@ -77,8 +78,10 @@ def select_subset(
     info: ModelInfo | None = None,
     batch_size: int = 8,
     max_tokens: int | None = MAX_TOKENS,
+    progress: bool = False,
 ) -> dict[int, list[int]]:
-    """Select ``k`` experts per MoE layer from calibration tokens; ``{moe_layer: sorted ids}``."""
+    """Select ``k`` experts per MoE layer from calibration tokens; ``{moe_layer: sorted ids}``.
+    ``progress``: a bar over the calibration forwards (one pass, or one per MoE layer ``layerwise``)."""
     info = info or inspect(model)
     method = method_name(method)
     for layer in info.layers:
@@ -86,14 +89,18 @@ def select_subset(
     if attention_mask is not None and not bool(attention_mask.bool().any()):
         raise ConfigError("the calibration batch has no real tokens (attention_mask is all zero)")
     needs = NEEDS[method]
-    options = {"batch_size": batch_size, "max_tokens": max_tokens, "seed": seed}
-    keep: dict[int, list[int]] = {}
-    if not layerwise:
-        stats = collect(model, info, input_ids, attention_mask, needs, **options)
-        return {
-            layer.index: keep_from_stats(layer, stats[layer.index], k, method, seed) for layer in info.layers
-        }
-    for layer in info.layers:  # layer l+1 measured with layers 0..l pruned: one pass per layer
-        stats = collect(model, info, input_ids, attention_mask, needs, keep, [layer.index], **options)
-        keep[layer.index] = keep_from_stats(layer, stats[layer.index], k, method, seed)
-    return keep
+    passes = info.num_moe_layers if layerwise else 1
+    with progress_bar(f"selecting ({method})", progress) as bar:
+        task = bar.add_task(method, total=input_ids.shape[0] * passes)
+        options = {"batch_size": batch_size, "max_tokens": max_tokens, "seed": seed,
+                   "advance": lambda rows: bar.advance(task, rows)}  # fmt: skip
+        keep: dict[int, list[int]] = {}
+        if not layerwise:
+            stats = collect(model, info, input_ids, attention_mask, needs, **options)
+            return {
+                layer.index: keep_from_stats(layer, stats[layer.index], k, method, seed) for layer in info.layers
+            }
+        for layer in info.layers:  # layer l+1 measured with layers 0..l pruned: one pass per layer
+            stats = collect(model, info, input_ids, attention_mask, needs, keep, [layer.index], **options)
+            keep[layer.index] = keep_from_stats(layer, stats[layer.index], k, method, seed)
+        return keep

@@ -1,0 +1,36 @@
+"""Weight-only quantized experts at load — int8 per output channel, int4 group-wise (issue 40 item 1).
+
+    import moectl
+    model, tok, info = moectl.load("models/moectl-small-standard", quantize="int4")
+    # or, on a model loaded already:
+    summary = moectl.quant.quantize_model(model, "int4", group_size=64, scope="experts")
+
+The experts (and with ``scope="all"`` the attention, dense MLP and LM-head projections) are
+multiplied by PyTorch's weight-only CPU kernels (``aten._weight_int8pack_mm``,
+``aten._weight_int4pack_mm_for_cpu``); the routers stay in the model's dtype, so every routing
+policy acts as on the unquantized model. ``benchmarks/quantized_experts.py`` measures the speed
+and the quality (KL per token, perplexity ratio) against the model in its own dtype.
+"""
+
+from moectl.quant.packed_weights import Int4Weights, Int8Weights, QuantizedWeights, quantize_weights
+from moectl.quant.quant_config import DEFAULT_GROUP_SIZE, GROUP_SIZES, SCHEMES, SCOPES
+from moectl.quant.quantize_model import QuantSummary, model_bytes, quantize_model, quantized_scheme
+from moectl.quant.quantized_experts import QuantizedExperts
+from moectl.quant.quantized_linear import QuantizedLinear
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "GROUP_SIZES",
+    "SCHEMES",
+    "SCOPES",
+    "Int4Weights",
+    "Int8Weights",
+    "QuantSummary",
+    "QuantizedExperts",
+    "QuantizedLinear",
+    "QuantizedWeights",
+    "model_bytes",
+    "quantize_model",
+    "quantize_weights",
+    "quantized_scheme",
+]
