@@ -78,7 +78,7 @@ def test_serve_answers_sglangs_endpoints_and_exports_metrics(loaded):
         missing = client.get("/start_expert_distribution").json()["error"]["message"]  # a 404 lists every route
     for route in ("POST /start_expert_distribution_record", "POST /tokenize", "GET /tokenizer_info", "GET /metrics"):
         assert route in missing, missing
-    prompt = len(tok("Once upon")["input_ids"])
+    prompt = tok("Once upon")["input_ids"].shape[-1]  # a batch of one
     for name in ("default", "half"):
         entry = dump["routings"][name]
         assert entry["tokens"] == prompt + 4 - 1
