@@ -3,7 +3,9 @@
 The engine decodes ``--tokens`` greedy tokens for one prompt (1 row) and for ``--rows`` prompts
 together; llama.cpp (llama-cpp-python) decodes the same prompt's token ids from the model's GGUF
 export (``moectl export gguf MODEL --outtype bf16``: the same weights at the same bits), one
-sequence — its Python API decodes one sequence per context. Both with ``--threads`` torch / llama.cpp
+sequence — its Python API decodes one sequence per context. moectl runs twice: its lean eager
+forward and its compiled decoding step (``EngineConfig.compile_decode``; the compile, at the
+warm-up, is timed apart). All with ``--threads`` torch / llama.cpp
 threads, alternated ``--repeats`` times in this run (medians), the machine's load printed beside.
 Decode tokens/s count the generated tokens over the time after the prompt's forward.
 
@@ -70,27 +72,42 @@ def main() -> None:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.rows)]
     llm = open_llama(args.gguf, args.threads)
     ids = encode(tok, prompts[0])
-    runs: dict[str, list[float]] = {"llama.cpp 1 row": [], "moectl 1 row": [], f"moectl {args.rows} rows": []}
-    with Engine(model, tok, EngineConfig(max_batch=args.rows)) as engine:
-        engine_tok_s(engine, prompts[:1], 4)  # warm-up
+    runs: dict[str, list[float]] = {"llama.cpp 1 row": []}
+    engines = {name: Engine(model, tok, EngineConfig(max_batch=args.rows, compile_decode=on)).open()
+               for name, on in (("moectl", False), ("moectl compiled", True))}  # fmt: skip
+    compile_s = {}
+    try:
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine_tok_s(engine, prompts[:1], 4)  # warm-up (the compiled engine compiles here)
+            engine_tok_s(engine, prompts, 4)
+            compile_s[name] = time.perf_counter() - start
+            runs[f"{name} 1 row"], runs[f"{name} {args.rows} rows"] = [], []
         llama_tok_s(llm, ids, 4)
         for _ in range(args.repeats):
             runs["llama.cpp 1 row"].append(llama_tok_s(llm, ids, args.tokens))
-            runs["moectl 1 row"].append(engine_tok_s(engine, prompts[:1], args.tokens))
-            runs[f"moectl {args.rows} rows"].append(engine_tok_s(engine, prompts, args.tokens))
-        path = engine.stats()["decode_forward"]["path"]
+            for name, engine in engines.items():
+                runs[f"{name} 1 row"].append(engine_tok_s(engine, prompts[:1], args.tokens))
+                runs[f"{name} {args.rows} rows"].append(engine_tok_s(engine, prompts, args.tokens))
+        path = {name: engine.stats()["decode_forward"] for name, engine in engines.items()}
+        graphs = engines["moectl compiled"].runner.compiled
+        graphs = None if graphs is None else graphs.compiles
+    finally:
+        for engine in engines.values():
+            engine.close()
     median = {name: statistics.median(v) for name, v in runs.items()}
     llama = median["llama.cpp 1 row"]
     load = os.getloadavg()
     print(f"{args.model} vs {args.gguf.name}, {args.threads} threads, {args.tokens} tokens, load {load[0]:.1f}")
-    print(f"moectl's decoding forward: {path}")
+    print(f"moectl's decoding forwards: {path}")
+    print(f"warm-up (compiling included): {compile_s}; shape classes compiled: {graphs}")
     rows = []
     for name, value in median.items():
         rows.append({"system": name, "tok_s": value, "vs_llama_1_row": value / llama, "runs": runs[name]})
         print(f"{name:<18} {value:>8.1f} tok/s  {value / llama:>5.2f}x llama.cpp's one row")
     if args.json_path is not None:
         result = {"model": args.model, "gguf": str(args.gguf), "threads": args.threads, "tokens": args.tokens,
-                  "loadavg": load, "decode_forward": path, "rows": rows}  # fmt: skip
+                  "loadavg": load, "decode_forward": path, "warmup_s": compile_s, "rows": rows}  # fmt: skip
         write_text_atomic(args.json_path, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json_path}")
 

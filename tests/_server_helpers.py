@@ -25,7 +25,8 @@ def free_port() -> int:
 class Server:
     """``moectl serve tiny:olmoe --port P ARGS`` until :meth:`stop`; its output in a log file."""
 
-    def __init__(self, *args: str, model: str = "tiny:olmoe") -> None:
+    def __init__(self, *args: str, model: str = "tiny:olmoe", startup_s: float = STARTUP_S) -> None:
+        self.startup_s = startup_s
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="moectl-serve-", suffix=".log")[1])
@@ -37,7 +38,7 @@ class Server:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_S
+        deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"moectl serve exited {self.proc.returncode}:\n{self.output()}")
@@ -47,7 +48,7 @@ class Server:
             except httpx.HTTPError:
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"moectl serve did not answer /health in {STARTUP_S:.0f} s:\n{self.output()}")
+        raise RuntimeError(f"moectl serve did not answer /health in {self.startup_s:.0f} s:\n{self.output()}")
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

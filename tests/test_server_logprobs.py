@@ -3,7 +3,8 @@
 lm-eval's own ``local-completions`` model scoring loglikelihood requests through the server.
 
 The server runs moectl's reference model (``models/moectl-small-standard``, float32, its own BPE
-tokenizer, which lm-eval loads as a Hugging Face tokenizer); every figure is checked against one
+tokenizer, which lm-eval loads as a Hugging Face tokenizer) with its decoding step compiled
+(``--compile``, what ``moectl serve`` does for a checkpoint); every figure is checked against one
 offline forward of the same ids (``log_softmax`` of the model's logits).
 """
 
@@ -27,7 +28,7 @@ TOL = 1e-4  # float32, batched against one row: the sums' order differs
 
 @pytest.fixture(scope="module")
 def server():
-    running = Server("--dtype", "float32", "--max-batch", "8", model=MODEL)
+    running = Server("--dtype", "float32", "--max-batch", "8", "--compile", model=MODEL, startup_s=300)
     yield running
     running.stop()
 

@@ -157,6 +157,16 @@ def serve_command(
             "--no-lean-decode: the model's own forward. /metrics counts each (moectl_decode_forwards).",
         ),
     ] = True,
+    compile_decode: Annotated[
+        bool | None,
+        typer.Option(
+            "--compile/--no-compile",
+            help="Decode through one compiled step (torch.compile; OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral) "
+            "where a step's rows are routed as the model routes them and nothing records it; other steps "
+            "take the lean forward (/metrics: moectl_decode_slow_steps says why). Compiled at start "
+            "(about a minute). Default: on, off for tiny: test models.",
+        ),
+    ] = None,
     return_routed_experts: Annotated[
         bool,
         typer.Option(
@@ -255,6 +265,7 @@ def serve_command(
         prefix_cache=prefix_cache,
         prefill_chunk=prefill_chunk,
         lean_decode=lean_decode,
+        compile_decode=compile_decode,
         return_routed_experts=return_routed_experts,
         max_model_len=parse_tokens("--max-model-len", max_model_len),
         default_max_tokens=parse_tokens("--default-max-tokens", default_max_tokens, rest=True),

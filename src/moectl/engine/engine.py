@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -83,6 +84,8 @@ from moectl.lm.lm_head import vocab_size
 from moectl.lm.padding import left_pad
 from moectl.progress import progress_bar
 from moectl.routing.keyed_hash import seed_key
+
+log = logging.getLogger("moectl.engine")
 
 
 def eos_ids(model: nn.Module, tokenizer) -> set[int]:
@@ -138,6 +141,7 @@ class EngineConfig:
     solo: bool = False  # one request at a time, its own cache never padded or re-batched (``kv.batchable``)
     threads: int | None = None  # torch threads of start()'s loop thread (None: the starting thread's count)
     lean_decode: bool = True  # decode through moectl.lm.lean_decode where the family has it (model_runner)
+    compile_decode: bool = False  # decode plain steps through one compiled graph (moectl.lm.compiled_decode)
 
     def __post_init__(self) -> None:
         PrefixCache(self.prefix_cache_tokens)  # checks the size
@@ -188,7 +192,8 @@ class Engine:
         self.eos_ids = eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
-        self.runner = ModelRunner(model, self.config.lean_decode)  # the one caller of the model's forward
+        # the one caller of the model's forward
+        self.runner = ModelRunner(model, self.config.lean_decode, self.config.compile_decode, self.info)
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
         self.expert_counts = ExpertCounts(self.info)  # expert use per routing over a window (start/stop/dump)
@@ -250,6 +255,9 @@ class Engine:
                 policies += list(self.runtime.policy.routing(self.runtime.info))
             self._residency = policies
             self.prefix_rules.residency = bool(policies)  # routing follows the resident set: no prefixes
+            if self.runner.compiled is not None and self.config.compile_decode:
+                seconds = self.runner.compiled.warm_up()  # the graphs built before the first request
+                log.info("decoding step compiled in %.1f s (%s)", seconds, self.runner.path)
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
@@ -788,7 +796,9 @@ class Engine:
         self._prepare("decode", batch.requests, self._groups(), batch.prev, batch.switches, [1] * len(batch), offsets)
         valid = torch.cat([batch.valid, torch.ones(b, 1, dtype=torch.bool, device=batch.valid.device)], 1)
         try:
-            logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache)
+            logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache, self._plain())
+            if self.runner.chosen is not None:  # the compiled step ran no hooks: its choices counted here
+                self.meter.chose(self.runner.chosen)
         finally:
             self._between_steps()
         if self.runtime is not None:  # what this step's rows needed together, per MoE layer (host ints)
@@ -805,6 +815,22 @@ class Engine:
         ]
         if finished:
             self._remove(finished)
+
+    def _plain(self) -> str | None:
+        """None where every row of this decoding step is routed as the model routes it and nothing
+        records it (the compiled step may run, ``model_runner``), else the feature that needs the
+        routers' hooks."""
+        if self.runtime is not None or self._residency:
+            return "offloading"
+        if self.meter.traces is not None:
+            return "recording the routing (traces, routed experts)"
+        if self.expert_counts.recording:
+            return "expert counts"
+        if self.router.groups:
+            return "a request's routing policy"
+        if self._session is None:
+            return "the engine is not open"
+        return None
 
     def _remove(self, rows: list[int]) -> None:
         """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""
@@ -841,7 +867,7 @@ class Engine:
             **self.counters,
             "running": len(self.batch) + len(self._roe_rows) + len(self._chunked),
             "waiting": waiting,
-            "decode_forward": {"path": self.runner.path, **self.runner.calls},
+            "decode_forward": {"path": self.runner.path, **self.runner.calls, "slow": dict(self.runner.slow)},
             "switch_rate": {
                 name: (s["switches"] / s["steps"] if s["steps"] else None)
                 for name, s in self.output.routing_stats.items()

@@ -1,15 +1,21 @@
 """The model runner: the one place the engine calls the model, one forward per call.
 
 A prefill forward is the model's own (transformers' forward over many tokens per row). A decoding
-forward (one token per row) runs the lean forward of ``moectl.lm.lean_decode`` where the model's
-family has one and the call is one it computes exactly as the model's: the same modules and
-operations without transformers' per-layer plumbing (the reference model, one row, 2 threads:
-``benchmarks/engine_step_split.py``). Routing, recording, offloading and padding skips act on the
-routers and experts modules, which both forwards call the same way.
+forward (one token per row) takes the fastest path that computes it as the model would:
 
-``EngineConfig.lean_decode=False`` (``moectl serve --no-lean-decode``) keeps the model's own
-forward everywhere; ``ModelRunner.path`` says which forward decodes and, where it is the model's,
-why (logged once).
+1. ``compiled``: the whole step as one ``torch.compile`` graph (``moectl.lm.compiled_decode``), for
+   OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral with plain experts, where every row of the step is routed
+   as the model routes it and nothing records the step (the engine says so: ``decode(plain=...)``).
+   It bypasses the modules' hooks, so it returns the experts it chose for the switch counts.
+2. ``lean``: ``moectl.lm.lean_decode``, the same modules and operations without transformers'
+   per-layer plumbing; routing, recording, offloading and padding skips act on the routers and
+   experts modules, which it calls as the model's forward does.
+3. ``model``: the model's own forward, for everything else.
+
+``EngineConfig.compile_decode`` switches path 1 on (``moectl serve`` does by default),
+``EngineConfig.lean_decode=False`` (``--no-lean-decode``) keeps path 3 everywhere. ``path`` says
+which decodes and why not a faster one (logged once); ``calls`` counts forwards by path and
+``slow`` counts, by reason, the steps a compiled runner left to a slower path.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from moectl.lm.compiled_decode import CompiledDecode
 from moectl.lm.lean_decode import LeanDecode, lean_decode
 from moectl.routing.kv_cache import cache_out, with_cache
 
@@ -28,17 +35,29 @@ log = logging.getLogger("moectl.engine")
 class ModelRunner:
     """Prefill and decode forwards of ``model`` for the engine (see the module doc)."""
 
-    def __init__(self, model: nn.Module, lean: bool = True) -> None:
+    def __init__(self, model: nn.Module, lean: bool = True, compile: bool = False, info: Any = None) -> None:
         self.model = model
         self.lean: LeanDecode | None = None
+        self.compiled: CompiledDecode | None = None
         if lean:
             self.lean, why = lean_decode(model)
         else:
             why = "lean decoding switched off (lean_decode=False)"
+        if lean and compile:
+            from moectl.lm.step_weights import step_weights
+
+            weights, reason = step_weights(model, info)
+            if weights is not None:
+                self.compiled = CompiledDecode(weights)
+                why = reason
+            else:
+                why = f"{why}; no compiled step: {reason}"
         self.path = why
-        self.calls: dict[str, int] = {}  # decoding forwards by path: {"lean": n, "model": m}
-        if self.lean is None:
-            log.info("decoding through the model's own forward: %s", why)
+        self.calls: dict[str, int] = {}  # decoding forwards by path: {"compiled": n, "lean": m, "model": k}
+        self.slow: dict[str, int] = {}  # decoding steps a compiled runner left to a slower path, by reason
+        self.chosen: Tensor | None = None  # [L, B, k] the experts the latest compiled step chose
+        if self.lean is None or (compile and self.compiled is None):
+            log.info("decoding path: %s", why)
 
     def prefill(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Any]:
         """The last position's logits [B, V] and the cache after ``ids`` [B, T]."""
@@ -46,10 +65,30 @@ class ModelRunner:
                          use_cache=True, logits_to_keep=1)  # fmt: skip
         return out.logits[:, -1], cache if cache_out(out) is None else cache_out(out)
 
-    def decode(self, last: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Any]:
-        """The logits [B, V] after one token per row (``last`` [B]) and the cache extended by it."""
+    def decode(
+        self, last: Tensor, mask: Tensor, positions: Tensor, cache: Any, plain: str | None = "not asked"
+    ) -> tuple[Tensor, Any]:
+        """The logits [B, V] after one token per row (``last`` [B]) and the cache extended by it.
+
+        ``plain`` is None where every row is routed as the model routes it and nothing records the
+        step (the compiled step may run), else the reason it may not. After a compiled step
+        ``chosen`` holds the experts it chose [L, B, k] (None after any other path)."""
+        self.chosen = None
+        if self.compiled is not None:
+            why = plain or self.compiled.covers(cache) or self._hooked()
+            if why is None:
+                self.calls["compiled"] = self.calls.get("compiled", 0) + 1
+                logits, self.chosen = self.compiled(last, mask, positions, cache)
+                return logits, cache
+            self.slow[why] = self.slow.get(why, 0) + 1
         if self.lean is None:
             self.calls["model"] = self.calls.get("model", 0) + 1
             return self.prefill(last[:, None], mask, positions, cache)
         with self.lean.installed(self.calls):
             return self.prefill(last[:, None], mask, positions, cache)
+
+    def _hooked(self) -> str | None:
+        """Why the compiled step may not run for hooks someone put on the decoder (it would skip them)."""
+        if self.lean is not None and self.lean._hooked():
+            return "hooks on decoder layers or attention modules"
+        return None

@@ -264,6 +264,11 @@ class SwitchMeter:
 
         return hook
 
+    def chose(self, chosen: Tensor) -> None:
+        """The experts [L, B, k] a forward that ran no router hooks chose at each row's token (the
+        compiled decoding step, ``moectl.lm.compiled_decode``), for ``end`` to count."""
+        self._last = {i: chosen[i] for i in range(chosen.shape[0])}
+
     def end(self) -> None:
         """After a forward: ω of every layer that ran at each row's last token, switches counted
         where ω changed (a decoding step), ω kept for the next call."""

@@ -110,12 +110,21 @@ class EngineCollector(Collector):
         yield rates
         forwards = GaugeMetricFamily(
             "moectl_decode_forwards",
-            "Decoding forwards run, by forward: lean (moectl.lm.lean_decode) or model (the model's own).",
+            "Decoding forwards run, by forward: compiled (moectl.lm.compiled_decode), lean "
+            "(moectl.lm.lean_decode) or model (the model's own).",
             labels=["forward"],
         )
-        for path in ("lean", "model"):
+        for path in ("compiled", "lean", "model"):
             forwards.add_metric([path], float((stats.get("decode_forward") or {}).get(path, 0)))
         yield forwards
+        slow = GaugeMetricFamily(
+            "moectl_decode_slow_steps",
+            "Decoding steps a compiled runner left to a slower forward, by the feature that needed it.",
+            labels=["reason"],
+        )
+        for reason, n in ((stats.get("decode_forward") or {}).get("slow") or {}).items():
+            slow.add_metric([str(reason)], float(n))
+        yield slow
         yield from _expert_tokens(self.engine)
         offload = stats.get("offload") or {}
         for key, (name, doc) in OFFLOAD_GAUGES.items():

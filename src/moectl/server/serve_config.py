@@ -56,6 +56,8 @@ class ServeConfig(RunConfig):
     ``max_queue``: requests waiting for a row (past it: 429). ``prefix_cache``: prompt tokens whose
     KV is kept for later prompts (0: off); ``prefill_chunk``: longer prompts are prefilled a chunk
     per step. ``lean_decode``: decode through ``moectl.lm.lean_decode`` where it applies.
+    ``compile_decode``: decode plain steps through the compiled step (``moectl.lm.compiled_decode``;
+    compiled at start; None: on for checkpoints, off for ``tiny:`` test models).
     ``return_routed_experts``: every choice carries ``routed_experts`` (vLLM's
     ``--enable-return-routed-experts``; else only requests that ask). ``max_model_len``: the tokens
     a request may hold, prompt + max_tokens (vLLM's flag; None: the model's
@@ -84,6 +86,7 @@ class ServeConfig(RunConfig):
     prefix_cache: int = 2048
     prefill_chunk: int = 512
     lean_decode: bool = True
+    compile_decode: bool | None = None
     return_routed_experts: bool = False
     max_model_len: int | None = None
     default_max_tokens: int | None = None

@@ -79,6 +79,8 @@ def open_engine(config: ServeConfig, threads: int) -> tuple[Any, Any]:
                 prefix_cache_tokens=config.prefix_cache,
                 prefill_chunk=config.prefill_chunk,
                 lean_decode=config.lean_decode,
+                compile_decode=config.compile_decode if config.compile_decode is not None
+                else not str(config.model).startswith("tiny:"),
                 threads=threads,
             ),
             routings=dict(config.routings),

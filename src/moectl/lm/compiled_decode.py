@@ -1,0 +1,105 @@
+"""The decoding step compiled whole: one graph per batch shape class, no Python per layer at run time.
+
+:class:`CompiledDecode` runs :func:`moectl.lm.decode_step.decode_step` through ``torch.compile``
+(inductor; on the CPU it generates C++ for the step's small operations, which the eager step spends
+most of its time dispatching: issue 39 item 3). The cache stays the engine's ``DynamicCache``: the
+step reads each layer's keys and values and writes the extended ones back, as
+``DynamicLayer.update`` would. Rows join and leave and the cache grows at every step, so the batch
+size and the cache length are marked dynamic: one graph serves every length, and batch sizes take
+two (one row, and several: ``torch.compile`` specialises a size of 1). ``compiles`` counts the
+graphs built; ``benchmarks/engine_compiled.py`` measures what they cost as rows join and leave.
+
+``compile=False`` runs the same step eagerly (its CPU twin in tests, and the path where
+``torch.compile`` is unavailable). On a GPU the same graph is what ``mode="reduce-overhead"`` would
+capture in CUDA graphs; that path has never run here (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moectl.lm.decode_step import StepWeights, decode_step
+
+log = logging.getLogger("moectl.engine")
+
+
+class CompiledDecode:
+    """One token per row through :func:`decode_step`, compiled (see the module doc)."""
+
+    def __init__(self, weights: StepWeights, compile: bool = True, mode: str | None = None) -> None:
+        self.weights = weights
+        self.compiled = compile
+        self.compiles = 0  # graphs built (first calls of a new shape class)
+        self.compile_seconds = 0.0
+        self._shapes: set[bool] = set()  # shape classes seen: one row / several
+        self._fn = torch.compile(self._step, dynamic=None, mode=mode) if compile else self._step
+
+    def _step(self, ids: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor], values: list[Tensor]):
+        return decode_step(self.weights, ids, positions, valid, keys, values)
+
+    def warm_up(self) -> float:
+        """Build both graphs now (one row, two rows) on an empty-ish cache, so the first requests do
+        not wait for the compiler; the seconds it took."""
+        from transformers import DynamicCache
+
+        w = self.weights
+        start = time.perf_counter()
+        device = w.embed.device
+        with torch.inference_mode():  # as the engine steps: its caches are inference tensors (a guard)
+            for rows in (1, 2):
+                cache = DynamicCache()
+                for i in range(len(w.layers)):
+                    kv = torch.zeros(rows, w.num_kv_heads, 4, w.head_dim, dtype=w.dtype, device=device)
+                    cache.update(kv, kv.clone(), i)
+                valid = torch.ones(rows, 5, dtype=torch.bool, device=device)
+                positions = torch.full((rows, 1), 4, dtype=torch.long, device=device)
+                self(torch.zeros(rows, dtype=torch.long, device=device), valid, positions, cache)
+        return time.perf_counter() - start
+
+    def covers(self, cache: Any) -> str | None:
+        """None where this step can extend ``cache``, else why not."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.weights.layers):
+            return "not a DynamicCache of every layer"
+        if any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
+            return "cache layers that are not plain, filled DynamicLayers"
+        return None
+
+    def __call__(self, last: Tensor, valid: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Tensor]:
+        """Logits [B, V] after ``last`` [B] and the experts chosen [L, B, k]; ``cache`` extended.
+
+        ``valid`` [B, T + 1] marks each row's real columns after this token; ``positions`` [B, 1]
+        or [B] each row's position."""
+        keys = [layer.keys.contiguous() for layer in cache.layers]  # a re-batched cache may be a view:
+        values = [layer.values.contiguous() for layer in cache.layers]  # one stride, one graph
+        positions = positions.reshape(-1)
+        valid = valid.bool()
+        if self.compiled:
+            for t in (*keys, *values):
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+                if t.shape[0] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(valid, 1)
+            if last.shape[0] > 1:
+                for t in (last, positions, valid):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        shape = last.shape[0] > 1
+        first = self.compiled and shape not in self._shapes
+        start = time.perf_counter()
+        logits, new_keys, new_values, chosen = self._fn(last, positions, valid, keys, values)
+        if first:
+            self._shapes.add(shape)
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - start
+            log.info("compiled the decoding step for %s in %.1f s", "several rows" if shape else "one row",
+                     time.perf_counter() - start)  # fmt: skip
+        for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
+            layer.keys, layer.values = k, v
+        return logits, chosen

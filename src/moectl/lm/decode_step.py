@@ -1,0 +1,176 @@
+"""One decoding step of a MoE decoder as plain tensor code: what ``torch.compile`` captures whole.
+
+:func:`decode_step` computes, for one new token per row, what the model's own forward computes
+(issue 39 item 3): embedding, rotary position, per layer the input norm, q/k/v projections
+(+ bias, + query/key norm, + clip), attention over the row's cache with the call's padding mask,
+the output projection, the post-attention norm, the router's logits, the family's selection rule
+(``adapters/rules.py``: the same ``RouterRule.select`` the routing hooks use), the chosen experts' products and the shared expert;
+then the final norm and the LM head. It takes the weights as tensors (:class:`StepWeights`), so
+the whole step is one graph with no module calls, hooks or host syncs, and returns the experts it
+chose, [L, B, k], for the caller's switch counts. Norms and the rotary embedding are the model's
+own modules (pure tensor code, inlined by the compiler), so their numbers are the model's.
+
+The experts' products gather the chosen experts' weights ([B, k, 2I, H]) and contract them with
+the rows: no per-expert Python loop, no data-dependent shapes. Large experts (``experts_op``) are
+one opaque call per layer instead, the eager engine's grouped products, which copy no weights;
+large projections are the eager product too (``step_ops``: inductor's own loop is slower there). Deviation from the model's forward:
+the k experts' outputs are summed in one reduction rather than added one expert at a time, so in
+bf16 the sums differ by rounding (tokens and log-probabilities equal within bf16's rounding:
+``tests/test_compiled_decode.py``); in float32 they agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moectl.adapters.rules import RouterRule
+from moectl.lm.step_ops import large
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors (and its norms' modules) for :func:`decode_step`."""
+
+    input_norm: nn.Module
+    post_norm: nn.Module
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    q_bias: Tensor | None
+    k_bias: Tensor | None
+    v_bias: Tensor | None
+    o_bias: Tensor | None
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    scaling: float
+    # MoE layers: router [E, H], the family's rule, experts gate_up [E, 2I, H], down [E, H, I]
+    router: Tensor | None = None
+    router_bias: Tensor | None = None  # a score-correction bias (``rule.select``'s bias)
+    rule: RouterRule | None = None
+    gate_up: Tensor | None = None
+    down: Tensor | None = None
+    # a shared expert (Qwen2-MoE): gate, up, down [.., H] and its sigmoid gate [1, H]
+    shared: tuple[Tensor, Tensor, Tensor] | None = None
+    shared_gate: Tensor | None = None
+    # a dense MLP layer (Qwen2-MoE's mlp_only_layers): gate, up, down
+    dense: tuple[Tensor, Tensor, Tensor] | None = None
+    moe_index: int | None = None  # this layer's index among the MoE layers
+    kernel_experts: bool = False  # the experts through ``moectl::routed_experts`` (large experts)
+
+
+@dataclass
+class StepWeights:
+    """The whole model's tensors for :func:`decode_step` (views of the model's own: nothing copied)."""
+
+    embed: Tensor
+    rotary: nn.Module
+    norm: nn.Module
+    lm_head: Tensor
+    lm_head_bias: Tensor | None
+    layers: list[LayerWeights]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: str | None  # None, "flat" (over the projection's output) or "head" (per head)
+    clip: float | None
+    top_k: int
+    dtype: torch.dtype
+    act: str = "silu"
+    moe_layers: list[int] = field(default_factory=list)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``; for a large weight the eager product, opaque to the compiler (``step_ops``)."""
+    if large(weight):
+        return torch.ops.moectl.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _glu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    return _linear(F.silu(_linear(x, gate)) * _linear(x, up), down)
+
+
+def _experts(w: LayerWeights, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+    """Σ_j weights[:, j] · expert_{idx[:, j]}(x) over the k chosen experts of each row [B, H]."""
+    assert w.gate_up is not None and w.down is not None
+    if w.kernel_experts:
+        return torch.ops.moectl.routed_experts(x, idx, weights, w.gate_up, w.down)
+    y = torch.einsum("bkoh,bh->bko", w.gate_up[idx], x)  # [B, k, 2I]
+    gate, up = y.chunk(2, dim=-1)
+    out = torch.einsum("bkhi,bki->bkh", w.down[idx], F.silu(gate) * up)  # [B, k, H]
+    return (out * weights.to(out.dtype)[..., None]).sum(1)
+
+
+def decode_step(
+    sw: StepWeights,
+    ids: Tensor,
+    positions: Tensor,
+    valid: Tensor,
+    keys: list[Tensor],
+    values: list[Tensor],
+) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor]:
+    """Logits [B, V] after one token per row, the caches extended by it, the experts chosen [L, B, k].
+
+    ``ids`` [B] the rows' last tokens; ``positions`` [B] their positions; ``valid`` [B, T + 1] bool,
+    the rows' real columns after this token (left padding False); ``keys`` / ``values`` per layer
+    [B, kv heads, T, D]. Every row is routed as the model routes it (no policy: the engine takes
+    this step only for such batches, ``moectl.engine.model_runner``).
+    """
+    b = ids.shape[0]
+    h = F.embedding(ids[:, None], sw.embed)  # [B, 1, H]
+    cos, sin = sw.rotary(h, positions[:, None])
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+    mask = valid[:, None, None, :]
+    new_keys: list[Tensor] = []
+    new_values: list[Tensor] = []
+    chosen: list[Tensor] = []
+    heads, kv_heads, d = sw.num_heads, sw.num_kv_heads, sw.head_dim
+    for i, w in enumerate(sw.layers):
+        x = w.input_norm(h)
+        q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
+        if sw.qk_norm == "flat":
+            assert w.q_norm is not None and w.k_norm is not None
+            q, k = w.q_norm(q), w.k_norm(k)
+        if sw.clip is not None:
+            q, k, v = q.clamp(-sw.clip, sw.clip), k.clamp(-sw.clip, sw.clip), v.clamp(-sw.clip, sw.clip)
+        q, k, v = q.view(b, 1, heads, d), k.view(b, 1, kv_heads, d), v.view(b, 1, kv_heads, d)
+        if sw.qk_norm == "head":
+            assert w.q_norm is not None and w.k_norm is not None
+            q, k = w.q_norm(q), w.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys_i = torch.cat([keys[i], k], dim=2)
+        values_i = torch.cat([values[i], v], dim=2)
+        new_keys.append(keys_i)
+        new_values.append(values_i)
+        out = F.scaled_dot_product_attention(q, keys_i, values_i, attn_mask=mask, scale=w.scaling,
+                                             enable_gqa=kv_heads != heads)  # fmt: skip
+        h = h + _linear(out.transpose(1, 2).reshape(b, 1, heads * d), w.o, w.o_bias)
+        x = w.post_norm(h)[:, 0]  # [B, H]
+        if w.dense is not None:
+            h = h + _glu(x, *w.dense)[:, None]
+            continue
+        assert w.router is not None and w.rule is not None and w.moe_index is not None
+        logits = _linear(x, w.router)
+        weights, idx = w.rule.select(logits, w.router_bias)
+        chosen.append(idx)
+        y = _experts(w, x, weights.to(sw.dtype), idx)
+        if w.shared is not None:
+            shared = _glu(x, *w.shared)
+            if w.shared_gate is not None:
+                shared = torch.sigmoid(_linear(x, w.shared_gate)) * shared
+            y = y + shared
+        h = h + y[:, None]
+    logits = _linear(sw.norm(h)[:, 0], sw.lm_head, sw.lm_head_bias)
+    return logits, new_keys, new_values, torch.stack(chosen)

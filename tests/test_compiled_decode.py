@@ -1,0 +1,123 @@
+"""The compiled decoding step (moectl.lm.compiled_decode) computes what the model's forward computes.
+
+Its eager twin (``compile=False``, the same tensor code) equals the model's forward per family in
+float32 to rounding, with left padding, and extends the cache the same way. Through the engine,
+``compile_decode`` on against off: the same tokens, log-probabilities and switch rates while rows
+join and leave, with routed requests in the batch (their steps take the lean forward and the engine
+counts why). One test compiles for real (one row and several: two graphs, whatever the lengths).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moectl
+from moectl.adapters.inspect import inspect
+from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.lm.compiled_decode import CompiledDecode
+from moectl.lm.step_weights import FAMILIES, step_weights
+from moectl.routing.kv_cache import with_cache
+from test_lean_decode import MASK, PROMPTS, _prefilled
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("opaque", [False, True])
+def test_eager_twin_equals_the_models_forward(family, batch, opaque, monkeypatch):
+    """``opaque``: every product through ``moectl::linear`` / ``moectl::routed_experts`` (what large
+    models take), else traced products and gathered experts (what small ones take)."""
+    if opaque:
+        monkeypatch.setattr("moectl.lm.step_ops.KERNEL_BYTES", 0)
+    model, _, _ = moectl.load(f"tiny:{family}", dtype="float32")
+    weights, why = step_weights(model, inspect(model))
+    assert weights is not None, why
+    assert all(w.kernel_experts == opaque for w in weights.layers if w.gate_up is not None)
+    step = CompiledDecode(weights, compile=False)
+    cache, mask, positions = _prefilled(model, batch)
+    token = torch.randint(3, 60, (batch,))
+    ours, theirs = copy.deepcopy(cache), copy.deepcopy(cache)
+    with torch.no_grad():
+        want = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, **with_cache(theirs),
+                     use_cache=True).logits[:, -1]  # fmt: skip
+        got, chosen = step(token, mask, positions, ours)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert chosen.shape == (len(inspect(model).layers), batch, weights.top_k)
+    for a, b in zip(ours.layers, theirs.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-6, atol=1e-6)
+
+
+def test_what_it_does_not_cover_is_named():
+    model, tok, _ = moectl.load("tiny:deepseek_v3", dtype="float32")
+    weights, why = step_weights(model, inspect(model))
+    assert weights is None and "deepseek_v3" in why
+    quantized, _, _ = moectl.load("tiny:olmoe", dtype="bfloat16", quantize="int8")
+    weights, why = step_weights(quantized, inspect(quantized))
+    assert weights is None and "experts" in why
+    with Engine(model, tok, EngineConfig(compile_decode=True)) as engine:
+        assert "no compiled step" in engine.stats()["decode_forward"]["path"]
+
+
+def _run(model, tok, compile_decode: bool, order, eager_twin: bool = False):
+    """Requests joining at different steps and leaving at different lengths (a batch that changes)."""
+    config = EngineConfig(max_batch=3, compile_decode=compile_decode)
+    engine = Engine(model, tok, config, routings={"mask": MASK, "opt": "option:4"})
+    if eager_twin and engine.runner.compiled is not None:
+        engine.runner.compiled = CompiledDecode(engine.runner.compiled.weights, compile=False)
+    out: dict[int, list] = {}
+    with engine:
+        for i, routing in enumerate(order):
+            params = SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True, seed=i, temperature=0.8, logprobs=2)
+
+            def keep(event, i=i):
+                out.setdefault(i, []).extend(event.token_ids)
+
+            engine.submit(PROMPTS[i % len(PROMPTS)], params, routing, keep)
+            engine.step()
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            engine.step()
+        stats = engine.stats()
+    return out, stats, engine.runner.compiled
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+def test_engine_compiled_and_lean_agree_with_routed_rows_joining_and_leaving(family):
+    model, tok, _ = moectl.load(f"tiny:{family}", dtype="float32")
+    order = [None, None, "mask", None, "opt", None]
+    got, got_stats, _ = _run(model, tok, True, order, eager_twin=True)
+    want, want_stats, _ = _run(model, tok, False, order)
+    forward = got_stats["decode_forward"]
+    assert forward["compiled"] > 0 and forward["lean"] > 0 and "compiled" not in want_stats["decode_forward"]
+    assert set(forward["slow"]) == {"a request's routing policy"}
+    assert got == want
+    assert got_stats["switch_rate"] == want_stats["switch_rate"]
+
+
+def test_recording_takes_the_lean_forward_and_says_so():
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with Engine(model, tok, EngineConfig(record=True, compile_decode=True)) as engine:
+        engine.runner.compiled = CompiledDecode(engine.runner.compiled.weights, compile=False)
+        done = engine.generate(PROMPTS[:2], params)
+        forward = engine.stats()["decode_forward"]
+    assert all(c.trace is not None for c in done)
+    assert "compiled" not in forward and forward["slow"] == {"recording the routing (traces, routed experts)": 4}
+
+
+def test_compiled_for_real_two_graphs_for_every_length_and_batch():
+    """torch.compile itself: rows join and leave and the cache grows; one graph for one row, one for
+    several (``torch.compile`` specialises a size of 1), the same tokens as the lean forward."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    order = [None, None, None, None]
+    got, stats, compiled = _run(model, tok, True, order)
+    want, _, _ = _run(model, tok, False, order)
+    assert got == want
+    assert stats["decode_forward"]["compiled"] > 0 and compiled.compiles == 2
+    assert counters["stats"]["unique_graphs"] == 2
