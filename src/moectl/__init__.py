@@ -16,6 +16,7 @@ from moectl.adapters import ModelInfo, UnsupportedModelError, inspect, self_test
 from moectl.errors import ConfigError, MoectlError, MoectlFileError
 from moectl.lm_eval import install as _install_lm_eval_backend
 from moectl.metrics.switch_rate import switch_rate
+from moectl.quant.checkpoint_format import install as _install_quantized_checkpoints
 from moectl.routing import (
     DocumentPool,
     ExpertMask,
@@ -31,6 +32,7 @@ from moectl.routing import (
 __version__ = "0.1.0"
 
 _install_lm_eval_backend()  # registers the lm-eval backend now or when lm-eval loads (stdlib only)
+_install_quantized_checkpoints()  # load_model reads `moectl checkpoint quantize` folders (issue 40 item 2)
 
 # name -> (module, attribute), imported on first access
 _LAZY: dict[str, tuple[str, str]] = {

@@ -84,7 +84,9 @@ app.add_typer(
     options.options_app, name="options", help="Temporally extended MoE: option controllers (TE-MoE)."
 )
 app.command("baselines")(baselines.baselines_command)
-app.add_typer(checkpoint.checkpoint_app, name="checkpoint", help="Write checkpoints of real models' shapes.")
+app.add_typer(
+    checkpoint.checkpoint_app, name="checkpoint", help="Write checkpoints: real models' shapes, quantized models."
+)
 app.add_typer(
     export.export_app, name="export", help="Write a model in another engine's format (GGUF for llama.cpp)."
 )

@@ -1,4 +1,5 @@
-"""``moectl checkpoint make``: a real model's shape with random weights, as a sharded checkpoint.
+"""``moectl checkpoint make``: a real model's shape with random weights, as a sharded checkpoint
+(``moectl checkpoint quantize``, a quantized checkpoint: ``cli/checkpoint_quantize.py``).
 
     moectl checkpoint make shape:olmoe-1b-7b@2 --out /tmp/ck
     moectl checkpoint make shape:deepseek-v2-lite --out ck/ --max-shard-gb 2 --json ck.json
@@ -15,11 +16,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from moectl.cli.checkpoint_quantize import quantize_cmd
 from moectl.cli.common import JsonOpt, MoectlGroup, check_out_folder, console, write_json
 
 checkpoint_app = typer.Typer(
     cls=MoectlGroup,
-    help="Write checkpoints of real models' shapes (random weights).", no_args_is_help=True
+    help="Write checkpoints: real models' shapes (random weights), quantized models.",
+    no_args_is_help=True,
 )
 
 
@@ -67,3 +70,6 @@ def make_cmd(
         table.add_row(*row)
     console.print(table)
     write_json(json_path, summary)
+
+
+checkpoint_app.command("quantize")(quantize_cmd)  # issue 40 item 2: cli/checkpoint_quantize.py

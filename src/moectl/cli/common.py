@@ -28,9 +28,12 @@ console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
 """Errors go to standard error, so a verb's standard output stays its results."""
 
-ModelArg = Annotated[str, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id.")]
+ModelArg = Annotated[
+    str, typer.Argument(help="tiny:FAMILY, a checkpoint directory, a hub id or a .gguf file.")
+]
 OptionalModelArg = Annotated[
-    str | None, typer.Argument(help="tiny:FAMILY, a checkpoint directory or a hub id (or use --tiny).")
+    str | None,
+    typer.Argument(help="tiny:FAMILY, a checkpoint directory, a hub id or a .gguf file (or use --tiny)."),
 ]
 FAMILY_HELP = "olmoe, mixtral, qwen3_moe, deepseek_v3, gpt_oss, ... (all: `python -c 'import moectl; print(moectl.FAMILIES)'`)"
 TinyOpt = Annotated[str | None, typer.Option("--tiny", help=f"Tiny random model of a family: {FAMILY_HELP}.")]
@@ -161,7 +164,8 @@ def load(
         from moectl.loaded import quantize_loaded
 
         summary = quantize_loaded(model, quantize, merge_first=merge_first)
-        err_console.print(f"[dim]quantized {escape(str(summary))}[/dim]")
+        if summary is not None:  # None: a quantized checkpoint of that scheme, loaded as it is
+            err_console.print(f"[dim]quantized {escape(str(summary))}[/dim]")
     return model, tokenizer
 
 

@@ -1,5 +1,5 @@
 """Load a model and tokenizer from ``tiny:FAMILY``, ``shape:NAME[@LAYERS][~wWIDTH]``, a local
-checkpoint directory or a hub id."""
+checkpoint directory, a hub id or a GGUF file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from transformers import PreTrainedModel
 
 from moectl.errors import ConfigError, FileFormatError, MoectlFileError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
+from moectl.models.folder_loaders import loader_for
+from moectl.models.gguf_config import is_gguf
 from moectl.models.grouped_experts import prefer_on_cpu
 from moectl.models.shapes import MARKER, SPEC_PREFIX, build_shape, check_checkpoint, known_shapes
 from moectl.models.tiny import FAMILIES, tiny
@@ -127,8 +129,8 @@ def load_model(
     device_map: str | None = None,
 ) -> tuple[PreTrainedModel, object]:
     """``spec`` is ``tiny:FAMILY`` (offline random model), ``shape:NAME[@LAYERS][~wWIDTH]`` (a real
-    model's shape with random bf16 weights, see ``moectl.models.shapes``), a checkpoint directory or
-    a hub id.
+    model's shape with random bf16 weights, see ``moectl.models.shapes``), a checkpoint directory,
+    a hub id or a GGUF file (``moectl.models.load_gguf``, issue 40 item 3).
 
     Returns (model in eval mode, tokenizer padding on the left); the tokenizer is None when
     ``with_tokenizer`` is False. Shapes and checkpoints written from them have no tokenizer of
@@ -157,6 +159,10 @@ def load_model(
         prefer_on_cpu(model)
         install_cpu_linear(model)
         return model, byte_tokenizer(model.config.vocab_size) if with_tokenizer else None
+    if is_gguf(spec):  # a GGUF file (issue 40 item 3): transformers' GGUF loader, dequantized
+        from moectl.models.load_gguf import load_gguf
+
+        return load_gguf(spec, dtype, device, with_tokenizer=with_tokenizer, device_map=device_map)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(spec).expanduser()
@@ -170,6 +176,9 @@ def load_model(
     _quiet_transformers()
     if local.exists():
         check_model_folder(local)
+        folder_loader = loader_for(local)  # e.g. moectl.quant's quantized checkpoints (issue 40 item 2)
+        if folder_loader is not None:
+            return folder_loader(local, dtype, device, device_map, with_tokenizer)
     placed = {"device_map": device_map} if device_map else {}
     if (local / MARKER).is_file():  # written by moectl.models.shapes: check shards, no tokenizer
         check_checkpoint(local)

@@ -49,9 +49,16 @@ def load_for_offload(
 ) -> tuple:
     """(model, tokenizer, reader) for serving ``spec`` under ``config`` (an ``OffloadConfig``; its
     ``policy`` a string). ``reader`` is the checkpoint's shard reader (close it when done), or None."""
+    from moectl.models.folder_loaders import claimed_by
     from moectl.models.load import load_model
     from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
 
+    kind = claimed_by(Path(spec).expanduser())
+    if kind is not None:  # e.g. a quantized checkpoint (issue 40 item 2): no bf16 experts to stream
+        raise ConfigError(
+            f"{spec} is a {kind}, whose experts offloading (serve-offload, serve --budget) cannot "
+            "stream: serve it whole (moectl serve MODEL), or offload the model it was made from"
+        )
     policy = config.policy if isinstance(config.policy, str) else "lru"
     if config.store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
         preflight(spec, dtype, config.budget, policy, config.slot_dtype)

@@ -57,6 +57,16 @@ class Int8Weights(QuantizedWeights):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
 
+    @classmethod
+    def from_stored(cls, codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Int8Weights:
+        """The weights of a saved checkpoint (issue 40 item 2): ``codes`` int8 [E, N, K], ``scale``
+        float32 [E, N], ``dtype`` the original weights' dtype; nothing is quantized again."""
+        self = cls.__new__(cls)
+        QuantizedWeights.__init__(self, tuple(codes.shape), dtype)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        return self
+
     def linear(self, x: Tensor, index: int = 0) -> Tensor:
         return int8_linear(x, self.codes[index], self.scale[index])
 
@@ -77,6 +87,20 @@ class Int4Weights(QuantizedWeights):
         self.group = parts[0][2]
         self.register_buffer("packed", torch.stack([p[0] for p in parts]))
         self.register_buffer("scale_zero", torch.stack([p[1] for p in parts]))
+
+    @classmethod
+    def from_stored(
+        cls, packed: Tensor, scale_zero: Tensor, group: int, shape: tuple[int, int, int], dtype: torch.dtype
+    ) -> Int4Weights:
+        """The weights of a saved checkpoint (issue 40 item 2): ``packed`` [E, N', K'/2] as
+        ``_convert_weight_to_int4pack_for_cpu`` packs them on this machine, ``scale_zero``
+        [E, K'/group, N', 2], ``shape`` the unpadded [E, N, K]; nothing is quantized again."""
+        self = cls.__new__(cls)
+        QuantizedWeights.__init__(self, shape, dtype)
+        self.group = int(group)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero)
+        return self
 
     def linear(self, x: Tensor, index: int = 0) -> Tensor:
         return int4_groups.int4_linear(

@@ -30,6 +30,8 @@ from torch import nn
 from moectl.adapters.inspect import inspect
 from moectl.errors import ConfigError, NotSupportedError
 from moectl.models.grouped_experts import fits
+from moectl.quant.int4_groups import group_for
+from moectl.quant.packed_weights import Int4Weights
 from moectl.quant.quant_config import DEFAULT_GROUP_SIZE, check_group_size, check_scheme, check_scope
 from moectl.quant.quantized_experts import QuantizedExperts
 from moectl.quant.quantized_linear import QuantizedLinear
@@ -88,6 +90,29 @@ def quantized_scheme(model: nn.Module) -> str | None:
     return None
 
 
+def already_quantized(model: nn.Module, scheme: str, group_size: int | None = None) -> bool:
+    """Whether ``model`` holds ``scheme`` already (a quantized checkpoint, issue 40 item 2: asking for
+    its own scheme again is a no-op); False for an unquantized model. ``ConfigError`` for another
+    scheme, or for int4 in other groups than an explicit ``group_size`` gives."""
+    current = quantized_scheme(model)
+    if current is None:
+        return False
+    if current != scheme:
+        raise ConfigError(
+            f"the model is quantized already ({current}, e.g. a quantized checkpoint): it cannot be "
+            f"quantized to {scheme}; quantize the unquantized model to {scheme} instead"
+        )
+    if scheme == "int4" and group_size is not None:
+        held = [m for m in model.modules() if isinstance(m, Int4Weights)]
+        if any(w.group != group_for(w.in_features, group_size) for w in held):
+            groups = ", ".join(str(g) for g in sorted({w.group for w in held}))
+            raise ConfigError(
+                f"the model is int4 in groups of {groups} already: group size {group_size} needs the "
+                "unquantized model"
+            )
+    return True
+
+
 def _is_gate(name: str) -> bool:
     last = name.rsplit(".", 1)[-1]
     return last in GATE_NAMES or last.endswith("_gate")
@@ -139,6 +164,7 @@ def quantize_model(
     group = check_group_size(group_size) if scheme == "int4" else None
     check_scope(scope)
     if quantized_scheme(model) is not None:
+        already_quantized(model, scheme)  # another scheme: its ConfigError, naming both
         raise ConfigError(
             f"the model is quantized already ({quantized_scheme(model)}): load it again to re-quantize"
         )

@@ -25,15 +25,29 @@ from moectl.quant.packed_weights import QuantizedWeights, quantize_weights
 class QuantizedExperts(nn.Module):
     """Fused gated experts whose ``gate_up`` and ``down`` weights are :class:`QuantizedWeights`."""
 
-    def __init__(self, experts: nn.Module, scheme: str, group_size: int) -> None:
+    def __init__(
+        self,
+        experts: nn.Module,
+        scheme: str,
+        group_size: int,
+        weights: tuple[QuantizedWeights, QuantizedWeights] | None = None,
+    ) -> None:
+        """Quantize ``experts``' weights, or (``weights``: gate_up and down read from a quantized
+        checkpoint, issue 40 item 2) take them as given: ``experts`` then gives only the shapes and
+        the activation, and may be on the meta device."""
         super().__init__()
         self.num_experts = int(experts.num_experts)
         self.hidden_dim = int(experts.down_proj.shape[1])
         self.intermediate_dim = int(experts.down_proj.shape[2])
         self.act_fn = experts.act_fn
         self.replaces = type(experts).__name__
-        self.gate_up: QuantizedWeights = quantize_weights(experts.gate_up_proj, scheme, group_size)
-        self.down: QuantizedWeights = quantize_weights(experts.down_proj, scheme, group_size)
+        if weights is None:
+            weights = (
+                quantize_weights(experts.gate_up_proj, scheme, group_size),
+                quantize_weights(experts.down_proj, scheme, group_size),
+            )
+        self.gate_up: QuantizedWeights = weights[0]
+        self.down: QuantizedWeights = weights[1]
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         shape = hidden_states.shape

@@ -19,10 +19,16 @@ from moectl.quant.packed_weights import QuantizedWeights, quantize_weights
 class QuantizedLinear(nn.Module):
     """``nn.Linear``'s product with a :class:`QuantizedWeights` weight (one [out, in] matrix)."""
 
-    def __init__(self, linear: nn.Linear, scheme: str, group_size: int) -> None:
+    def __init__(
+        self, linear: nn.Linear, scheme: str, group_size: int, weight: QuantizedWeights | None = None
+    ) -> None:
+        """Quantize ``linear.weight``, or (``weight``: read from a quantized checkpoint, issue 40 item 2)
+        take it as given: ``linear`` then gives only the sizes and the bias (meta until loaded)."""
         super().__init__()
         self.in_features, self.out_features = int(linear.in_features), int(linear.out_features)
-        self.qweight: QuantizedWeights = quantize_weights(linear.weight, scheme, group_size)
+        self.qweight: QuantizedWeights = (
+            quantize_weights(linear.weight, scheme, group_size) if weight is None else weight
+        )
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
