@@ -3,7 +3,8 @@
 For each ``--model`` (default: the reference model and OLMoE-1B-7B's dimensions at 4 of its 16
 layers, random bf16), two engines on the same weights: ``compile_decode`` off (the lean forward,
 ``moectl.lm.lean_decode``) and on (``moectl.lm.compiled_decode``). Each decodes ``--tokens``
-greedy tokens for 1 row and for ``--rows`` rows, alternated ``--repeats`` times (medians). Then a
+greedy tokens for 1 row and for ``--rows`` rows (each request routed by ``--routing`` if given: an
+expert mask decodes compiled too), alternated ``--repeats`` times (medians). Then a
 batch whose rows join and leave (requests of different lengths submitted a step apart) runs
 through the compiled engine: the graphs ``torch.compile`` built over the whole run (its own
 counter, ``unique_graphs``) say what joining, leaving and the growing cache cost in recompiles.
@@ -30,15 +31,18 @@ from bench_args import PROMPTS, fail
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
 
+ROUTING: str | dict | None = None  # every request's routing (``--routing``), registered as "r"
+
 
 def tok_s(engine: Engine, prompts: list[str], tokens: int) -> float:
     """Decode tokens/s: ``tokens`` greedy tokens per prompt, less a one-token run's time (the prefill)."""
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    routing = None if ROUTING is None else "r"
     start = time.perf_counter()
-    engine.generate(prompts, one)
+    engine.generate(prompts, one, routing=routing)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
+    engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0), routing=routing)
     return len(prompts) * (tokens - 1) / (time.perf_counter() - start - prefill)
 
 
@@ -64,7 +68,9 @@ def measure(spec: str, args) -> dict:
         torch._dynamo.reset()
         counters.clear()
         start = time.perf_counter()
-        engines[name] = Engine(model, tok, EngineConfig(max_batch=args.rows, compile_decode=on)).open()
+        routings = {} if ROUTING is None else {"r": ROUTING}
+        config = EngineConfig(max_batch=args.rows, compile_decode=on)
+        engines[name] = Engine(model, tok, config, routings=routings).open()
         tok_s(engines[name], prompts[:1], 3)
         tok_s(engines[name], prompts, 3)
         warmup[name] = time.perf_counter() - start
@@ -81,7 +87,7 @@ def measure(spec: str, args) -> dict:
         for engine in engines.values():
             engine.close()
     median = {k: statistics.median(v) for k, v in runs.items()}
-    out = {"model": spec, "warmup_s": warmup, "tok_s": median, "runs": runs, "join_leave_s": churn,
+    out = {"model": spec, "routing": ROUTING, "warmup_s": warmup, "tok_s": median, "runs": runs, "join_leave_s": churn,
            "graphs_built": graphs, "decode_forward": forwards, "loadavg": os.getloadavg()}  # fmt: skip
     for r in ("1 row", f"{args.rows} rows"):
         out[f"compiled_vs_lean {r}"] = median[f"compiled {r}"] / median[f"lean {r}"]
@@ -95,8 +101,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--routing", default=None, help="every request's routing: a policy file, spec or JSON")
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
     args = ap.parse_args()
+    global ROUTING
+    ROUTING = json.loads(args.routing) if args.routing and args.routing.lstrip().startswith("{") else args.routing
     if args.tokens < 2 or args.rows < 2 or args.threads < 1 or args.repeats < 1:
         fail("--tokens >= 2, --rows >= 2, --threads >= 1, --repeats >= 1")
     torch.set_num_threads(args.threads)

@@ -796,7 +796,9 @@ class Engine:
         self._prepare("decode", batch.requests, self._groups(), batch.prev, batch.switches, [1] * len(batch), offsets)
         valid = torch.cat([batch.valid, torch.ones(b, 1, dtype=torch.bool, device=batch.valid.device)], 1)
         try:
-            logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache, self._plain())
+            plain, masks, renorm = self._plain()
+            logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache, plain, masks,
+                                               renorm)  # fmt: skip
             if self.runner.chosen is not None:  # the compiled step ran no hooks: its choices counted here
                 self.meter.chose(self.runner.chosen)
         finally:
@@ -816,21 +818,23 @@ class Engine:
         if finished:
             self._remove(finished)
 
-    def _plain(self) -> str | None:
-        """None where every row of this decoding step is routed as the model routes it and nothing
-        records it (the compiled step may run, ``model_runner``), else the feature that needs the
-        routers' hooks."""
+    def _plain(self) -> tuple[str | None, list[Tensor | None] | None, str]:
+        """Whether this decoding step may run compiled (``model_runner``): None where every row is
+        routed as the model routes it or by an expert mask and nothing records the step, else the
+        feature that needs the routers' hooks; the rows' masks per MoE layer ([B, E] or None) and
+        their renormalisation (``RowRouter.mask_rows``)."""
         if self.runtime is not None or self._residency:
-            return "offloading"
+            return "offloading", None, "pruned"
         if self.meter.traces is not None:
-            return "recording the routing (traces, routed experts)"
+            return "recording the routing (traces, routed experts)", None, "pruned"
         if self.expert_counts.recording:
-            return "expert counts"
-        if self.router.groups:
-            return "a request's routing policy"
+            return "expert counts", None, "pruned"
         if self._session is None:
-            return "the engine is not open"
-        return None
+            return "the engine is not open", None, "pruned"
+        if not self.router.groups:
+            return None, None, "pruned"
+        why, masks, renorm = self.router.mask_rows()
+        return why, masks, renorm
 
     def _remove(self, rows: list[int]) -> None:
         """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""

@@ -5,7 +5,8 @@ forward (one token per row) takes the fastest path that computes it as the model
 
 1. ``compiled``: the whole step as one ``torch.compile`` graph (``moectl.lm.compiled_decode``), for
    OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral with plain experts, where every row of the step is routed
-   as the model routes it and nothing records the step (the engine says so: ``decode(plain=...)``).
+   as the model routes it or by an expert mask (a subset) and nothing records the step (the engine
+   says so: ``decode(plain=..., allowed=...)``).
    It bypasses the modules' hooks, so it returns the experts it chose for the switch counts.
 2. ``lean``: ``moectl.lm.lean_decode``, the same modules and operations without transformers'
    per-layer plumbing; routing, recording, offloading and padding skips act on the routers and
@@ -66,19 +67,21 @@ class ModelRunner:
         return out.logits[:, -1], cache if cache_out(out) is None else cache_out(out)
 
     def decode(
-        self, last: Tensor, mask: Tensor, positions: Tensor, cache: Any, plain: str | None = "not asked"
-    ) -> tuple[Tensor, Any]:
+        self, last: Tensor, mask: Tensor, positions: Tensor, cache: Any, plain: str | None = "not asked",
+        allowed: list[Tensor | None] | None = None, renorm: str = "pruned",
+    ) -> tuple[Tensor, Any]:  # fmt: skip
         """The logits [B, V] after one token per row (``last`` [B]) and the cache extended by it.
 
-        ``plain`` is None where every row is routed as the model routes it and nothing records the
-        step (the compiled step may run), else the reason it may not. After a compiled step
-        ``chosen`` holds the experts it chose [L, B, k] (None after any other path)."""
+        ``plain`` is None where the compiled step may run: every row routed as the model routes it
+        or by an expert mask (``allowed``, ``renorm``: ``decode_step``), nothing recording the step;
+        else the reason it may not. After a compiled step ``chosen`` holds the experts it chose
+        [L, B, k] (None after any other path)."""
         self.chosen = None
         if self.compiled is not None:
             why = plain or self.compiled.covers(cache) or self._hooked()
             if why is None:
                 self.calls["compiled"] = self.calls.get("compiled", 0) + 1
-                logits, self.chosen = self.compiled(last, mask, positions, cache)
+                logits, self.chosen = self.compiled(last, mask, positions, cache, allowed, renorm)
                 return logits, cache
             self.slow[why] = self.slow.get(why, 0) + 1
         if self.lean is None:

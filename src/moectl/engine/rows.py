@@ -206,6 +206,32 @@ class RowRouter:
             state.row_top_k = {k: rows[0] if len(rows) == 1 else torch.cat(rows) for k, rows in top_k.items()}
             self.row_top_k = state.row_top_k
 
+    def mask_rows(self) -> tuple[str | None, list[Tensor | None] | None, str]:
+        """For a forward that runs no router hooks (the compiled decoding step): where every group's
+        routing is an expert mask (row-constant, no forced experts, no ``topk:N``, no ``option:K``
+        lens), None, each MoE layer's allowed experts [B, E] (None where no row is restricted) and
+        the renormalisation; and, as ``apply`` would, ``allowed`` and ``restricted_rows`` set for
+        the switch counts. Else the reason it cannot, and nothing set."""
+        constants = self.constants
+        if self.dynamic or constants is None:
+            return "a request's routing policy (noise, pool, controller, replay)", None, "pruned"
+        if constants.top_k:
+            return "topk:N routing", None, "pruned"
+        if self.lens:
+            return "option:K routing (its lens reads the router's distribution)", None, "pruned"
+        if any(layer.forced is not None for layer in constants.layers):
+            return "forced experts", None, "pruned"
+        masks: list[Tensor | None] = []
+        for index, layer in enumerate(constants.layers):
+            if layer.allowed is None:
+                masks.append(None)
+                continue
+            masks.append(layer.allowed[:, 0])
+            self.allowed[index] = layer.allowed
+            if self.restricted_rows is not None and layer.restricting is not None:
+                self.restricted_rows |= layer.restricting
+        return None, masks, constants.renorm
+
     @staticmethod
     def _context(ctx: RouteContext, group: Group, device: torch.device) -> RouteContext:
         """The call as the group's requests alone would make it: its rows, its real columns, its offset."""

@@ -36,11 +36,12 @@ class CompiledDecode:
         self.compiled = compile
         self.compiles = 0  # graphs built (first calls of a new shape class)
         self.compile_seconds = 0.0
-        self._shapes: set[bool] = set()  # shape classes seen: one row / several
+        self._shapes: set[tuple] = set()  # graph classes seen: one row / several, the masked layers
         self._fn = torch.compile(self._step, dynamic=None, mode=mode) if compile else self._step
 
-    def _step(self, ids: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor], values: list[Tensor]):
-        return decode_step(self.weights, ids, positions, valid, keys, values)
+    def _step(self, ids: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor], values: list[Tensor],
+              allowed: list[Tensor | None] | None, renorm: str):  # fmt: skip
+        return decode_step(self.weights, ids, positions, valid, keys, values, allowed, renorm)
 
     def warm_up(self) -> float:
         """Build both graphs now (one row, two rows) on an empty-ish cache, so the first requests do
@@ -72,11 +73,15 @@ class CompiledDecode:
             return "cache layers that are not plain, filled DynamicLayers"
         return None
 
-    def __call__(self, last: Tensor, valid: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self, last: Tensor, valid: Tensor, positions: Tensor, cache: Any,
+        allowed: list[Tensor | None] | None = None, renorm: str = "pruned",
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Logits [B, V] after ``last`` [B] and the experts chosen [L, B, k]; ``cache`` extended.
 
         ``valid`` [B, T + 1] marks each row's real columns after this token; ``positions`` [B, 1]
-        or [B] each row's position."""
+        or [B] each row's position; ``allowed``, ``renorm``: the rows' expert masks per MoE layer
+        (:func:`decode_step`). Masks make a graph of their own (which layers have one)."""
         keys = [layer.keys.contiguous() for layer in cache.layers]  # a re-batched cache may be a view:
         values = [layer.values.contiguous() for layer in cache.layers]  # one stride, one graph
         positions = positions.reshape(-1)
@@ -88,17 +93,17 @@ class CompiledDecode:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(valid, 1)
             if last.shape[0] > 1:
-                for t in (last, positions, valid):
+                for t in (last, positions, valid, *(m for m in allowed or () if m is not None)):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        shape = last.shape[0] > 1
+        shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm)
         first = self.compiled and shape not in self._shapes
         start = time.perf_counter()
-        logits, new_keys, new_values, chosen = self._fn(last, positions, valid, keys, values)
+        logits, new_keys, new_values, chosen = self._fn(last, positions, valid, keys, values, allowed, renorm)
         if first:
             self._shapes.add(shape)
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - start
-            log.info("compiled the decoding step for %s in %.1f s", "several rows" if shape else "one row",
+            log.info("compiled the decoding step for %s in %.1f s", "several rows" if shape[0] else "one row",
                      time.perf_counter() - start)  # fmt: skip
         for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
             layer.keys, layer.values = k, v

@@ -4,7 +4,8 @@
 (issue 39 item 3): embedding, rotary position, per layer the input norm, q/k/v projections
 (+ bias, + query/key norm, + clip), attention over the row's cache with the call's padding mask,
 the output projection, the post-attention norm, the router's logits, the family's selection rule
-(``adapters/rules.py``: the same ``RouterRule.select`` the routing hooks use), the chosen experts' products and the shared expert;
+(``adapters/rules.py``: the same ``RouterRule.select`` the routing hooks use, with an expert
+mask's allowed experts where rows have one), the chosen experts' products and the shared expert;
 then the final norm and the LM head. It takes the weights as tensors (:class:`StepWeights`), so
 the whole step is one graph with no module calls, hooks or host syncs, and returns the experts it
 chose, [L, B, k], for the caller's switch counts. Norms and the rotary embedding are the model's
@@ -118,13 +119,18 @@ def decode_step(
     valid: Tensor,
     keys: list[Tensor],
     values: list[Tensor],
+    allowed: list[Tensor | None] | None = None,
+    renorm: str = "pruned",
 ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor]:
     """Logits [B, V] after one token per row, the caches extended by it, the experts chosen [L, B, k].
 
     ``ids`` [B] the rows' last tokens; ``positions`` [B] their positions; ``valid`` [B, T + 1] bool,
     the rows' real columns after this token (left padding False); ``keys`` / ``values`` per layer
-    [B, kv heads, T, D]. Every row is routed as the model routes it (no policy: the engine takes
-    this step only for such batches, ``moectl.engine.model_runner``).
+    [B, kv heads, T, D]. ``allowed``: per MoE layer None (every row routed as the model routes it)
+    or [B, E] bool, the experts each row may take there (an expert mask's rows, all True for the
+    others), selected as the routing hooks do with ``renorm`` (``RouterRule.select``). Routings whose
+    choice changes from token to token (noise, pools, controllers, replay) are not taken here: the
+    engine decodes those steps through the hooks (``moectl.engine.model_runner``).
     """
     b = ids.shape[0]
     h = F.embedding(ids[:, None], sw.embed)  # [B, 1, H]
@@ -163,7 +169,11 @@ def decode_step(
             continue
         assert w.router is not None and w.rule is not None and w.moe_index is not None
         logits = _linear(x, w.router)
-        weights, idx = w.rule.select(logits, w.router_bias)
+        experts_mask = None if allowed is None else allowed[w.moe_index]
+        if experts_mask is None:
+            weights, idx = w.rule.select(logits, w.router_bias)
+        else:
+            weights, idx = w.rule.select(logits, w.router_bias, experts_mask, None, renorm)  # type: ignore[arg-type]
         chosen.append(idx)
         y = _experts(w, x, weights.to(sw.dtype), idx)
         if w.shared is not None:
