@@ -130,3 +130,21 @@ def test_compiled_for_real_one_graph_per_batch_class_whatever_the_lengths():
     assert got == want
     assert stats["decode_forward"]["compiled"] > 0 and stats["decode_forward"]["slow"] == {}
     assert compiled.compiles == counters["stats"]["unique_graphs"] == 3
+
+
+def test_each_completion_says_why_its_steps_left_the_compiled_step():
+    """A batch of a plain and an ``option:K`` request decodes through the lean forward (the lens reads
+    the router): both completions name the reason; a plain request alone names none."""
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    engine = Engine(model, tok, EngineConfig(compile_decode=True), routings={"opt": "option:4"})
+    engine.runner.compiled = CompiledDecode(engine.runner.compiled.weights, compile=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with engine:
+        alone = engine.generate(PROMPTS[:1], params)
+        mixed = engine.generate(PROMPTS[:2], params, routing=[None, "opt"])
+    assert alone[0].slow_reasons == []
+    reason = "option:K routing (its lens reads the router's distribution)"
+    assert [c.slow_reasons for c in mixed] == [[reason], [reason]]
+    without, tok2, _ = moectl.load("tiny:deepseek_v3", dtype="float32")
+    with Engine(without, tok2, EngineConfig(compile_decode=True)) as engine:
+        assert engine.generate(PROMPTS[:1], params)[0].slow_reasons is None  # no compiled step at all

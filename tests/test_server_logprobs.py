@@ -57,6 +57,7 @@ def test_generated_tokens_carry_their_logprobs_and_alternatives(server, offline)
     _, tok = offline
     body = post(server, "/v1/completions",
                 {"prompt": "The cat", "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True})  # fmt: skip
+    assert body["slow_reasons"] == []  # every decoding step compiled (--compile)
     lp = body["choices"][0]["logprobs"]
     ids = tok.encode("The cat")
     for _ in range(6):  # greedy offline, one forward per token

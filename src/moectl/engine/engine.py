@@ -208,6 +208,7 @@ class Engine:
             "prefix_tokens_reused": 0,
         }
         self.output = Output(self.info, self.eos_ids, self.counters)  # tokens to requests, requests to their ends
+        self.output.compiled = self.runner.compiled is not None
         self.batch = RunningBatch(self.device)  # the requests decoding together and their rows' tensors
         self._residency: list = []  # the offload policy's routing (composed into RoE ensembles too)
         # RoE requests: one K-sample ensemble per routing (roe_rows), handed what they use of the engine
@@ -801,6 +802,9 @@ class Engine:
                                                renorm)  # fmt: skip
             if self.runner.chosen is not None:  # the compiled step ran no hooks: its choices counted here
                 self.meter.chose(self.runner.chosen)
+            elif self.runner.reason is not None:  # a compiled runner's step left to the lean forward
+                for req in batch.requests:
+                    req.slow_reasons.add(self.runner.reason)
         finally:
             self._between_steps()
         if self.runtime is not None:  # what this step's rows needed together, per MoE layer (host ints)

@@ -57,6 +57,7 @@ class ModelRunner:
         self.calls: dict[str, int] = {}  # decoding forwards by path: {"compiled": n, "lean": m, "model": k}
         self.slow: dict[str, int] = {}  # decoding steps a compiled runner left to a slower path, by reason
         self.chosen: Tensor | None = None  # [L, B, k] the experts the latest compiled step chose
+        self.reason: str | None = None  # why the latest decoding step did not run compiled (with one)
         if self.lean is None or (compile and self.compiled is None):
             log.info("decoding path: %s", why)
 
@@ -76,9 +77,10 @@ class ModelRunner:
         or by an expert mask (``allowed``, ``renorm``: ``decode_step``), nothing recording the step;
         else the reason it may not. After a compiled step ``chosen`` holds the experts it chose
         [L, B, k] (None after any other path)."""
-        self.chosen = None
+        self.chosen = self.reason = None
         if self.compiled is not None:
             why = plain or self.compiled.covers(cache) or self._hooked()
+            self.reason = why
             if why is None:
                 self.calls["compiled"] = self.calls.get("compiled", 0) + 1
                 logits, self.chosen = self.compiled(last, mask, positions, cache, allowed, renorm)

@@ -25,6 +25,7 @@ class Output:
         self.info, self.eos_ids, self.counters = info, eos_ids, counters
         self.routing_stats: dict[str, dict[str, float]] = {}  # per routing: requests, switches, decode steps
         self.aborted: set[str] = set()  # cancelled requests that end with "abort" (Engine.abort)
+        self.compiled = False  # the engine has a compiled decoding step: completions say why steps left it
 
     def emit(self, req: Request, token: int) -> bool:
         """Hand one new token to its request; finish it if it is done. Returns whether it finished."""
@@ -86,6 +87,7 @@ class Output:
             list(req.logprobs) if req.params.logprobs is not None else None,
             req.prompt_lp,
             self._routed_experts(req) if req.params.return_routed_experts and error is None else None,
+            sorted(req.slow_reasons) if self.compiled else None,
         )
         req.completion = completion
         self.counters["finished"] += 1
@@ -99,7 +101,7 @@ class Output:
                 "completion_tokens": len(req.generated),
                 "total_tokens": len(req.prompt) + len(req.generated),
             }
-            info = {"routing": name, "switch_rate": switch_rate}
+            info = {"routing": name, "switch_rate": switch_rate, "slow_reasons": completion.slow_reasons}
             if error is not None:
                 info["error"] = error
             lps = req.unsent_lp if req.params.logprobs is not None else None

@@ -61,6 +61,9 @@ class Completion:
     # SamplingParams.return_routed_experts: [prompt + generated - 1, MoE layers, top-k] (routed_experts.py);
     # a RoE request's K samples: [K, prompt + generated - 1, MoE layers, top-k] (roe_experts.py)
     routed_experts: Tensor | None = None
+    # where the engine has a compiled decoding step: why some of this request's steps did not take it
+    # (empty: every step compiled); None where it has none (``model_runner``)
+    slow_reasons: list[str] | None = None
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Request:
     prompt_lp: list[TokenLogprob] | None = None  # the prompt's, once prefilled (``prompt_logprobs``)
     prompt_seen: Tensor | None = None  # [V] its prompt's tokens, for ``repetition_penalty`` (penalties.py)
     roe_experts: list[Tensor] | None = None  # a RoE request's routed experts so far, [n, K, L, k] each (roe_experts.py)
+    slow_reasons: set[str] = field(default_factory=set)  # why its decoding steps left the compiled step
 
 
 @dataclass

@@ -4,7 +4,9 @@ Both endpoints answer through one :class:`Shape`: the non-streamed body, and the
 stream (OpenAI's chunk format: ``data: {json}`` events, the last one ``data: [DONE]``). moectl
 adds two top-level fields to every body and to a stream's last chunk: ``routing`` (the registered
 routing name the request used, null for the model as trained) and ``switch_rate`` (the request's
-own expert switch rate, null where the engine does not measure it). OpenAI clients keep unknown
+own expert switch rate, null where the engine does not measure it); where the server decodes through
+a compiled step (``moectl serve --compile``), ``slow_reasons`` too: why some of the request's
+decoding steps took the slower lean forward (an empty list: none did). OpenAI clients keep unknown
 fields (``response.routing`` / ``response.model_extra``).
 """
 
@@ -34,7 +36,10 @@ def usage_body(usage: dict[str, int] | None) -> dict[str, int] | None:
 def routing_fields(info: dict[str, Any] | None) -> dict[str, Any]:
     info = info or {}
     rate = info.get("switch_rate")
-    return {"routing": info.get("routing"), "switch_rate": None if rate is None else float(rate)}
+    out = {"routing": info.get("routing"), "switch_rate": None if rate is None else float(rate)}
+    if info.get("slow_reasons") is not None:
+        out["slow_reasons"] = list(info["slow_reasons"])
+    return out
 
 
 @dataclass
