@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -19,7 +19,7 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from moectl.errors import MoectlError
 from moectl.io.atomic import write_text_atomic
@@ -310,6 +310,24 @@ def usage_failed(err: Exception) -> NoReturn:
     if unnamed and getattr(err, "param_hint", None) is None:  # raised by a verb: its message names the flags
         fail(getattr(err, "message", str(err)))
     fail(err.format_message() if hasattr(err, "format_message") else str(err))
+
+
+class _AloneCommand(TyperCommand):
+    """A verb run on its own (:func:`run_alone`): a usage error is the one ``error:`` line."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except USAGE_ERROR as err:
+            usage_failed(err)
+
+
+def run_alone(command: Callable[..., Any]) -> None:
+    """``typer.run(command)`` for a verb run outside ``moectl`` (``python -m moectl.pretrain``, what
+    ``accelerate launch -m`` runs), its usage errors one ``error:`` line as under ``moectl``."""
+    alone = typer.Typer(add_completion=False)
+    alone.command(cls=_AloneCommand)(command)
+    alone()
 
 
 def fail(err: Exception | str) -> NoReturn:

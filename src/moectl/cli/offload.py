@@ -110,12 +110,12 @@ def simulate_command(
     budgets = None if budget is None else parse_budgets(budget)
     if num_experts is not None and num_experts < 1:
         raise ConfigError(f"--num-experts must be at least 1, got {num_experts}")
-    acc = read_accesses(list(traces), num_experts)
+    acc = read_accesses(list(traces), num_experts, progress=True)  # a bar on a terminal only
     if budgets is None:
         budgets = tuple(sorted({min(m * acc.top_k, acc.num_experts) for m in (1, 2, 4)}))
     check_budgets(budgets, acc.top_k, acc.num_experts)
     config = SimConfig(acc, budgets, names, _expert_bytes(expert_bytes, checkpoint, acc.layers))
-    rows = run(config)
+    rows = run(config, progress=True)
     doc = report(config, rows, routing)
     if plot is not None:
         from moectl.reporting.residency_plots import plot_hit_rate

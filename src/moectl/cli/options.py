@@ -103,8 +103,8 @@ def train_cmd(
 ) -> None:
     """Train per-layer option controllers with a deliberation cost (TE-MoE Algorithm 2).
 
-    Data parallel: ``accelerate launch --multi_gpu --num_processes N -m moectl options train …``
-    (each process rolls out batch_size / N prompts; gradients summed over the processes)."""
+    Data parallel: put ``accelerate launch --multi_gpu --num_processes 2 -m`` before ``moectl options train``.
+    Each process then rolls out batch_size / 2 prompts; gradients are summed over the processes."""
     from moectl.distributed import ranks
     from moectl.options.train_run import OptionsConfig, OptionsRunConfig, run_train
     from moectl.stopping import TrainingInterrupted

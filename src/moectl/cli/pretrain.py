@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moectl.cli.common import check_out_file, console, handle_moectl_errors, write_json
+from moectl.cli.common import check_out_file, console, handle_moectl_errors, run_alone, write_json
 
 
 def pretrain_command(
@@ -148,7 +148,7 @@ def main() -> None:
     from moectl.train.allocator import reexec_with_fast_allocator
 
     reexec_with_fast_allocator()
-    typer.run(pretrain_command)
+    run_alone(pretrain_command)  # typer.run, its usage errors one line
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ def tune_cmd(
         Path | None,
         typer.Option(
             "--storage",
-            help="Optuna study file: SQLite, or FILE.journal (several processes); default next to --out. Reruns resume.",
+            help="Optuna study file: SQLite (.db), or a .journal file (several processes); default next to --out. Reruns resume.",
         ),
     ] = None,
     study_name: Annotated[

@@ -83,8 +83,8 @@ def finetune_cmd(
 ) -> None:
     """Fine-tune a subset checkpoint, prompt tokens masked (EMO appendix C); saves it atomically.
 
-    Data parallel: ``accelerate launch --multi_gpu --num_processes N -m moectl subset finetune …``
-    (each process takes batch_size / N examples of every step; gradients summed over the processes)."""
+    Data parallel: put ``accelerate launch --multi_gpu --num_processes 2 -m`` before ``moectl subset finetune``.
+    Each process then takes batch_size / 2 examples of every step; gradients are summed over the processes."""
     from moectl.distributed import check_divides, launched_world_size, ranks
     from moectl.subsets.checkpoint_files import check_out, load_tokenizer, subset_metadata
     from moectl.subsets.finetune import FinetuneConfig, finetune_subset, save_finetuned

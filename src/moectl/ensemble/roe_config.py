@@ -306,13 +306,17 @@ def parse_roe_spec(spec: str, seed: int) -> RoEConfig:
             raise ConfigError(
                 f"--roe: cannot read {item!r}; give a tau profile path or K=…,tau=…[,aggregation=…,cache=…,seed=…]"
             )
-        if key in ("K", "seed"):
-            fields[key] = int(value)
-        elif key == "tau":
-            taus = [float(v) for v in value.split("/")]
-            fields[key] = taus[0] if len(taus) == 1 else taus
-        else:
-            fields[key] = value
+        try:
+            if key in ("K", "seed"):
+                fields[key] = int(value)
+            elif key == "tau":
+                taus = [float(v) for v in value.split("/")]
+                fields[key] = taus[0] if len(taus) == 1 else taus
+            else:
+                fields[key] = value
+        except ValueError:  # a placeholder pasted as given (K=K, tau=TAU): one line, not a traceback
+            kind = "an integer" if key in ("K", "seed") else "a number or /-separated numbers, one per MoE layer"
+            raise ConfigError(f"--roe: {key} must be {kind}, got {value!r} (e.g. K=16,tau=0.5)") from None
     if "=" not in head:
         if not Path(head).exists():
             raise MoectlFileError(

@@ -153,8 +153,10 @@ def generate_texts(
     max_length: int = 2048,
     seed: int = 1234,
     stats: SwitchStats | None = None,
+    progress: bool = False,
 ) -> list[str]:
-    """The generated text of each context, in order (see the module doc).
+    """The generated text of each context, in order (see the module doc); ``progress``: the engine's
+    bar of generated tokens (on an interactive terminal only).
 
     ``batch_size`` requests decode together (times ``repeats`` rows; one at a time for a model whose
     cache the engine cannot re-batch: recurrent or linear attention, chunked attention, a cache of
@@ -189,7 +191,7 @@ def generate_texts(
         max_batch=batch_size * rows, max_queue=len(order), record=stats is not None, solo=solo
     )
     engine = Engine(model, tokenizer, config, info=info)
-    done = engine.generate([encoded[i] for i in order], params, routings)
+    done = engine.generate([encoded[i] for i in order], params, routings, progress=progress)
     texts: list[str] = [""] * len(contexts)
     for i, completion, routing in zip(order, done, routings, strict=True):
         text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)

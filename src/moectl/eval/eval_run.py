@@ -173,7 +173,7 @@ def _run_tasks(
     if config.engine == "moectl":
         from moectl.eval.multiple_choice import evaluate_multiple_choice, mc_items
 
-        for task in tasks:
+        for i, task in enumerate(tasks, 1):
             items = mc_items(task, cache, limit, num_fewshot, seed)
             entry = evaluate_multiple_choice(
                 model,
@@ -186,6 +186,7 @@ def _run_tasks(
                 switch,
                 progress,
                 seed,
+                description=f"{_task_label(task, i, len(tasks))} choices",
             )
             entry.pop("per_item")
             out[task] = entry
@@ -206,8 +207,9 @@ def _run_tasks(
         progress=progress,
         processes=processes,
     )
-    for task in tasks:  # one harness run per task, so each gets its own switch rate
+    for i, task in enumerate(tasks, 1):  # one harness run per task, so each gets its own switch rate
         lm.switch = SwitchStats() if switch else None
+        lm.task_label = _task_label(task, i, len(tasks))
         gen = {"max_gen_toks": max_gen_toks} if max_gen_toks else None
         raw = run_lm_eval(lm, [task], cache, limit, num_fewshot, seed, gen_kwargs=gen)
         stats = merged_switch(lm.switch, processes)  # every process's sequences, order-free
@@ -220,3 +222,8 @@ def _run_tasks(
             if name == task or name not in out:
                 out[name] = entry
     return out
+
+
+def _task_label(task: str, index: int, count: int) -> str:
+    """The task in a progress bar's label: ``arc_easy (2/3)``, the count only for several tasks."""
+    return task if count == 1 else f"{task} ({index}/{count})"

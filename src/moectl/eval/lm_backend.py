@@ -144,6 +144,7 @@ class MoectlLM(LM):
             progress=bool(progress),
         )
         self.switch = SwitchStats() if switch_rate else None
+        self.task_label: str | None = None  # the task being run, in the progress bars (moectl eval sets it)
         self._device = next(model.parameters()).device
 
     # -- construction from lm-eval's model_args -----------------------------------------------------
@@ -167,7 +168,8 @@ class MoectlLM(LM):
         pairs = [tuple(req.args) for req in requests]
         scored = score_pairs(
             self.model, self.tokenizer, pairs, self.plan, self.info, self.settings.batch_size,
-            self.settings.max_length, self.switch, self.settings.progress and not disable_tqdm, "loglikelihood",
+            self.settings.max_length, self.switch, self.settings.progress and not disable_tqdm,
+            self._bar("loglikelihood"),
         )  # fmt: skip
         out = [
             (float(lp), bool(g))
@@ -187,6 +189,7 @@ class MoectlLM(LM):
         nll, _ = document_nll(
             self.model, self.tokenizer, docs, self.plan, self.info, self.settings.max_length,
             self.settings.batch_size, self.switch, self.settings.progress and not disable_tqdm,
+            self._bar("loglikelihood_rolling"),
         )  # fmt: skip
         out = [-float(x) for x in nll]
         for req, result in zip(requests, out, strict=True):
@@ -207,11 +210,16 @@ class MoectlLM(LM):
             texts = generate_texts(
                 self.model, self.tokenizer, contexts, settings, self.plan, self.info, self.settings.batch_size,
                 self.settings.max_length, self.settings.seed, self.switch,
+                progress=self.settings.progress and not disable_tqdm,
             )  # fmt: skip
             for i, text in zip(members, texts, strict=True):
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", tuple(requests[i].args), text)
         return out + out[-1:] * pad
+
+    def _bar(self, kind: str) -> str:
+        """A progress bar's label: the request kind, after the task being run where one is set."""
+        return kind if self.task_label is None else f"{self.task_label} {kind}"
 
     def gen_settings(self, gen_kwargs: dict[str, Any]) -> GenSettings:
         """lm-eval's generation kwargs as :class:`GenSettings` (EOS's text added to ``until``)."""

@@ -111,14 +111,16 @@ def evaluate_multiple_choice(
     switch: bool = False,
     progress: bool = True,
     seed: int = 1234,
+    description: str = "choices",
 ) -> dict[str, Any]:
-    """Score ``items``; returns a task entry of the results schema (``acc``, ``acc_norm``)."""
+    """Score ``items``; returns a task entry of the results schema (``acc``, ``acc_norm``);
+    ``description``: the progress bar's label."""
     if not items:
         raise ConfigError("no multiple-choice items to evaluate")
     pairs = [pair for item in items for pair in item.requests]
     stats = SwitchStats() if switch else None
     scored = score_pairs(
-        model, tokenizer, pairs, plan, info, batch_size, max_length, stats, progress, "choices"
+        model, tokenizer, pairs, plan, info, batch_size, max_length, stats, progress, description
     )
     width = max(len(item.requests) for item in items)
     raw = torch.full((len(items), width), float("-inf"), dtype=torch.float64)

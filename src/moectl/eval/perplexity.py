@@ -101,8 +101,10 @@ def document_nll(
     batch_size: int = 8,
     stats: SwitchStats | None = None,
     progress: bool = True,
+    description: str = "perplexity",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Summed negative log-likelihood and scored-token count per document."""
+    """Summed negative log-likelihood and scored-token count per document (``description``: the
+    progress bar's label)."""
     if max_length < 2:
         raise ConfigError(f"max_length must be >= 2, got {max_length}")
     windows: list[Request] = []
@@ -111,7 +113,7 @@ def document_nll(
         for window in rolling_windows(tokenizer, doc.text, max_length):
             windows.append(window)
             owner.append(d)
-    scored = score_requests(model, windows, plan, info, batch_size, stats, progress, "perplexity")
+    scored = score_requests(model, windows, plan, info, batch_size, stats, progress, description)
     index = torch.tensor(owner, dtype=torch.long)
     nll = torch.zeros(len(docs), dtype=torch.float64).index_add_(0, index, -scored.logprob)
     tokens = torch.zeros(len(docs), dtype=torch.long).index_add_(0, index, scored.tokens)

@@ -333,17 +333,13 @@ def train_options(
     resumed = trainer.resume() if resume else False
     if not resumed and processes.is_main:  # step 1 afresh: a log of an earlier start is not continued
         (out / "log.jsonl").unlink(missing_ok=True)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from moectl.progress import progress_bar
 
     rows: list[dict] = []
-    columns = (
-        TextColumn("options"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"),
-        TimeRemainingColumn(),
-    )
-    with stop_on_signals() as stop, Progress(*columns, disable=not (progress and processes.is_main)) as bar:
+    # steps i/N with the last step's reward: on an interactive terminal only, gone when done
+    # (log.jsonl is the record; a redirected run prints nothing per step)
+    shown = progress and processes.is_main
+    with stop_on_signals() as stop, progress_bar("options", shown, suffix="{task.fields[info]}") as bar:
         task = bar.add_task("train", total=config.steps, completed=trainer.step, info="")
         while trainer.step < config.steps:
             row = trainer.train_step()

@@ -133,37 +133,52 @@ def replay(caches: list[Cache], chosen: np.ndarray) -> np.ndarray:
     return hits
 
 
-def run(config: SimConfig) -> list[dict]:
-    """Result rows (see the module doc), budgets ascending, policies in the order given."""
-    acc = config.accesses
-    check_budgets(config.budgets, acc.top_k, acc.num_experts)
-    per_layer = acc.tokens * acc.top_k
-    rows = []
-    for budget in config.budgets:
-        start = time.perf_counter()
-        belady_hits = replay(make_caches("belady", acc, budget), acc.chosen)
-        belady_s = time.perf_counter() - start
-        for spec in config.policies:
+def run(config: SimConfig, *, progress: bool = False) -> list[dict]:
+    """Result rows (see the module doc), budgets ascending, policies in the order given.
+
+    ``progress``: a bar of the replays, one step per (budget, policy), nothing per token; drawn on
+    an interactive terminal only (:func:`moectl.progress.progress_bar`)."""
+    from moectl.progress import progress_bar
+
+    check_budgets(config.budgets, config.accesses.top_k, config.accesses.num_experts)
+    rows: list[dict] = []
+    with progress_bar("replaying {task.fields[now]}", progress) as bar:
+        task = bar.add_task("replay", total=len(config.budgets) * len(config.policies), now="")
+        for budget in config.budgets:
+            bar.update(task, now=f"belady B={budget}")
             start = time.perf_counter()
-            hits = belady_hits if spec == "belady" else replay(make_caches(spec, acc, budget), acc.chosen)
-            seconds = belady_s if spec == "belady" else time.perf_counter() - start
-            misses = per_layer - hits
-            row = {
-                "policy": spec,
-                "budget": budget,
-                "hit_rate": float(hits.sum() / acc.accesses),
-                "hits": int(hits.sum()),
-                "misses": int(misses.sum()),
-                "misses_per_token": float(misses.sum() / acc.tokens),
-                "bytes_per_token": None,
-                "gap_to_belady": float((belady_hits.sum() - hits.sum()) / acc.accesses),
-                "hit_rate_per_layer": [float(h / per_layer) for h in hits],
-                "seconds": seconds,
-            }
-            if config.expert_bytes is not None:
-                row["bytes_per_token"] = float(np.dot(misses, np.asarray(config.expert_bytes)) / acc.tokens)
-            rows.append(row)
+            belady_hits = replay(make_caches("belady", config.accesses, budget), config.accesses.chosen)
+            belady_s = time.perf_counter() - start
+            for spec in config.policies:
+                bar.update(task, now=f"{spec} B={budget}")
+                rows.append(_row(config, spec, budget, belady_hits, belady_s))
+                bar.advance(task)
     return rows
+
+
+def _row(config: SimConfig, spec: str, budget: int, belady_hits: np.ndarray, belady_s: float) -> dict:
+    """One policy's result row at one budget (``belady``: the optimum's hits, replayed once)."""
+    acc = config.accesses
+    per_layer = acc.tokens * acc.top_k
+    start = time.perf_counter()
+    hits = belady_hits if spec == "belady" else replay(make_caches(spec, acc, budget), acc.chosen)
+    seconds = belady_s if spec == "belady" else time.perf_counter() - start
+    misses = per_layer - hits
+    row = {
+        "policy": spec,
+        "budget": budget,
+        "hit_rate": float(hits.sum() / acc.accesses),
+        "hits": int(hits.sum()),
+        "misses": int(misses.sum()),
+        "misses_per_token": float(misses.sum() / acc.tokens),
+        "bytes_per_token": None,
+        "gap_to_belady": float((belady_hits.sum() - hits.sum()) / acc.accesses),
+        "hit_rate_per_layer": [float(h / per_layer) for h in hits],
+        "seconds": seconds,
+    }
+    if config.expert_bytes is not None:
+        row["bytes_per_token"] = float(np.dot(misses, np.asarray(config.expert_bytes)) / acc.tokens)
+    return row
 
 
 def previous_token_overlap(chosen: np.ndarray) -> float | None:

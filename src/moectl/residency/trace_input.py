@@ -104,28 +104,30 @@ def read_trace(path: Path) -> tuple[np.ndarray, int]:
     return stacked.astype(np.int64), num_experts
 
 
-def read_accesses(paths: list[Path], num_experts: int | None = None) -> Accesses:
-    """Every input concatenated along tokens; ``num_experts`` (required for .npy arrays) checked."""
+def read_accesses(paths: list[Path], num_experts: int | None = None, *, progress: bool = False) -> Accesses:
+    """Every input concatenated along tokens; ``num_experts`` (required for .npy arrays) checked.
+    ``progress``: a bar of the traces read, one step per trace (on an interactive terminal only)."""
+    from moectl.progress import progress_bar
+
     if not paths:
         raise ConfigError("give at least one trace (a moectl trace or an .npy array)")
-    parts, found = [], None
-    for path in paths:
-        if path.suffix == ".npy":
-            if not path.is_file():
-                raise MoectlFileError(f"{path}: no such file")
-            array, experts = read_array(path)
-        else:
-            array, experts = read_trace(path)
-        if experts is not None:
-            if found is not None and experts != found:
-                raise ConfigError(f"{path}: {experts} experts per layer, the other traces {found}")
-            found = experts
-        if parts and array.shape[1:] != parts[0].shape[1:]:
-            raise ConfigError(
-                f"{path}: [layers, top_k] = {list(array.shape[1:])}, the first trace "
-                f"{list(parts[0].shape[1:])}: traces of one model only"
-            )
-        parts.append(array)
+    parts: list[np.ndarray] = []
+    found: int | None = None
+    with progress_bar("reading traces", progress and len(paths) > 1) as bar:
+        task = bar.add_task("read", total=len(paths))
+        for path in paths:
+            array, experts = _read_one(path)
+            if experts is not None:
+                if found is not None and experts != found:
+                    raise ConfigError(f"{path}: {experts} experts per layer, the other traces {found}")
+                found = experts
+            if parts and array.shape[1:] != parts[0].shape[1:]:
+                raise ConfigError(
+                    f"{path}: [layers, top_k] = {list(array.shape[1:])}, the first trace "
+                    f"{list(parts[0].shape[1:])}: traces of one model only"
+                )
+            parts.append(array)
+            bar.advance(task)
     if num_experts is None:
         if found is None:
             raise ConfigError("--num-experts is required for an .npy array (it does not say how many experts)")
@@ -137,6 +139,15 @@ def read_accesses(paths: list[Path], num_experts: int | None = None) -> Accesses
         raise FileFormatError(f"the trace is empty: [tokens, layers, top_k] = {list(chosen.shape)}")
     check_ids(chosen, num_experts)
     return Accesses(np.ascontiguousarray(chosen), num_experts, tuple(str(p) for p in paths))
+
+
+def _read_one(path: Path) -> tuple[np.ndarray, int | None]:
+    """One input's ``[tokens, layers, top_k]`` ids and its experts per layer (None for .npy)."""
+    if path.suffix == ".npy":
+        if not path.is_file():
+            raise MoectlFileError(f"{path}: no such file")
+        return read_array(path)
+    return read_trace(path)
 
 
 def check_ids(chosen: np.ndarray, num_experts: int) -> None:

@@ -188,7 +188,7 @@ def tune(
     if processes.distributed and storage is None:
         raise ConfigError(
             f"{processes.world} processes share one study through a file: give storage "
-            "(--storage FILE.journal)"
+            "(--storage, e.g. study.journal)"
         )
     url = study_storage(storage)
     optuna.logging.set_verbosity(logging.WARNING)

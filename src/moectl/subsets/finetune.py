@@ -35,12 +35,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.progress import Progress, TaskID
 from torch import Tensor, nn
 
 from moectl.distributed import Ranks, check_divides, ranks
 from moectl.errors import ConfigError
 from moectl.io.portable_config import make_portable
+from moectl.progress import progress_bar
 from moectl.subsets.finetune_data import Example, as_example, collate, encode_example, targets
 from moectl.train.checkpoint import write_dir_atomic
 from moectl.train.master_weights import MasterWeights
@@ -252,9 +253,7 @@ def _bar(show: bool, total: int) -> Iterator[tuple[Progress | None, TaskID | Non
     if not show:
         yield None, None
         return
-    columns = [TextColumn("[bold]finetune"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[stats]}"), TimeRemainingColumn()]  # fmt: skip
-    with Progress(*columns) as bar:
+    with progress_bar("[bold]finetune", suffix="{task.fields[stats]}") as bar:  # a terminal only, transient
         yield bar, bar.add_task("finetune", total=total, stats="")
 
 

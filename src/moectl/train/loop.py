@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moectl.adapters.inspect import inspect
 from moectl.errors import OutputExistsError
 from moectl.io.portable_config import make_portable
 from moectl.models.grouped_experts import register as register_grouped_experts
+from moectl.progress import progress_bar
 from moectl.routing.pool import DocumentPool, sample_pool_sizes
 from moectl.routing.session import route
 from moectl.stopping import StopRequest, TrainingInterrupted, stop_on_signals
@@ -317,19 +317,13 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         c, acc = self.config, self.accelerator
         tokens_per_step = c.tokens_per_step(acc.num_processes)
-        columns = [
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
-            TimeRemainingColumn(),
-        ]
         # resumed after its last step (a crash while writing final/): the final record's training
         # figures are the last logged step's, as in the run that was not interrupted
         logged = read_log(self.log_path) if self.start_step and acc.is_main_process else []
         last: dict[str, Any] = next((r for r in reversed(logged) if "ce" in r and not r.get("final")), {})
         window_start, window_tokens = time.perf_counter(), 0
-        with Progress(*columns, disable=not (self.progress and acc.is_main_process)) as bar:
+        shown = self.progress and acc.is_main_process  # steps i/N on an interactive terminal only
+        with progress_bar("[bold]{task.description}", shown, suffix="{task.fields[stats]}") as bar:
             task = bar.add_task(
                 f"{c.objective} {c.preset}", total=c.max_steps, completed=self.start_step, stats=""
             )
