@@ -148,3 +148,28 @@ def test_each_completion_says_why_its_steps_left_the_compiled_step():
     without, tok2, _ = moectl.load("tiny:deepseek_v3", dtype="float32")
     with Engine(without, tok2, EngineConfig(compile_decode=True)) as engine:
         assert engine.generate(PROMPTS[:1], params)[0].slow_reasons is None  # no compiled step at all
+
+
+def test_a_compiler_failure_falls_back_to_the_lean_forward(monkeypatch):
+    """A machine where torch.compile cannot build (no C++ compiler): the engine opens, decodes through
+    the lean forward, and its path says why; a failure at a later step does the same mid-run."""
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = Engine(model, tok).generate(PROMPTS[:2], params)
+    monkeypatch.setattr(CompiledDecode, "warm_up", broken)
+    with Engine(model, tok, EngineConfig(compile_decode=True)) as engine:
+        got = engine.generate(PROMPTS[:2], params)
+        assert engine.runner.compiled is None and "no C++ compiler" in engine.stats()["decode_forward"]["path"]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and got[0].slow_reasons is None
+    monkeypatch.undo()
+    engine = Engine(model, tok, EngineConfig(compile_decode=True))
+    engine.runner.compiled = CompiledDecode(engine.runner.compiled.weights, compile=False)
+    with engine:
+        assert engine.runner.compiled is not None  # opened (warmed up) fine; then a step fails
+        monkeypatch.setattr(CompiledDecode, "__call__", broken)
+        got = engine.generate(PROMPTS[:2], params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and engine.runner.compiled is None

@@ -257,8 +257,12 @@ class Engine:
             self._residency = policies
             self.prefix_rules.residency = bool(policies)  # routing follows the resident set: no prefixes
             if self.runner.compiled is not None and self.config.compile_decode:
-                seconds = self.runner.compiled.warm_up()  # the graphs built before the first request
-                log.info("decoding step compiled in %.1f s (%s)", seconds, self.runner.path)
+                try:
+                    seconds = self.runner.compiled.warm_up()  # the graphs built before the first request
+                    log.info("decoding step compiled in %.1f s (%s)", seconds, self.runner.path)
+                except Exception as err:  # no C++ compiler, an inductor error: the lean forward decodes
+                    self.runner.disable(err)
+                    self.output.compiled = False
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)

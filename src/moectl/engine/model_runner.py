@@ -82,15 +82,26 @@ class ModelRunner:
             why = plain or self.compiled.covers(cache) or self._hooked()
             self.reason = why
             if why is None:
-                self.calls["compiled"] = self.calls.get("compiled", 0) + 1
-                logits, self.chosen = self.compiled(last, mask, positions, cache, allowed, renorm)
-                return logits, cache
+                try:
+                    logits, self.chosen = self.compiled(last, mask, positions, cache, allowed, renorm)
+                except Exception as err:  # a compiler failure (no C++ compiler, an inductor error): the
+                    self.disable(err)  # step is pure until it returns, so the lean forward takes it
+                else:
+                    self.calls["compiled"] = self.calls.get("compiled", 0) + 1
+                    return logits, cache
             self.slow[why] = self.slow.get(why, 0) + 1
         if self.lean is None:
             self.calls["model"] = self.calls.get("model", 0) + 1
             return self.prefill(last[:, None], mask, positions, cache)
         with self.lean.installed(self.calls):
             return self.prefill(last[:, None], mask, positions, cache)
+
+    def disable(self, err: BaseException) -> None:
+        """Stop using the compiled step after it failed (logged once; ``path`` says why)."""
+        self.compiled = None
+        self.reason = None
+        self.path = f"{self.path}; the compiled step failed, decoding lean: {type(err).__name__}: {err}"
+        log.warning("decoding path: %s", self.path)
 
     def _hooked(self) -> str | None:
         """Why the compiled step may not run for hooks someone put on the decoder (it would skip them)."""
