@@ -841,8 +841,7 @@ class Engine:
             return "the engine is not open", None, "pruned"
         if not self.router.groups:
             return None, None, "pruned"
-        why, masks, renorm = self.router.mask_rows()
-        return why, masks, renorm
+        return self.router.mask_rows()
 
     def _remove(self, rows: list[int]) -> None:
         """Drop ``rows`` from the batch and finish their requests (``ending``; else cancelled)."""

@@ -22,7 +22,7 @@ bf16 the sums differ by rounding (tokens and log-probabilities equal within bf16
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +81,6 @@ class StepWeights:
     clip: float | None
     top_k: int
     dtype: torch.dtype
-    act: str = "silu"
-    moe_layers: list[int] = field(default_factory=list)
 
 
 def _rotate_half(x: Tensor) -> Tensor:

@@ -15,10 +15,8 @@ from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
 from moectl.lm.decode_step import LayerWeights, StepWeights
+from moectl.lm.lean_decode import FAMILIES  # the lean forward's families: the same decoder shape
 from moectl.lm.step_ops import large_experts
-
-# model_type -> query/key norm: None, "flat" (over the projection's output) or "head" (per head)
-FAMILIES: dict[str, str | None] = {"olmoe": "flat", "qwen2_moe": None, "qwen3_moe": "head", "mixtral": None}
 
 
 def _weight(module: nn.Module | None) -> Tensor | None:
@@ -91,7 +89,6 @@ def step_weights(model: nn.Module, info: ModelInfo) -> tuple[StepWeights | None,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads), qk_norm=FAMILIES[family],
         clip=getattr(config, "clip_qkv", None), top_k=top_k.pop(), dtype=embed.dtype,
-        moe_layers=[layer.layer_idx for layer in info.layers],
     ), f"compiled decoding step for {family}"  # fmt: skip
 
 
