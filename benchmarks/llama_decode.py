@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", default="The history of the city begins with")
     ap.add_argument("--no-mmap", action="store_true")
+    ap.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="extra CPU buffer types off (Q8_0 / Q4_K_M die of SIGILL here without)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -46,15 +51,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     io0 = _read_bytes()
     t0 = time.perf_counter()
-    llm = Llama(
-        model_path=str(args.gguf),
-        n_ctx=256,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        use_mmap=not args.no_mmap,
-        logits_all=False,
-        verbose=False,
-    )
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from contextlib import nullcontext
+
+    from llama_bufts import no_extra_bufts
+
+    with no_extra_bufts() if args.no_extra_bufts else nullcontext():
+        llm = Llama(
+            model_path=str(args.gguf),
+            n_ctx=256,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            use_mmap=not args.no_mmap,
+            logits_all=False,
+            verbose=False,
+        )
     load_s = time.perf_counter() - t0
     tokens = llm.tokenize(args.prompt.encode())
     times = []

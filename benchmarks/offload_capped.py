@@ -11,6 +11,16 @@ option policy, and the exact command. Rows that die for memory are kept, marked 
         --caps none,0.60,0.45,0.35 --policies lru,option:8 --budget 0.25 --tokens 16 \\
         [--gguf /work/ckpt/olmoe-1b-7b.gguf] --json benchmarks/results/offload_capped.json
 
+Quantized (issue 40 item 5): ``--moectl-checkpoint DIR`` serves a quantized checkpoint (``moectl
+checkpoint quantize``; its store then reads int4) in the moectl rows while the caps stay fractions of
+``--checkpoint``'s bf16 bytes, ``--gguf`` a Q4_K_M of the same model with ``--llama-no-extra-bufts``,
+and ``--cap-budgets 0.45:1.0,0.25:0.5`` gives each cap its own resident budget:
+
+    python benchmarks/offload_capped.py --checkpoint /work/ckpt/olmoe-1b-7b \
+        --moectl-checkpoint /work/gguf/olmoe-16/moectl-int4-all-g64 --gguf /work/gguf/olmoe-16/model-q4_k_m.gguf \
+        --llama-no-extra-bufts --caps 0.45,0.25,0.15 --cap-budgets 0.45:1.0,0.25:0.5,0.15:0.25 --policies lru \
+        --tokens 32 --threads 2 --json benchmarks/results/quant_capped.json
+
 ``--routings none,topk:4`` runs each policy also with a routing every prompt is served with
 (``serve-offload --routing``: N experts per token instead of top-k read fewer experts per token).
 
@@ -100,10 +110,18 @@ def corpus_prompts(args) -> list[str]:
     return [text for domain in sorted(per_domain) for text in per_domain[domain]]
 
 
-def moectl_cmd(args, policy: str, slot_dtype: str, out: Path, prompts: Path, routing: str = "none") -> list[str]:
+def moectl_cmd(
+    args,
+    policy: str,
+    slot_dtype: str,
+    out: Path,
+    prompts: Path,
+    routing: str = "none",
+    budget: str | None = None,
+) -> list[str]:
     return [
-        sys.executable, "-m", "moectl.cli", "serve-offload", str(args.checkpoint),
-        "--budget", str(args.budget), "--policy", policy, "--store", "disk",
+        sys.executable, "-m", "moectl.cli", "serve-offload", str(args.moectl_checkpoint or args.checkpoint),
+        "--budget", budget or str(args.budget), "--policy", policy, "--store", "disk",
         "--read-method", args.read_method, "--slot-dtype", slot_dtype, "--max-new-tokens", str(args.tokens),
         "--prompts", str(prompts), "--json", str(out), *(["--routing", routing] if routing != "none" else []),
     ]  # fmt: skip
@@ -113,6 +131,7 @@ def llama_cmd(args, out: Path) -> list[str]:
     return [
         sys.executable, str(ROOT / "benchmarks" / "llama_decode.py"), "--gguf", str(args.gguf),
         "--tokens", str(args.tokens), "--threads", str(args.threads), "--prompt", args.prompt, "--json", str(out),
+        *(["--no-extra-bufts"] if args.llama_no_extra_bufts else []),
     ]  # fmt: skip
 
 
@@ -142,11 +161,26 @@ def main(argv: list[str] | None = None) -> int:
         "--caps", default="none,0.60,0.45,0.35", help="fractions of the checkpoint's bytes, or none"
     )
     ap.add_argument("--policies", default="lru,option:8")
-    ap.add_argument("--routings", default="none", help="comma list of routings each policy runs with "
-                    "(none: the model's; topk:N, a policy file or JSON: serve-offload --routing)")
+    ap.add_argument(
+        "--routings",
+        default="none",
+        help="comma list of routings each policy runs with "
+        "(none: the model's; topk:N, a policy file or JSON: serve-offload --routing)",
+    )
     ap.add_argument("--budget", default="0.25")
     ap.add_argument(
-        "--slot-dtypes", default="same", help="moectl rows per resident slot dtype: same,int8 (offload/int8.py)"
+        "--cap-budgets", default="", help="per cap, the budget of the moectl rows: 0.45:1.0,0.25:0.5"
+    )
+    ap.add_argument(
+        "--moectl-checkpoint", type=Path, help="the moectl rows serve this folder (a quantized checkpoint)"
+    )
+    ap.add_argument(
+        "--llama-no-extra-bufts", action="store_true", help="llama.cpp rows without extra CPU buffer types"
+    )
+    ap.add_argument(
+        "--slot-dtypes",
+        default="same",
+        help="moectl rows per resident slot dtype: same,int8 (offload/int8.py)",
     )
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -188,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --slot-dtypes takes same and int8, got {', '.join(unknown)}", file=sys.stderr)
         return 2
+    try:
+        cap_budgets = {
+            float(c): b for c, b in (item.split(":") for item in args.cap_budgets.split(",") if item)
+        }
+    except ValueError:
+        print(
+            f"error: --cap-budgets takes CAP:BUDGET pairs, e.g. 0.45:1.0,0.25:0.5; got {args.cap_budgets!r}",
+            file=sys.stderr,
+        )
+        return 2
     rows = []
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     with tempfile.TemporaryDirectory(prefix="moectl-capped-") as tmp:
@@ -198,17 +242,23 @@ def main(argv: list[str] | None = None) -> int:
             prompts.write_text(json.dumps({"prompt": args.prompt}) + "\n")
         slot_dtypes = args.slot_dtypes.split(",")
         routings = args.routings.split(",")
-        systems = [("moectl", p, d, r) for d in slot_dtypes for p in args.policies.split(",") for r in routings]
+        systems = [
+            ("moectl", p, d, r) for d in slot_dtypes for p in args.policies.split(",") for r in routings
+        ]
         if args.gguf is not None:
             systems.insert(0, ("llama.cpp", "mmap", "bf16", "none"))
         for fraction in caps:
             cap = None if fraction is None else int(fraction * total)
             for system, policy, slot_dtype, routing in systems:
-                out = Path(tmp) / f"{system}-{policy}-{slot_dtype}-{routing}-{fraction}.json".replace(":", "_")
+                out = Path(tmp) / f"{system}-{policy}-{slot_dtype}-{routing}-{fraction}.json".replace(
+                    ":", "_"
+                )
                 cmd = (
                     llama_cmd(args, out)
                     if system == "llama.cpp"
-                    else moectl_cmd(args, policy, slot_dtype, out, prompts, routing)
+                    else moectl_cmd(
+                        args, policy, slot_dtype, out, prompts, routing, cap_budgets.get(fraction)
+                    )
                 )
                 print(f"[{system} {policy} {slot_dtype} {routing} cap={fraction}] running ...", flush=True)
                 row = _run(cmd, cap, out, args.timeout)
@@ -217,13 +267,18 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(
                     system=system,
                     policy_label=label if system == "moectl" else "mmap",
-                    budget=args.budget if system == "moectl" else None,
+                    budget=cap_budgets.get(fraction, args.budget) if system == "moectl" else None,
+                    served=str(args.moectl_checkpoint or args.checkpoint)
+                    if system == "moectl"
+                    else str(args.gguf),
                     cap_fraction=fraction,
                     cap_bytes=cap,
                     checkpoint_bytes=total,
                     active_weight_bytes_per_token=active,
                 )
-                if row.get("decode_tokens_per_s"):
+                if (
+                    row.get("decode_tokens_per_s") and args.moectl_checkpoint is None
+                ):  # bf16 bytes: not of a quantized row
                     row["weights_gb_per_s"] = active * row["decode_tokens_per_s"] / 1e9
                 rows.append(row)
                 print(_fmt(row), flush=True)

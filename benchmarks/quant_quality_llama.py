@@ -36,8 +36,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import fail, int_list
 from gguf_quants import composition, write_all
+from llama_bufts import no_extra_bufts
 from moectl.extras import installed
 from moectl.io.atomic import write_text_atomic
 from moectl.options.prompt_data import texts_by_domain
@@ -71,28 +71,6 @@ def torch_scorer(model) -> Scorer:
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
     return score
-
-
-@contextmanager
-def no_extra_bufts() -> Iterator[None]:
-    """llama.cpp without its extra CPU buffer types (``use_extra_bufts=False``, llama-server's
-    ``--no-extra-bufts``): with them, evaluating a Q8_0 or Q4_K_M file here dies of SIGILL (this
-    CPU reports AMX_INT8; the AMX / repacked layouts are what they add). llama-cpp-python's ``Llama``
-    has no argument for it, so its default model parameters are patched while one is built."""
-    import llama_cpp.llama as llama_module
-
-    default = llama_module.llama_cpp.llama_model_default_params
-
-    def params():
-        out = default()
-        out.use_extra_bufts = False
-        return out
-
-    llama_module.llama_cpp.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        llama_module.llama_cpp.llama_model_default_params = default
 
 
 def llama_scorer(path: Path, n_ctx: int, threads: int):

@@ -52,11 +52,11 @@ import quant_kernel_gbs
 import quant_vs_llama_files as files
 from bench_args import PROMPTS, fail
 from engine_vs_llama import engine_tok_s, llama_tok_s
+from llama_bufts import no_extra_bufts
 from llama_peer import open_llama
 from moectl.engine import Engine, EngineConfig
 from moectl.engine.engine import encode
 from moectl.io.atomic import write_text_atomic
-from quant_quality_llama import no_extra_bufts
 
 
 def _load() -> list[float]:

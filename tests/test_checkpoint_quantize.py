@@ -234,6 +234,10 @@ def test_a_damaged_checkpoint_is_refused_naming_the_problem(tmp_path):
         moectl.load(out)
 
 
-def test_offloading_refuses_a_quantized_checkpoint(reference_int4):
-    result = runner.invoke(app, ["serve-offload", str(reference_int4), "--max-new-tokens", "2"])
-    assert result.exit_code == 2 and "is a quantized checkpoint (moectl checkpoint quantize)" in result.output
+def test_offloading_serves_a_quantized_checkpoint_from_its_quantized_bytes(reference_int4, tmp_path):
+    """Issue 40 item 2: the store reads the checkpoint's int4 experts (tests/test_quantized_offload.py)."""
+    out = tmp_path / "r.json"
+    args = ["serve-offload", str(reference_int4), "--max-new-tokens", "2", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["store"] == "checkpoint"

@@ -275,10 +275,14 @@ def test_cli_quantize_flag(tmp_path):
     assert json.loads(out.read_text())["family"] == "olmoe"
     bad = runner.invoke(app, ["switch-rate", "--tiny", "olmoe", "--quantize", "fp4"])
     assert bad.exit_code == 2 and "--quantize must be one of int8, int4, got 'fp4'" in bad.output
-    offloaded = runner.invoke(app, ["serve", "--tiny", "olmoe", "--quantize", "int4", "--budget", "0.5"])
-    assert offloaded.exit_code == 2 and "--quantize does not apply with --budget" in offloaded.output
-    assert runner.invoke(app, ["serve-offload", "--tiny", "olmoe", "--quantize", "int4"]).exit_code == 2
-    for verb in (["roe", "generate"], ["roe", "score"], ["serve"]):
+    # with offloading the store holds the quantized experts (tests/test_quantized_offload.py)
+    from moectl.offload.offload_config import OffloadConfig
+    from moectl.server.serve_config import ServeConfig
+
+    assert ServeConfig(model="tiny:olmoe", quantize="int4", offload=OffloadConfig(budget=0.5)).quantize == "int4"
+    bad = runner.invoke(app, ["serve-offload", "--tiny", "olmoe", "--quantize", "fp4"])
+    assert bad.exit_code == 2 and "--quantize must be one of" in bad.output
+    for verb in (["roe", "generate"], ["roe", "score"], ["serve"], ["serve-offload"]):
         assert "--quantize" in runner.invoke(app, [*verb, "--help"]).output, verb
 
 

@@ -18,6 +18,7 @@ from moectl.cli.common import (
     JsonOpt,
     MoectlGroup,
     OptionalModelArg,
+    QuantizeOpt,
     ThreadsOpt,
     TinyOpt,
     console,
@@ -117,6 +118,7 @@ def serve_offload_command(
     ] = 1,
     plot: Annotated[Path | None, typer.Option(help="PNG (or directory) for the load timeline.")] = None,
     json_path: JsonOpt = None,
+    quantize: QuantizeOpt = None,
     async_loads: Annotated[
         bool | None,
         typer.Option(
@@ -211,6 +213,7 @@ def serve_offload_command(
             device=device,
             dtype=dtype,
             routing=routing,
+            quantize=quantize,
         )
     with handle_moectl_errors(), policy_target(spec, force=force):  # serve_app has one command: no MoectlGroup
         result = run(config)

@@ -44,23 +44,57 @@ def preflight(folder: str, dtype: str, budget: float | int, policy: str, slot_dt
     plan_preflight(meta, budget, residency, slot_dtype)
 
 
+def check_budget(model: Any, budget: float | int, policy: str, slot_dtype: str) -> None:
+    """``preflight``'s checks on a model already built (a quantized checkpoint's, experts unread)."""
+    from moectl.offload.plan import preflight as plan_preflight
+    from moectl.offload.residency import parse_policy
+
+    k_hat = controller_k_hat(policy)
+    try:
+        residency = parse_policy(f"option:{k_hat}" if k_hat is not None else policy, model)
+    except Exception:  # a policy that needs more than the model's shape: checked when installed
+        residency = None
+    plan_preflight(model, budget, residency, slot_dtype)
+
+
 def load_for_offload(
-    spec: str, config: Any, dtype: str = "auto", device: str = "cpu", seed: int = 0
+    spec: str, config: Any, dtype: str = "auto", device: str = "cpu", seed: int = 0, quantize: str | None = None
 ) -> tuple:
     """(model, tokenizer, reader) for serving ``spec`` under ``config`` (an ``OffloadConfig``; its
-    ``policy`` a string). ``reader`` is the checkpoint's shard reader (close it when done), or None."""
-    from moectl.models.folder_loaders import claimed_by
+    ``policy`` a string). ``reader`` is the checkpoint's shard reader (close it when done), or None.
+
+    ``quantize`` (int4 | int8): the caller quantizes the model loaded here before offloading it
+    (``moectl.loaded.quantize_loaded``), so its store holds quantized experts. Refused for a bf16
+    checkpoint folder whose experts would stay in its shards (each miss would read bf16 and
+    quantize it again): quantize that checkpoint once (``moectl checkpoint quantize``) and serve
+    the quantized folder, whose store reads the quantized bytes."""
+    from moectl.models.folder_loaders import claimed_by, lazy_loader_for
     from moectl.models.load import load_model
     from moectl.models.load_lazy import is_checkpoint_folder, load_lazy
 
-    kind = claimed_by(Path(spec).expanduser())
-    if kind is not None:  # e.g. a quantized checkpoint (issue 40 item 2): no bf16 experts to stream
+    policy = config.policy if isinstance(config.policy, str) else "lru"
+    folder = Path(spec).expanduser()
+    kind, lazy = claimed_by(folder), lazy_loader_for(folder)
+    if lazy is not None and config.store != "host":  # a quantized checkpoint: a miss reads int4 (issue 40)
+        model, tokenizer, store = lazy(folder, dtype, device, config.read_method)
+        try:
+            check_budget(model, config.budget, policy, config.slot_dtype)
+        except BaseException:
+            store.close()
+            raise
+        return model, tokenizer, store
+    if kind is not None and lazy is None:
         raise ConfigError(
             f"{spec} is a {kind}, whose experts offloading (serve-offload, serve --budget) cannot "
             "stream: serve it whole (moectl serve MODEL), or offload the model it was made from"
         )
-    policy = config.policy if isinstance(config.policy, str) else "lru"
     if config.store != "host" and is_checkpoint_folder(spec):  # experts stay in the checkpoint's shards
+        if quantize is not None:
+            raise ConfigError(
+                f"--quantize {quantize} with --budget: {spec}'s experts would be read in bf16 and quantized "
+                f"at every miss; quantize it once (moectl checkpoint quantize {spec} --quantize {quantize} "
+                "--out DIR) and serve DIR, or load it whole with --store host"
+            )
         preflight(spec, dtype, config.budget, policy, config.slot_dtype)
         return load_lazy(spec, dtype, device, method=config.read_method)
     if config.store == "checkpoint":

@@ -23,6 +23,7 @@ from torch import nn
 from moectl.adapters import inspect
 from moectl.errors import MemoryLimitError
 from moectl.io.cgroup import memory_limits
+from moectl.offload.expert_tensors import per_expert
 from moectl.offload.int8 import expert_slot_bytes
 
 HEADROOM_BYTES = 640 * 2**20
@@ -70,7 +71,7 @@ class MemoryPlan:
 
 
 def _expert_params(module: nn.Module, num_experts: int) -> list:
-    return [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts]
+    return list(per_expert(module, num_experts).values())  # a quantized module's too: its bytes
 
 
 def plan_memory(

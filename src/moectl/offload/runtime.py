@@ -30,6 +30,7 @@ from moectl.errors import MoectlError
 from moectl.offload.delta_store import DeltaStore, pending_delta
 from moectl.offload.expert_loader import Loader, make_loader
 from moectl.offload.expert_store import DiskStore, HostStore
+from moectl.offload.expert_tensors import meta_of, per_expert, present, put_back, take
 from moectl.offload.int8 import SCALE, QuantizingStore, dequantize_rows, slot_templates
 from moectl.offload.offload_config import OffloadConfig
 from moectl.offload.prefetch import PrefetchConfig
@@ -254,14 +255,15 @@ class OffloadRuntime:
                     f"MoE layer {layer.index} uses the {impl!r} experts implementation; offloading needs "
                     "'eager' (model.set_experts_implementation('eager'))"
                 )
-            params = {
-                n: p
-                for n, p in experts.named_parameters(recurse=False)
-                if p.dim() >= 2 and p.shape[0] == layer.num_experts
-            }
+            params = {n: t.data for n, t in per_expert(experts, layer.num_experts).items()}
             if not params:
                 raise BudgetError(f"MoE layer {layer.index}: the experts module holds no [E, ...] parameters")
-            layers.append({n: p.data for n, p in params.items()})
+            if self.config.slot_dtype != "same" and callable(getattr(experts, "expert_tensors", None)):
+                raise BudgetError(
+                    f"MoE layer {layer.index}: the experts are quantized already ({type(experts).__name__}); slot dtype "
+                    f"{self.config.slot_dtype!r} applies to experts in the model's dtype: use 'same'"
+                )
+            layers.append(params)
             experts_modules.append(experts)
         return layers, experts_modules
 
@@ -357,14 +359,10 @@ class OffloadRuntime:
             templates = slot_templates(params, self.config.slot_dtype)
             store = self.slot_store
             res = ResidentSet(layer.index, store, b, templates, device, self.loaders[device])
-            meta = {
-                n: (experts._parameters[n].requires_grad, tuple(p.shape), p.dtype) for n, p in params.items()
-            }
+            meta = {n: meta_of(experts, n) for n in params}
             self._restore.append((layer, experts, meta, device, res))  # before anything is removed
             for name in params:
-                del experts._parameters[name]
-                view = _ExpertView(res, name, layer.num_experts, params[name].dtype)
-                object.__setattr__(experts, name, view)
+                take(experts, name, _ExpertView(res, name, layer.num_experts, params[name].dtype))
             wrapper = OffloadedExperts(
                 experts,
                 res,
@@ -420,18 +418,17 @@ class OffloadRuntime:
         self.loaders.clear()
         for layer, experts, meta, device, res in self._restore:
             try:
-                for name, (requires_grad, shape, dtype) in meta.items():
-                    if name in experts._parameters:  # never removed (an install that failed part way)
+                for name, m in meta.items():
+                    if present(experts, name):  # never removed (an install that failed part way)
                         continue
                     if self.lazy:  # never loaded: back on meta, as the model came
-                        full = torch.empty(shape, dtype=dtype, device="meta")
+                        full = torch.empty(m.shape, dtype=m.dtype, device="meta")
                     else:
                         full = torch.stack(
                             [self.store.load(layer.index, e)[name] for e in range(layer.num_experts)]
                         )
-                        full = full.to(device=device, dtype=dtype)
-                    experts.__dict__.pop(name, None)
-                    experts.register_parameter(name, nn.Parameter(full, requires_grad=requires_grad))
+                        full = full.to(device=device, dtype=m.dtype)
+                    put_back(experts, name, m, full)
                 layer.block.experts = experts
                 res.slots.clear()
             except BaseException as err:  # restore the other layers, then report it

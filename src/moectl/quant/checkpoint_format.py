@@ -120,9 +120,15 @@ def _load(folder: Path, dtype: str, device: str, device_map: str | None, with_to
     return load_quantized(folder, dtype, device, device_map, with_tokenizer)
 
 
+def _load_lazy(folder: Path, dtype: str, device: str, method: str) -> tuple:
+    from moectl.quant.load_quantized import load_quantized_lazy
+
+    return load_quantized_lazy(folder, dtype, device, method)
+
+
 def install() -> None:
     """Let ``moectl.models.load.load_model`` (and so ``moectl.load`` and every verb) load quantized
     checkpoints (``moectl.models.folder_loaders``); called once by ``moectl/__init__.py``."""
     from moectl.models.folder_loaders import register
 
-    register("quantized checkpoint (moectl checkpoint quantize)", is_quantized_checkpoint, _load)
+    register("quantized checkpoint (moectl checkpoint quantize)", is_quantized_checkpoint, _load, _load_lazy)

@@ -21,9 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from moectl.errors import ConfigError, FileFormatError
+from moectl.io.range_read import DEFAULT_READ_METHOD
 from moectl.io.safetensors_index import CheckpointIndex
 from moectl.quant import portable_int4
 from moectl.quant.checkpoint_format import EXPERTS_PARTS, LINEAR_PART, STORED, checkpoint_block
+from moectl.quant.checkpoint_store import QuantizedCheckpointStore, experts_modules
 from moectl.quant.int4_groups import ROW_ALIGN
 from moectl.quant.packed_weights import Int4Weights, Int8Weights, QuantizedWeights
 from moectl.quant.quant_config import GROUP_SIZES
@@ -33,18 +35,30 @@ from moectl.quant.quantized_linear import QuantizedLinear
 TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def read_tensors(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint's safetensors file(s), by name, each in memory of its own.
+def _experts_key(key: str) -> bool:
+    """Whether ``key`` is a quantized experts tensor (``P.gate_up.codes``, ``P.down.scale_zero``, ...)."""
+    parts = key.split(".")
+    return len(parts) >= 3 and parts[-2] in EXPERTS_PARTS and parts[-1] in {p for s in STORED.values() for p in s}
+
+
+def read_tensors(folder: Path, lazy_experts: bool = False) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint's safetensors file(s), by name, each in memory of its own
+    (``lazy_experts``: the quantized experts' tensors as meta tensors of their stored shape, unread).
 
     ``safe_open(...).get_tensor`` gives tensors at the file's offsets (here 24 bytes past a 64-byte
     boundary); ``aten._weight_int8pack_mm`` crashes (SIGSEGV, torch 2.13 CPU) on codes so placed,
     so each is copied into a fresh, aligned allocation."""
     from safetensors import safe_open
 
+    index = CheckpointIndex(folder)
     tensors: dict[str, Tensor] = {}
-    for file in CheckpointIndex(folder).files:
+    for file in index.files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if lazy_experts and _experts_key(key):
+                    entry = index[key]
+                    tensors[key] = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+                    continue
                 tensor = handle.get_tensor(key)
                 tensors[key] = torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
     return tensors
@@ -169,12 +183,19 @@ def assign_tensors(model: nn.Module, tensors: dict[str, Tensor], where: Path) ->
         for owner, module in model.named_modules()
         for leaf, buffer in module.named_buffers(recurse=False)
         if buffer is not None and buffer.is_meta and leaf not in module._non_persistent_buffers_set
+        and not _lazy_experts(model, owner)
     ]
     if missing or persistent:
         raise FileFormatError(
             f"{where}: the quantized checkpoint lacks {len(missing) + len(persistent)} tensors, e.g. "
             f"{(missing + persistent)[0]}"
         )
+
+
+def _lazy_experts(model: nn.Module, owner: str) -> bool:
+    """Whether module ``owner`` is a part of quantized experts left unread (``lazy_experts``)."""
+    parent, _, leaf = owner.rpartition(".")
+    return leaf in EXPERTS_PARTS and isinstance(model.get_submodule(parent), QuantizedExperts)
 
 
 def _tokenizer(folder: Path, vocab_size: int) -> Any:
@@ -197,13 +218,47 @@ def load_quantized(
 ) -> tuple[nn.Module, Any]:
     """(model in eval mode, tokenizer or None) of quantized checkpoint ``folder``. ``dtype``: the
     unquantized weights' and the activations' (``auto``: the checkpoint's); int4 runs on the CPU only."""
+    model, tokenizer, _ = _build(Path(folder).expanduser(), dtype, device, device_map, with_tokenizer)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def load_quantized_lazy(
+    folder: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    method: str = DEFAULT_READ_METHOD,
+    with_tokenizer: bool = True,
+) -> tuple[nn.Module, Any, QuantizedCheckpointStore]:
+    """(model, tokenizer, store) of quantized checkpoint ``folder`` with its experts left unread (on
+    the meta device) for offloading: the store reads each expert's quantized slices on demand
+    (``moectl.offload`` loads them into resident slots; close the store when done). CPU only."""
+    if torch.device(device).type != "cpu":
+        raise ConfigError(
+            f"offloading a quantized checkpoint's experts runs on the CPU (got device {device!r}): "
+            "use --device cpu, or serve it whole"
+        )
+    folder = Path(folder).expanduser()
+    model, tokenizer, scheme = _build(folder, dtype, device, None, with_tokenizer, lazy_experts=True)
+    dtype_ = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    store = QuantizedCheckpointStore(folder, experts_modules(model), scheme, dtype_, method)
+    return model, tokenizer, store
+
+
+def _build(
+    folder: Path,
+    dtype: str,
+    device: str,
+    device_map: str | None,
+    with_tokenizer: bool,
+    lazy_experts: bool = False,
+) -> tuple[nn.Module, Any, str]:
     from moectl.kernels.cpu_linear import install as install_cpu_linear
     from moectl.models.grouped_experts import prefer_on_cpu
     from moectl.models.load import place
     from moectl.models.meta_buffers import materialize_buffers
     from moectl.models.meta_model import build_meta, load_config, resolve_dtype
 
-    folder = Path(folder).expanduser()
     block = checkpoint_block(folder)
     if block is None:
         raise FileFormatError(
@@ -216,7 +271,7 @@ def load_quantized(
     del config.quantization_config  # transformers has no quantizer "moectl"; the modules say it
     compute = resolve_dtype(dtype, config)
     model = build_meta(config, compute)
-    tensors = read_tensors(folder)
+    tensors = read_tensors(folder, lazy_experts)
     put_quantized_modules(model, tensors, scheme, compute, folder)
     assign_tensors(model, tensors, folder)
     materialize_buffers(model, "cpu")
@@ -224,8 +279,8 @@ def load_quantized(
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(folder))
-    model = place(model.eval(), device, device_map)
+    model = model.eval() if lazy_experts else place(model.eval(), device, device_map)  # lazy: CPU, as built
     prefer_on_cpu(model)
     install_cpu_linear(model)  # the unquantized bf16 Linear layers, as load_model gives them
     tokenizer = _tokenizer(folder, model.config.vocab_size) if with_tokenizer else None
-    return model, tokenizer
+    return model, tokenizer, scheme

@@ -65,6 +65,16 @@ class QuantizedExperts(nn.Module):
         weights = top_k_weights.reshape(index.shape)
         return combine(out, weights, groups, hidden.shape[0]).to(hidden_states.dtype).reshape(shape)
 
+    def expert_tensors(self) -> dict[str, Tensor]:
+        """The [E, ...] tensors that hold the experts, by dotted name (int4: ``gate_up.packed``,
+        ``gate_up.scale_zero``, ...; int8: ``gate_up.codes``, ``gate_up.scale``, ...): what offloading
+        moves to its store and back (``moectl.offload.expert_tensors``), so a miss reads quantized bytes."""
+        return {
+            f"{part}.{leaf}": t
+            for part in ("gate_up", "down")
+            for leaf, t in getattr(self, part).named_buffers(recurse=False)
+        }
+
     def dequantized(self, expert: int) -> tuple[Tensor, Tensor]:
         """Expert ``expert``'s (gate_up [2I, H], down [H, I]) weights as the products multiply them."""
         return self.gate_up.dequantize(expert), self.down.dequantize(expert)

@@ -24,6 +24,7 @@ from moectl.generate import Prompt, load_prompts
 from moectl.io.peak_rss import peak_rss_report
 from moectl.offload.cost import deliberation_cost, measure_load_latency
 from moectl.offload.offload_config import OffloadConfig
+from moectl.quant.quant_config import check_scheme
 from moectl.runconfig import RunConfig
 
 
@@ -52,8 +53,10 @@ class ServeOffloadConfig(RunConfig):
     device: str = "cpu"
     dtype: str = "auto"
     routing: str | None = None
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
+        check_scheme(self.quantize)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens (--max-new-tokens) must be >= 1, got {self.max_new_tokens}")
         if self.max_batch < 1:
@@ -76,8 +79,15 @@ def run(config: ServeOffloadConfig, *, progress: bool = True) -> dict:
     torch.manual_seed(config.seed)
     offload = config.offload
     prompts = config.prompts if isinstance(config.prompts, list) else load_prompts(config.prompts)
-    model, tokenizer, reader = load_for_offload(config.model, offload, config.dtype, config.device, config.seed)
+    model, tokenizer, reader = load_for_offload(
+        config.model, offload, config.dtype, config.device, config.seed, config.quantize
+    )
     try:
+        if config.quantize is not None:  # before offloading: the store then holds the quantized experts
+            from moectl.loaded import quantize_loaded
+
+            policy = offload.policy if isinstance(offload.policy, str) else None
+            quantize_loaded(model, config.quantize, merge_first=[policy] if policy else [])
         residency = offload.policy
         if isinstance(residency, str):
             residency = parse_policy(residency, model)  # a controller's adapters and routers merge into model

@@ -70,7 +70,7 @@ class ServeConfig(RunConfig):
     ``read_timeout``, ``timeout_keep_alive``, ``shutdown_timeout``: seconds (``ServeLimits``).
     ``seed``: a tiny model's weights. ``threads``: the engine loop's torch threads (None: the idle
     CPUs, re-picked as load changes). ``device``, ``dtype``: as every verb's. ``quantize``
-    (``int8`` | ``int4``): the experts quantized at load (``moectl.quant``; not with ``offload``).
+    (``int8`` | ``int4``): the experts quantized at load (``moectl.quant``; with ``offload`` the store then holds them quantized).
     """
 
     kind: ClassVar[str] = "serve config"
@@ -111,11 +111,6 @@ class ServeConfig(RunConfig):
                 f"--default-routing {self.default_routing!r} is not a --routing NAME; registered: {names}"
             )
         check_scheme(self.quantize)
-        if self.quantize is not None and self.offload is not None:
-            raise ConfigError(
-                "--quantize does not apply with --budget yet: offloaded experts are read in the "
-                "checkpoint's dtype (issue 40 item 2); leave out one of them"
-            )
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_queue < 1:

@@ -59,8 +59,17 @@ def open_engine(config: ServeConfig, threads: int) -> tuple[Any, Any]:
         from moectl.offload.loading import load_for_offload
 
         net, tokenizer, reader = load_for_offload(
-            config.model, config.offload, config.dtype, config.device, config.seed
+            config.model, config.offload, config.dtype, config.device, config.seed, config.quantize
         )
+        if config.quantize is not None:  # before the offload runtime installs: its store holds them quantized
+            from moectl.loaded import quantize_loaded
+
+            try:
+                quantize_loaded(net, config.quantize, merge_first=config.routings.values())
+            except BaseException:
+                if reader is not None:
+                    reader.close()
+                raise
     else:
         net, tokenizer = _load(config)
     try:
