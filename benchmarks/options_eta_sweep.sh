@@ -8,6 +8,8 @@
 #
 # RUNS/corpus is built first if missing (`moectl corpus build`, the reference models' corpus).
 # Order: the etas that should reach the paper's 5-10% regime first (TE-MoE Table 3, k-hat = 8).
+# A point k8:x0.04 trains with --eta-per-expert 0.04 (a switch charged 0.04 nats per expert it brings
+# in: 0.32 when all k-hat = 8 are new) into RUNS/options/std-k8-x0.04.
 set -u
 RUNS=${1:?usage: options_eta_sweep.sh RUNS_DIR [k:eta ...]}
 shift
@@ -20,10 +22,14 @@ if ! ls "$RUNS"/corpus/train.jsonl* >/dev/null 2>&1; then
 fi
 for point in $POINTS; do
   k=${point%%:*}; k=${k#k}; eta=${point##*:}
-  out=$RUNS/options/std-k$k-eta$eta
+  if [ "${eta#x}" != "$eta" ]; then  # k8:x0.04: eta per expert brought in (issue #44 item 2)
+    cost=(--eta-per-expert "${eta#x}"); out=$RUNS/options/std-k$k-x${eta#x}
+  else
+    cost=(--eta "$eta"); out=$RUNS/options/std-k$k-eta$eta
+  fi
   [ -d "$out/final" ] && continue
   echo "$(date -Is) start $out"
-  moectl options train models/moectl-small-standard --k-hat "$k" --eta "$eta" --data "$RUNS/corpus" \
+  moectl options train models/moectl-small-standard --k-hat "$k" "${cost[@]}" --data "$RUNS/corpus" \
     --steps 300 --batch-size 16 --max-new-tokens 256 --save-every 5 --out "$out"
   echo "$(date -Is) end $out rc=$?"
 done

@@ -19,6 +19,7 @@ from moectl.cli.common import (
     check_out_file,
     check_out_folder,
     console,
+    fail,
     load,
     write_json,
 )
@@ -38,6 +39,7 @@ TemperatureOpt = Annotated[
 
 @options_app.command("train")
 def train_cmd(
+    ctx: typer.Context,
     model: ModelArg,
     k_hat: Annotated[int, typer.Option("--k-hat", help="Experts per option k̂ (top-k ≤ k̂ ≤ N).")],
     out: Annotated[
@@ -54,6 +56,21 @@ def train_cmd(
         typer.Option(
             "--eta-from-latency",
             help="Set η from measured expert-load and decode latency, at this many nats per token of delay.",
+        ),
+    ] = None,
+    eta_per_expert: Annotated[
+        float | None,
+        typer.Option(
+            "--eta-per-expert",
+            help="Charge a switch this many nats per expert it brings in, instead of a constant --eta.",
+        ),
+    ] = None,
+    eta_bytes_from_latency: Annotated[
+        float | None,
+        typer.Option(
+            "--eta-bytes-from-latency",
+            help="Set --eta-per-expert from one expert's measured load and decode latency, at this many "
+            "nats per token of delay.",
         ),
     ] = None,
     data: Annotated[
@@ -109,9 +126,13 @@ def train_cmd(
     from moectl.options.train_run import OptionsConfig, OptionsRunConfig, run_train
     from moectl.stopping import TrainingInterrupted
 
+    per_expert = "--eta-per-expert" if eta_per_expert is not None else "--eta-bytes-from-latency"
+    if _given(ctx, "eta") and (eta_per_expert is not None or eta_bytes_from_latency is not None):
+        fail(f"--eta and {per_expert} each set the deliberation cost: give one of them")
     options = OptionsConfig(
         k_hat=k_hat,
         eta=eta,
+        eta_per_expert=eta_per_expert,
         steps=steps,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
@@ -129,8 +150,9 @@ def train_cmd(
         critic_warmup=critic_warmup,
     )
     config = OptionsRunConfig(
-        model, out, options, data, eta_from_latency, resume=not no_resume, device=device, dtype=dtype
-    )
+        model, out, options, data, eta_from_latency, resume=not no_resume, device=device, dtype=dtype,
+        eta_bytes_from_latency=eta_bytes_from_latency,
+    )  # fmt: skip
     try:
         result = run_train(config)
     except TrainingInterrupted as stopped:
@@ -141,13 +163,20 @@ def train_cmd(
         return  # rank 0 prints and writes the results
     latency, trained = result["latency"], result["options"]
     if latency is not None:
+        cost = (
+            f"η = {latency['eta']:.4f}"
+            if "eta" in latency
+            else f"η = {latency['eta_per_expert']:.4f} per expert brought in ({latency['eta_per_byte']:.3g} per byte)"
+        )
         console.print(
             f"η from latency: one expert {latency['expert_bytes']} B in {latency['load_s'] * 1e6:.0f} µs, "
-            f"decode step {latency['token_s'] * 1e3:.2f} ms → η = {latency['eta']:.4f}"
+            f"decode step {latency['token_s'] * 1e3:.2f} ms → {cost}"
         )
     log = result["log"]
     first, last = log[0], log[-1]
-    table = Table(title=f"options training, k̂={k_hat}, η={trained['eta']:.4f}")
+    per = trained["eta_per_expert"]
+    eta_text = f"η={trained['eta']:.4f}" if per is None else f"η={per:.4f} per expert brought in"
+    table = Table(title=f"options training, k̂={k_hat}, {eta_text}")
     for col in ("", "reward", "switch rate", "switch prob P95", "value loss", "teacher ppl"):
         table.add_column(col)
     for name, row in (("first step", first), ("last step", last)):
@@ -162,6 +191,12 @@ def train_cmd(
     console.print(table)
     console.print(f"[dim]controller: {result['final']}; curves: {out / 'curves.png'}[/dim]")
     write_json(json_path, {"config": trained, "latency": latency, "final": result["final"], "log": log})
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the command's parameter ``name`` was given (not left at its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _load(model: str, controller: Path | None, device: str, dtype: str, seed: int, merge: bool = True):

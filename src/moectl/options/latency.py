@@ -6,6 +6,12 @@ of one decoding step turns seconds into "tokens of delay". ``nats_per_token_dela
 user's exchange rate (per-token KL one would give up to avoid one token's worth of delay):
 
     η = nats_per_token_delay × k̂ × load_s / token_s      (``moectl.offload.cost.deliberation_cost``)
+
+A switch loads only the experts of its new option that the current one lacks, so
+:func:`measure_expert_cost` prices one expert instead (``--eta-bytes-from-latency``); the trainer
+charges each switch that price times the experts it brings in (``OptionsConfig.eta_per_expert``):
+
+    eta_per_expert = nats_per_token_delay × load_s / token_s   (nats per expert of expert_bytes bytes)
 """
 
 from __future__ import annotations
@@ -75,3 +81,16 @@ def measure_switch_cost(
         "nats_per_token_delay": nats_per_token_delay,
         "eta": eta,
     }
+
+
+def measure_expert_cost(
+    model: nn.Module, info: ModelInfo, nats_per_token_delay: float, repeats: int = 5
+) -> dict:
+    """:func:`measure_switch_cost` of one expert: its load time and one decoding step's time, and
+    ``eta_per_expert`` = nats_per_token_delay × load_s / token_s, in nats per expert brought in
+    (every routed expert of a model has the same ``expert_bytes``; ``eta_per_byte`` spells that out)."""
+    measured = measure_switch_cost(model, info, 1, nats_per_token_delay, repeats)
+    per_expert = measured.pop("eta")
+    measured.pop("k_hat")
+    per_byte = per_expert / measured["expert_bytes"] if measured["expert_bytes"] else 0.0
+    return {**measured, "eta_per_expert": per_expert, "eta_per_byte": per_byte}

@@ -6,13 +6,18 @@ Per MoE layer ℓ, from the rollout's recorded states h_t and options ω_t (:fun
   GAE(λ) targets from δ^V_t = r_t + γV(h_{t+1}) − V(h_t) and δ^Q_t = r_t + γU_t − Q(h_t, ω_t),
   U_t = β(h_{t+1}, ω_t)V(h_{t+1}) + (1 − β(h_{t+1}, ω_t))Q(h_{t+1}, ω_t);
 - :func:`termination_loss` (ν, line 13, eq. 9): w_t·β(h_t, ω_{t−1})·Â^term_t with
-  Â^term = (Q(h_t, ω_{t−1}) − V(h_t) + η)/RMS (minimising it is the ascent of eq. 9: β is pushed
-  down where Q − V + η > 0);
+  Â^term = (Q(h_t, ω_{t−1}) − V(h_t) + η_t)/RMS (minimising it is the ascent of eq. 9: β is pushed
+  down where Q − V + η_t > 0); η_t = η, or the cost in experts of :func:`switch_costs`;
 - :func:`selection_loss` (ϕ, lines 14–15, eq. 10), at switch points only:
   −w_t·log π_sel(ω_t | h_t)·Â^sel_t, Â^sel = (Q(h_t, ω_t) − V(h_t))/RMS over the switch positions,
   with the ordered Plackett–Luce log-probability (eq. 5);
 - :func:`intra_option_loss` (θ, lines 17–19, eq. 8): −w_t·log π_θ(a_t)·Â^intra_t, Â^intra the
   standardised Monte Carlo return Ḡ_t, shared by all layers.
+
+Beyond the paper (§3 motivates η by the cost of a switch): with ``eta_per_expert`` the cost is per
+step, η_t = eta_per_expert × n_new_t, n_new_t = |ω′_t ∖ ω_{t−1}| the experts that the option ω′_t
+the selection head drew at t (drawn at every step, switched or not) would bring in: a one-sample
+estimate of the expected cost of terminating, which eq. 9's constant η stands for.
 
 Sums over steps are divided by the number of valid steps. Every sum over the batch that
 normalises (valid steps, RMS, mean and σ) goes through ``total``: the identity in one process,
@@ -72,6 +77,7 @@ class LayerHeads:
     steps: Tensor  # float [B, S]: valid steps with t > 0 (where a termination is decided)
     switched: Tensor  # float [B, S]: d_t = 1 at those steps
     changed: Tensor  # float [B, S]: ω_t ≠ ω_{t−1} at those steps (the switch rate's events)
+    n_new: Tensor  # float [B, S]: experts of the option drawn at t not in ω_{t−1}, at those steps
 
 
 def layer_heads(ctrl: LayerController, rec: OptionRecord, roll: Rollout) -> LayerHeads:
@@ -93,7 +99,27 @@ def layer_heads(ctrl: LayerController, rec: OptionRecord, roll: Rollout) -> Laye
         ctrl=ctrl, h=h, order=rec.order[:, sl], beta=beta, q=q_opt, q_prev=q_prev, v=v,
         v_next=v_next, u_next=u_next, steps=steps, switched=rec.switch[:, sl].float() * steps,
         changed=(opt != prev).any(-1).float() * steps,
+        n_new=experts_brought_in(prev, rec.order[:, sl]) * steps,
     )  # fmt: skip
+
+
+def experts_brought_in(prev: Tensor, order: Tensor) -> Tensor:
+    """n_new [B, S] (float): how many experts of the drawn tuple ``order`` [B, S, k̂] the option
+    ``prev`` [B, S, N] (bool ω_{t−1}) lacks — the experts a switch to it loads."""
+    return (~prev).gather(-1, order).sum(-1).float()
+
+
+def switch_costs(
+    heads: list[LayerHeads], eta: float, eta_per_expert: float | None = None, cross_layer: bool = False
+) -> list[float | Tensor]:
+    """η_t of each layer's termination advantage, in nats: the constant ``eta``, or with
+    ``eta_per_expert`` (nats per expert brought in) eta_per_expert × n_new_t [B, S]. With
+    ``cross_layer`` (§A4) one decision switches every layer, so it is charged every layer's n_new_t."""
+    if eta_per_expert is None:
+        return [eta] * len(heads)
+    if cross_layer:
+        return [eta_per_expert * torch.stack([h.n_new for h in heads]).sum(0)] * len(heads)
+    return [eta_per_expert * h.n_new for h in heads]
 
 
 def critic_loss(heads: LayerHeads, roll: Rollout, gamma: float, lam: float, total: Total = _same) -> Tensor:
@@ -107,8 +133,9 @@ def critic_loss(heads: LayerHeads, roll: Rollout, gamma: float, lam: float, tota
     return (((v - v_targ) ** 2 + (q - q_targ) ** 2) * valid).sum() / valid_steps(roll, total)
 
 
-def termination_loss(heads: LayerHeads, roll: Rollout, eta: float, total: Total = _same) -> Tensor:
-    """ν (line 13, eq. 9): w_t·β(h_t, ω_{t−1})·Â^term_t, Â^term = (Q(h_t, ω_{t−1}) − V(h_t) + η)/RMS."""
+def termination_loss(heads: LayerHeads, roll: Rollout, eta: float | Tensor, total: Total = _same) -> Tensor:
+    """ν (line 13, eq. 9): w_t·β(h_t, ω_{t−1})·Â^term_t, Â^term = (Q(h_t, ω_{t−1}) − V(h_t) + η_t)/RMS;
+    ``eta``: a constant, or η_t [B, S] (:func:`switch_costs`)."""
     with torch.no_grad():
         a_term = rms_normalise(heads.q_prev - heads.v + eta, heads.steps.bool(), total=total)
     return (roll.weights * heads.beta * a_term * heads.steps).sum() / valid_steps(roll, total)
@@ -135,23 +162,31 @@ def controller_loss(
     actor: bool = True,
     total: Total = _same,
     gather: Total = _same,
+    eta_per_expert: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """(1/L)·Σ_ℓ [value_coef·critic + termination + selection] for one rollout (line 20's
     controller update, the sum :meth:`moectl.options.trainer.OptionsTrainer.train_step` spells
     out), and its statistics; ``actor=False`` trains the critics only. ``gather`` joins a 1-D
-    tensor over data-parallel ranks (for β's quantile; identity alone)."""
+    tensor over data-parallel ranks (for β's quantile; identity alone). ``eta_per_expert``
+    replaces ``eta`` by the per-step cost of :func:`switch_costs`."""
     loss = torch.zeros((), device=roll.rewards.device)
-    heads, critics = [], []
-    for layer, record in sorted(roll.records.items()):
-        h = layer_heads(controller.layers[layer], record, roll)
+    cross = controller.config.cross_layer
+    layers = sorted(roll.records)
+    heads = [layer_heads(controller.layers[layer], roll.records[layer], roll) for layer in layers]
+    etas = switch_costs(heads, eta, eta_per_expert, cross)
+    decides = [not (cross and layer > 0) for layer in layers]  # §A4: layer 0 decides
+    critics = []
+    for h, eta_t, decided in zip(heads, etas, decides, strict=True):
         critic = critic_loss(h, roll, gamma, lam, total)
-        decides = actor and not (controller.config.cross_layer and layer > 0)  # §A4: layer 0 decides
-        termination = termination_loss(h, roll, eta, total) if decides else 0.0
+        termination = termination_loss(h, roll, eta_t, total) if actor and decided else 0.0
         selection = selection_loss(h, roll, total) if actor else 0.0
         loss = loss + (value_coef * critic + termination + selection)
-        heads.append(h)
         critics.append(critic)
-    return loss / max(len(heads), 1), controller_stats(heads, critics, total, gather)
+    stats = {
+        **controller_stats(heads, critics, total, gather),
+        **switch_cost_stats(heads, etas, decides, total),
+    }
+    return loss / max(len(heads), 1), stats
 
 
 def controller_stats(
@@ -167,6 +202,26 @@ def controller_stats(
         "switch_rate": sum(rates) / max(len(rates), 1),
         **beta_stats(gather(torch.cat(betas) if betas else torch.zeros(0))),
         "switch_rate_per_layer": rates,
+    }
+
+
+def switch_cost_stats(
+    heads: list[LayerHeads], etas: list[float | Tensor], decides: list[bool], total: Total = _same
+) -> dict[str, float]:
+    """``eta_mean``: the mean η_t of the termination advantages over the decided steps of the layers
+    whose β learns (nats); ``n_new_mean``: the mean experts a switch brought in, over every layer's switches."""
+    zero = torch.zeros((), device=heads[0].steps.device) if heads else torch.zeros(())
+    charged, decided, brought, switches = zero, zero, zero, zero
+    for h, eta_t, decides_here in zip(heads, etas, decides, strict=True):
+        if decides_here:
+            charged = charged + (h.steps * eta_t).sum()
+            decided = decided + h.steps.sum()
+        brought = brought + (h.n_new * h.switched).sum()
+        switches = switches + h.switched.sum()
+    sums = total(torch.stack([charged, decided, brought, switches]).detach().double())
+    return {
+        "eta_mean": float(sums[0] / sums[1].clamp(min=1)),
+        "n_new_mean": float(sums[2] / sums[3].clamp(min=1)),
     }
 
 

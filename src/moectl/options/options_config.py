@@ -18,6 +18,9 @@ class OptionsConfig(RunConfig):
 
     k_hat: int
     eta: float = 0.02  # deliberation cost η (reward units: nats per token)
+    # η per expert a switch brings in (nats per expert; one expert = the model's expert bytes): when
+    # set, a switch at t is charged η_t = eta_per_expert × n_new_t instead of ``eta`` (option_losses.py)
+    eta_per_expert: float | None = None
     steps: int = 300
     batch_size: int = 16  # prompts per step (§5: 16)
     max_prompt_tokens: int = 128
@@ -53,6 +56,7 @@ class OptionsConfig(RunConfig):
             "gamma": 0.0 <= self.gamma <= 1.0,
             "lam": 0.0 <= self.lam <= 1.0,
             "eta": self.eta >= 0.0,
+            "eta_per_expert": self.eta_per_expert is None or self.eta_per_expert >= 0.0,
             "top_p": 0.0 < self.top_p <= 1.0,
             "temperature": self.temperature > 0,
             "save_every": self.save_every >= 1,
@@ -60,7 +64,14 @@ class OptionsConfig(RunConfig):
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            allowed = "steps, batch_size, save_every >= 1; max_new_tokens >= 2; tau, gamma, lam in [0, 1]; eta >= 0; top_p in (0, 1]; temperature > 0; value_head linear or mlp"
+            allowed = "steps, batch_size, save_every >= 1; max_new_tokens >= 2; tau, gamma, lam in [0, 1]; eta, eta_per_expert >= 0; top_p in (0, 1]; temperature > 0; value_head linear or mlp"
             raise ConfigError(
                 f"bad options setting(s) {', '.join(f'{k}={getattr(self, k)}' for k in bad)}; allowed: {allowed}"
             )
+
+    def cost_label(self) -> str:
+        """The deliberation cost as a figure's title shows it: ``eta=0.02`` (nats per switch) or
+        ``eta=0.005/expert`` (nats per expert a switch brings in)."""
+        if self.eta_per_expert is None:
+            return f"eta={self.eta}"
+        return f"eta={self.eta_per_expert}/expert"

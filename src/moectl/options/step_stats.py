@@ -1,10 +1,11 @@
 """The row a training step adds to TE-MoE's training curves (§5, Fig. 5; A3), and prompt tokenisation.
 
 A row holds the mean reward, the switch rate (per layer too), the mean, P95 and standard deviation
-of the switch probability β, the critics' loss, the repetition rate of the samples (A3), the
-teacher's perplexity of the samples, both losses, the tokens and the seconds of the step. Means
-over the batch go through ``total`` (the sum over data-parallel ranks; identity alone), so every
-process writes the row of the whole batch.
+of the switch probability β, the critics' loss, the mean deliberation cost η_t charged and the mean
+experts a switch brought in, the repetition rate of the samples (A3), the teacher's perplexity of
+the samples, both losses, the tokens and the seconds of the step. Means over the batch go through
+``total`` (the sum over data-parallel ranks; identity alone), so every process writes the row of
+the whole batch.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def step_row(
         "switch_prob_p95": stats["beta_p95"],
         "switch_prob_std": stats["beta_std"],
         "value_loss": stats["value_loss"],
+        "eta_mean": stats["eta_mean"],  # mean η_t of the termination advantages (nats)
+        "n_new_mean": stats["n_new_mean"],  # mean experts a switch brought in
         "repetition_rate": float(repeated[0]) / max(float(repeated[1]), 1.0),
         "teacher_ppl": float(torch.exp(-total((roll.logp_teacher * valid).sum()) / n)),
         "controller_loss": float(total(loss_controller.detach().to(device))),

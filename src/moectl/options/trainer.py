@@ -26,6 +26,7 @@ and std of the switch probability, value loss, repetition rate, teacher perplexi
 to ``log.jsonl`` and ``curves.png``.
 
 Deviation (one line): ``critic_warmup`` steps may train ψ alone before ν and ϕ move (0 = the paper).
+Beyond the paper (one line): ``eta_per_expert`` charges η_t ∝ the experts a switch loads (``switch_costs``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from moectl.options.option_losses import (
     intra_option_loss,
     layer_heads,
     selection_loss,
+    switch_cost_stats,
+    switch_costs,
     termination_loss,
 )
 from moectl.options.option_state import latest_checkpoint, load_weights, save_checkpoint, save_folder
@@ -134,20 +137,26 @@ class OptionsTrainer:
         # lines 3–16 (continued), per MoE layer ℓ: the controller's losses of §4.3
         actor = self.step >= cfg.critic_warmup  # moectl: critic warm-up (0 = the paper)
         loss_controller = torch.zeros((), device=self.device)
-        heads, critics = [], []
-        for layer, record in sorted(roll.records.items()):
-            h = layer_heads(self.controller.layers[layer], record, roll)  # β, Q_Ω, V_Ω, U along t
+        layers = sorted(roll.records)
+        # β, Q_Ω, V_Ω, U along t, per layer; η_t: η, or eta_per_expert × the experts a switch brings in
+        heads = [layer_heads(self.controller.layers[layer], roll.records[layer], roll) for layer in layers]
+        etas = switch_costs(heads, cfg.eta, cfg.eta_per_expert, cfg.cross_layer)
+        decides = [self.decides(layer) for layer in layers]
+        critics = []
+        for h, eta_t, decided in zip(heads, etas, decides, strict=True):
             # ψ, lines 4–12 and 16: (V_Ω − V̂targ)² + (Q_Ω − Q̂targ)², GAE(λ) targets
             critic = critic_loss(h, roll, cfg.gamma, cfg.lam, total)
-            # ν, line 13 (eq. 9): w_t·β(h_t, ω_{t−1})·(Q_Ω(h_t, ω_{t−1}) − V_Ω(h_t) + η), RMS-normalised
-            termination = termination_loss(h, roll, cfg.eta, total) if actor and self.decides(layer) else 0.0
+            # ν, line 13 (eq. 9): w_t·β(h_t, ω_{t−1})·(Q_Ω(h_t, ω_{t−1}) − V_Ω(h_t) + η_t), RMS-normalised
+            termination = termination_loss(h, roll, eta_t, total) if actor and decided else 0.0
             # ϕ, lines 14–15 (eq. 10), where d_t = 1: −w_t·log π_sel(ω_t | h_t)·(Q_Ω − V_Ω), RMS-normalised
             selection = selection_loss(h, roll, total) if actor else 0.0
             loss_controller = loss_controller + (cfg.value_coef * critic + termination + selection)
-            heads.append(h)
             critics.append(critic)
         loss_controller = loss_controller / max(len(heads), 1)  # line 20's 1/L
-        stats = controller_stats(heads, critics, total, self.ranks.gather)
+        stats = {
+            **controller_stats(heads, critics, total, self.ranks.gather),
+            **switch_cost_stats(heads, etas, decides, total),
+        }
         # line 20: (ν, ψ, ϕ) ← (ν, ψ, ϕ) + α_controller · (1/L)(dν, dψ, dϕ)
         self.update(self.opt_ctrl, loss_controller, list(self.controller.parameters()))
         # lines 17–19: intra-option policy gradient, w_t·∇θ log π_{ω,θ}(a_t)·Ḡ_t (Ḡ_t standardised, A2)
@@ -368,7 +377,7 @@ def train_options(
     if processes.is_main:
         from moectl.reporting.option_plots import plot_curves
 
-        plot_curves(log, out / "curves.png", title=f"k-hat={config.k_hat}, eta={config.eta}")
+        plot_curves(log, out / "curves.png", title=f"k-hat={config.k_hat}, {config.cost_label()}")
     return {"final": str(final), "rows": rows, "resumed": resumed, "log": log}
 
 

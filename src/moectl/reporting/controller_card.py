@@ -313,8 +313,8 @@ def card_text(
         f"top-{controller.get('top_k')}), trained with `moectl options train`. In each of the model's "
         f"{len(experts)} MoE layers the controller keeps an option — a mask of k̂ = {controller.get('k_hat')} "
         f"experts — and the router chooses only among those; it learns when to end the option (termination "
-        f"head β) and which to take next (selection head), paying a deliberation cost η = {options.get('eta')} "
-        "nats per switch (option-critic with deliberation cost, §4.3)"
+        f"head β) and which to take next (selection head), paying a deliberation cost {_cost(options)} "
+        "(option-critic with deliberation cost, §4.3)"
         + (
             f"; the intra-option policy — LoRA adapters (rank {options.get('lora_r')}) and the routers — was trained with it."
             if intra else "; the model's own weights were not trained (controller only)."
@@ -439,7 +439,7 @@ def write_controller_card(
     )  # fmt: skip
 
     title = (
-        f"{name}: k-hat={options.get('k_hat')}, eta={options.get('eta')}, step {source.step} "
+        f"{name}: k-hat={options.get('k_hat')}, eta={_eta(options)}, step {source.step} "
         f"(running mean over {window} steps, bootstrap 95% band)"
     )
 
@@ -473,3 +473,17 @@ def write_controller_card(
         "metrics": metrics_of(summary),
         "summary": summary,
     }
+
+
+def _eta(options: dict[str, Any]) -> str:
+    """The run's deliberation cost in a title: η, or η per expert a switch brings in."""
+    per_expert = options.get("eta_per_expert")
+    return str(options.get("eta")) if per_expert is None else f"{per_expert}/expert"
+
+
+def _cost(options: dict[str, Any]) -> str:
+    """The run's deliberation cost in the card's text, with its unit."""
+    per_expert = options.get("eta_per_expert")
+    if per_expert is None:
+        return f"η = {options.get('eta')} nats per switch"
+    return f"η = {per_expert} nats per expert a switch brings in"
