@@ -110,6 +110,7 @@ def resolve(name: str, spec: Any, model: nn.Module, info: ModelInfo) -> Routing:
     if roe is not None:
         roe.taus(info.num_moe_layers)  # checks tau's length against the model
         return Routing(name, spec if isinstance(spec, str) else "roe", [], False, roe)
+    _refuse_residency(name, spec, info)
     changes_model = _carries_weights(spec, info)
     policies = routing_policies([spec], model, info)
     renorms = {renorm_of(p) for p in policies}
@@ -149,6 +150,34 @@ def _carries_weights(spec: Any, info: ModelInfo) -> bool:
         return False  # the real load (with the model) reports what is wrong
     items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
     return any(carries_weights(item) for item in items)
+
+
+ROUTING_RESIDENCIES = frozenset({"option", "static"})
+"""Residency policy types that are also a routing a request can pick: ``option:K`` counts a
+request's switches with options of K experts, ``static`` masks each layer to its set. The others
+(lru, s3fifo, arc, reroute, pregate) decide what stays resident under a budget, which one request
+cannot: as a routing they did nothing (reroute needs the server's resident sets)."""
+
+
+def _refuse_residency(name: str, spec: Any, info: ModelInfo) -> None:
+    """``ConfigError`` for a spec that is a residency policy and no routing (reroute, lru, ...)."""
+    from moectl.routing.policy_files import load_policy
+
+    if not isinstance(spec, (str, Mapping, os.PathLike)):
+        items = [spec]
+    else:
+        try:
+            loaded = load_policy(spec, info)
+        except (ValueError, OSError, TypeError, KeyError):
+            return  # the real load (with the model) reports what is wrong
+        items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
+    for item in items:
+        kind = getattr(item, "policy_type", "")
+        if callable(getattr(item, "min_budget", None)) and kind and kind not in ROUTING_RESIDENCIES:
+            raise ConfigError(
+                f"routing {name!r}: a {kind!r} policy decides which experts stay resident under a budget, "
+                f"which one request cannot pick; serve it with --residency (and --budget), not as a routing"
+            )
 
 
 def resolve_all(specs: Mapping[str, Any] | None, model: nn.Module, info: ModelInfo) -> dict[str, Routing]:
