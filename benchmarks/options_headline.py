@@ -22,6 +22,22 @@ model is at chance there, so the sets are zero-shot log-likelihood ones it can d
         --runs runs/options --tag std --corpus data/corpus --k-hat 8 16 --eta 0.02 \\
         --out benchmarks/results/reference/options_headline.json
 
+``--quantize int4|int8`` (issue 40) measures the table on a quantized model: the evaluated base
+model's experts are quantized (``moectl.loaded.quantize_loaded``, int4 in groups of ``--group-size``;
+routers, attention and embeddings stay float32, as do the activations). Each controller is loaded
+into a fresh float32 model, its LoRA adapters and routers merged into the unquantized weights, and
+only then quantized (``quantize_loaded``'s ``merge_first``): its held-out quality and accuracy are
+of that merged, quantized model. The teacher of every row is the quantized base model, so KLs and
+perplexity ratios compare with the quantized full model. The pruning baselines are selected on the
+unquantized model (the same calibration as without ``--quantize``; wanda reads float weights) and
+applied as expert masks to the quantized one. The JSON's ``quantization`` holds the scheme, what was
+quantized and the quantized base model's KL and perplexity ratio to the unquantized one (what
+quantizing itself costs).
+
+    MOECTL_EVALS=data/evals python benchmarks/options_headline.py --model models/moectl-small-standard \\
+        --runs runs/options --tag std --corpus data/corpus --k-hat 8 --eta 0.32 --quantize int4 \\
+        --out benchmarks/results/reference/options_headline_int4.json
+
 The JSON (``--out``, rewritten after every row) holds the setup, the screening and the rows, with
 the wall and CPU seconds of each part. Cost measured on moectl-small (N = 32, 2 k-hats × (4
 baselines + one η), --screen-limit 200, --limit 100): 922 s of one thread's CPU; a row's quality
@@ -37,14 +53,17 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from moectl.adapters.inspect import inspect
 from moectl.eval.policy_file import EvalRouting, setup_routing
 from moectl.generate import Prompt
+from moectl.loaded import quantize_loaded
 from moectl.models.load import load_model
 from moectl.options.evaluate import generation_switch_rate, heldout_quality
 from moectl.options.option_state import latest_checkpoint, load_controlled
@@ -52,7 +71,34 @@ from moectl.options.policy import ControllerPolicy
 from moectl.options.prompt_data import read_prompts, texts_by_domain
 from moectl.options.random_options import check_k_hat
 from moectl.options.teacher import teacher_mode
+from moectl.quant.quant_config import DEFAULT_GROUP_SIZE, SCHEMES, check_group_size, check_scheme
 from options_accuracy import TASKS, EvalSet, chance, load_sets, score_set, screen
+
+
+class PairedTeacher(nn.Module):
+    """``student``'s forward, but ``teacher``'s inside :meth:`teaching`.
+
+    ``heldout_quality``'s teacher is a context around the one model it is given. A controller merged
+    into quantized weights (``--quantize``) cannot take its adapters off again, so its teacher, the
+    quantized base model, is another model: this calls the one or the other (routing sessions hook
+    this module and the student's routers; the teacher runs outside them)."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module) -> None:
+        super().__init__()
+        self.student, self.teacher = student, teacher
+        self._teaching = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.teacher if self._teaching else self.student)(*args, **kwargs)
+
+    @contextmanager
+    def teaching(self):
+        self._teaching = True
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self._teaching = False
 
 
 def now() -> tuple[float, float]:
@@ -165,13 +211,17 @@ def accuracy(model, tokenizer, routing: EvalRouting, sets: dict[str, EvalSet], a
     }
 
 
-def quality_row(name, model, info, tokenizer, policies, teacher, k_hat, heldout, prompts, args) -> dict:
-    """KL, per-domain perplexity ratio and generation switch rate of one method at ``k_hat``."""
+def quality_row(
+    name, model, info, tokenizer, policies, teacher, k_hat, heldout, prompts, args, generating=None
+) -> dict:
+    """KL, per-domain perplexity ratio and generation switch rate of one method at ``k_hat``
+    (``generating``: the model that generates for the switch rate, default ``model``)."""
     t0 = now()
     quality = heldout_quality(model, info, tokenizer, heldout, policies, teacher, args.max_length)
     switching = generation_switch_rate(
-        model, info, tokenizer, prompts, policies, k_hat, args.max_new_tokens, 0.5, seed=args.seed
-    )
+        generating if generating is not None else model, info, tokenizer, prompts, policies, k_hat,
+        args.max_new_tokens, 0.5, seed=args.seed,
+    )  # fmt: skip
     return {
         "method": name,
         "k_hat": k_hat,
@@ -274,6 +324,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--quantize", default=None, metavar="|".join(reversed(SCHEMES)),
+        help="quantize the evaluated model's experts (controllers merged in first; baselines selected on the "
+        "unquantized model); the teacher is the quantized base model",
+    )  # fmt: skip
+    ap.add_argument(
+        "--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4 group (inputs per scale and zero)"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/reference/options_headline.json"))
     args = ap.parse_args(argv)
     for name in ("screen_limit", "limit", "eval_batch_size", "max_docs", "prompts", "max_new_tokens"):
@@ -281,7 +339,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.limit > args.screen_limit:
         raise ValueError(f"--limit ({args.limit}) must be <= --screen-limit ({args.screen_limit})")
+    check_scheme(args.quantize)  # ConfigError: a ValueError
+    if args.quantize == "int4":
+        check_group_size(args.group_size)
     return args
+
+
+def quantization_cost(model, reference, info, tokenizer, heldout, args) -> dict:
+    """The quantized base model's held-out KL(unquantized ‖ quantized) and perplexity ratio to the
+    unquantized ``reference``: what quantizing itself costs, beside the table."""
+    pair = PairedTeacher(model, reference)
+    t0 = now()
+    quality = heldout_quality(pair, info, tokenizer, heldout, list, pair.teaching, args.max_length)
+    return {
+        "kl": quality["kl"],
+        "kl_ci95": quality["kl_ci95"],
+        "ppl_ratio": quality["ppl_ratio"],
+        "per_domain": {
+            d: {
+                "ppl": v["ppl"],
+                "unquantized_ppl": v["teacher_ppl"],
+                "ppl_ratio": v["ppl"] / v["teacher_ppl"],
+            }
+            for d, v in quality["domains"].items()
+        },
+        "time": spent(t0),
+    }
+
+
+def quantized_controller_row(base, tokenizer, folder: Path, eta, k_hat, heldout, prompts, chosen, args):
+    """``(row, accuracy, accuracy start)`` of a controller on the quantized model: a fresh float32
+    model with the controller's adapters and routers merged in, then quantized; its teacher is the
+    quantized ``base`` model."""
+    from moectl.routing import load_policy
+
+    lm, _ = load_model(args.model, dtype="float32")
+    quantize_loaded(lm, args.quantize, group_size=args.group_size, merge_first=[str(folder)])
+    policy = load_policy(str(folder), lm)  # merged in already: only the controller is read
+    if not isinstance(policy, ControllerPolicy):
+        raise ValueError(f"{folder}: not a controller (got {type(policy).__name__})")
+    li = inspect(lm)
+    pair = PairedTeacher(lm, base)
+    row = quality_row(
+        f"controller η={eta:g}",
+        pair,
+        li,
+        tokenizer,
+        lambda c=policy.controller: [ControllerPolicy(c, seed=args.seed)],
+        pair.teaching,
+        k_hat,
+        heldout,
+        prompts,
+        args,
+        generating=lm,
+    )
+    row["train_config"] = policy.options
+    t0 = now()
+    acc = accuracy(lm, tokenizer, setup_routing(lm, controller=str(folder), seed=args.seed), chosen, args)
+    return row, acc, t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         overrides = parse_overrides(args.controller)
         model, tokenizer = load_model(args.model, dtype="float32")
+        reference, reference_info, quantized = None, None, None
+        if args.quantize:  # the unquantized model: baseline selection and the cost of quantizing
+            reference = model
+            model, _ = load_model(args.model, dtype="float32")
+            quantized = quantize_loaded(model, args.quantize, group_size=args.group_size)
+            reference_info = inspect(reference)
         info = inspect(model)
         k_hats = args.k_hat or [info.num_experts // 2, info.num_experts // 4]
         for k_hat in k_hats:
@@ -310,6 +431,23 @@ def main(argv: list[str] | None = None) -> int:
         "screening": {},
         "rows": [],
     }
+    if reference is not None:
+        doc["quantization"] = {
+            "scheme": args.quantize,
+            "group_size": quantized.group_size,
+            "summary": quantized.to_dict(),
+            "activations": "float32",
+            "teacher": "the quantized base model (every row's KL and perplexity ratio)",
+            "baselines": "selected on the unquantized model, applied as expert masks to the quantized one",
+            "controllers": "adapters and routers merged into the unquantized weights, then quantized",
+            "base_vs_unquantized": quantization_cost(model, reference, info, tokenizer, heldout, args),
+        }
+        cost = doc["quantization"]["base_vs_unquantized"]
+        print(
+            f"  {args.quantize} base model vs unquantized: KL {cost['kl']:.4f} ± {cost['kl_ci95']:.4f}  "
+            f"ppl×{cost['ppl_ratio']:.3f}",
+            flush=True,
+        )
 
     # accuracy screening: the full model on --screen-limit items of every set
     full = setup_routing(model, seed=args.seed)
@@ -373,14 +511,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         add(plain, base_acc, None)
         for method in args.baselines:
-            policy = baseline_policy(
-                model,
+            policy = baseline_policy(  # with --quantize selected unquantized: masks apply to either
+                model if reference is None else reference,
                 tokenizer,
                 method,
                 k_hat,
                 calib,
                 seed=args.seed,
-                info=info,
+                info=info if reference is None else reference_info,
                 max_length=args.calib_length,
             )
             row = quality_row(
@@ -423,6 +561,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  k̂={k_hat} η={eta:g}: no finished controller in {run} (--latest, --controller or --train)"
                 )
+                continue
+            if args.quantize:
+                row, acc, t0 = quantized_controller_row(
+                    model, tokenizer, folder, eta, k_hat, heldout, prompts, chosen, args
+                )
+                row.update(
+                    checkpoint=str(source or folder),
+                    train_step=folder_step(source or folder),
+                    train_config=row.pop("train_config"),
+                )
+                add(row, acc, t0)
                 continue
             lm, _ = load_model(args.model, dtype="float32")
             lm, ctrl, config, snapshot = load_controlled(lm, folder, merge=False)

@@ -35,6 +35,16 @@ between resamples; the statistic is still the mean over domains.
     python benchmarks/subset_retention.py --models ... --fractions 1,0.25,0.125 --methods router,reap,frequency
     python benchmarks/subset_retention.py --models ... --finetune --ft-fractions 0.25,0.125 --ft-steps 20
     python benchmarks/subset_retention.py --replot RESULTS.json --plot FIG.png   # redraw, no model run
+    python benchmarks/subset_retention.py --models ... --quantize int4 [--group-size 64]   # on int4 experts
+
+``--quantize int4|int8`` (issue 40) re-measures the figure on quantized experts: subsets are chosen
+(and fine-tuned) on the float32 model as loaded, its held-out losses measured, then its experts are
+quantized in place (``moectl.loaded.quantize_loaded``; routers, attention and embeddings stay
+float32, activations float32: PyTorch's int4 CPU kernel takes them) and every loss above is the
+quantized model's, relative to the quantized full model. The JSON's ``quantization`` adds what
+quantizing itself costs: the quantized full model's loss relative to the unquantized one's, and each
+quantized subset's relative to the unquantized full model. A fine-tuned subset is quantized after
+its fine-tuning.
 """
 
 from __future__ import annotations
@@ -54,9 +64,12 @@ from bench_args import fail
 from moectl.adapters.inspect import inspect
 from moectl.adapters.slicing import slice_experts
 from moectl.data.domains import corpus_texts_by_domain
+from moectl.errors import ConfigError
 from moectl.eval.intervals import DEFAULT_SEED, bootstrap_interval
 from moectl.io.atomic import write_text_atomic
+from moectl.loaded import quantize_loaded
 from moectl.models.load import load_model
+from moectl.quant.quant_config import DEFAULT_GROUP_SIZE, SCHEMES, check_group_size, check_scheme
 from moectl.routing import ExpertMask, route
 from moectl.subsets.calibrate import tokenize
 from moectl.subsets.finetune import finetune_subset
@@ -89,12 +102,14 @@ def document_losses(
 
 def finetuned_nll(model, tokenizer, keep: dict, train: list[str], heldout: list[str], args) -> np.ndarray:
     """Per-document held-out loss of the subset sliced out of ``model`` and fine-tuned on ``train``
-    (EMO appendix C)."""
+    (EMO appendix C); with ``--quantize`` the fine-tuned subset is quantized before it is measured."""
     subset = slice_experts(copy.deepcopy(model), keep)
     finetune_subset(
         subset, tokenizer, train, lr=args.ft_lr, batch_size=args.ft_batch, micro_batch_size=args.ft_micro,
         max_length=args.ft_max_length or args.max_length, max_steps=args.ft_steps, epochs=args.ft_epochs,
     )  # fmt: skip
+    if getattr(args, "quantize", None):
+        quantize_loaded(subset, args.quantize, group_size=args.group_size)
     return document_losses(subset, tokenizer, heldout, max_length=args.max_length)[0]
 
 
@@ -109,64 +124,102 @@ def _row(nll: np.ndarray, full: np.ndarray, tokens: np.ndarray, args) -> dict:
     }
 
 
+def choose(model, tokenizer, texts: list[str], fractions: list[float], info, args) -> dict[str, dict]:
+    """Per kept fraction (``f"{fraction:g}"``): k and the experts each selection method keeps, chosen on
+    the calibration ``texts`` (the router selection always; the other methods when k < N)."""
+    batch = tokenize(tokenizer, texts, args.max_length)
+    out = {}
+    for fraction in fractions:
+        k = max(info.top_k, round(info.num_experts * fraction))
+        methods = [m for m in args.method_list if m == "router" or k < info.num_experts]
+        with torch.no_grad():
+            keep = {
+                m: select_subset(model, batch["input_ids"], k, m, batch["attention_mask"], info=info)
+                for m in methods
+            }
+        out[f"{fraction:g}"] = {"k": k, "keep": keep}
+    return out
+
+
 def retention(
     path: str, calib: dict, heldout: dict, train: dict | None, fractions: list[float], args
-) -> dict:
-    """``{domain: row}`` of one model: the full model's loss and, per kept fraction, the subset's."""
+) -> tuple[dict, dict | None]:
+    """``({domain: row}, quantization summary)`` of one model: the full model's loss and, per kept
+    fraction, the subset's.
+
+    Subsets are chosen (and, with ``--finetune``, fine-tuned) on the model as loaded. With
+    ``--quantize`` the model's held-out losses are measured, then it is quantized in place and every
+    row's loss is the quantized model's: ``full`` / ``nll_full`` are the quantized full model (the
+    reference of the relative increases) and ``unquantized`` holds the unquantized full model's,
+    ``quantization`` the quantized full model's loss relative to it."""
     try:
         model, tokenizer = load_model(path, dtype="float32")
     except (FileNotFoundError, OSError, ValueError) as err:
         fail(f"--models: {err}")
     info = inspect(model)
+    domains = sorted(heldout)
+    chosen = {d: choose(model, tokenizer, calib[d], fractions, info, args) for d in domains}
+    tuned = {
+        (d, key): finetuned_nll(
+            model, tokenizer, chosen[d][key]["keep"]["router"], train[d], heldout[d], args
+        )
+        for d in domains
+        if train is not None and d in train
+        for key in (f"{f:g}" for f in fractions if f in args.ft_fraction_list)
+    }
+    unquantized, quant = {}, None
+    if args.quantize:
+        unquantized = {d: document_losses(model, tokenizer, heldout[d], max_length=args.max_length)[0]
+                       for d in domains}  # fmt: skip
+        quant = quantize_loaded(model, args.quantize, group_size=args.group_size).to_dict()
+        info = inspect(model)
     results = {}
-    for domain in sorted(heldout):
+    for domain in domains:
         full, tokens = document_losses(model, tokenizer, heldout[domain], max_length=args.max_length)
-        batch = tokenize(tokenizer, calib[domain], args.max_length)
         row = {"full": float(full.sum() / tokens.sum()), "documents": len(full), "tokens": tokens.tolist(),
                "nll_full": full.round(4).tolist()}  # fmt: skip
-        for fraction in fractions:
-            k = max(info.top_k, round(info.num_experts * fraction))
-            with torch.no_grad():
-                keep = select_subset(
-                    model, batch["input_ids"], k, "router", batch["attention_mask"], info=info
-                )
+        if args.quantize:
+            ref = unquantized[domain]
+            stat = relative_statistic({"d": (full, ref)})
+            row["unquantized"] = {"full": float(ref.sum() / tokens.sum()), "nll_full": ref.round(4).tolist()}
+            row["quantization"] = {  # the quantized full model's loss relative to the unquantized one's
+                "relative": float(full.sum() / ref.sum() - 1),
+                "ci95": list(bootstrap_interval(stat, len(full), args.iters, args.seed)),
+            }
+
+        def nll_of(keep: dict, k: int, domain: str = domain, full: np.ndarray = full) -> np.ndarray:
             if k == info.num_experts:  # every expert kept: the pruned-renorm mask is the identity
-                nll = full
-            else:
-                policy = ExpertMask.from_lists(info, keep, renorm="pruned")
-                nll = document_losses(model, tokenizer, heldout[domain], [policy], args.max_length)[0]
-            row[f"{fraction:g}"] = {"k": k, **_row(nll, full, tokens, args)}
+                return full
+            policy = ExpertMask.from_lists(info, keep, renorm="pruned")
+            return document_losses(model, tokenizer, heldout[domain], [policy], args.max_length)[0]
+
+        for fraction in fractions:
+            key = f"{fraction:g}"
+            k, keep = chosen[domain][key]["k"], chosen[domain][key]["keep"]
+            row[key] = {"k": k, **_row(nll_of(keep["router"], k), full, tokens, args)}
             others = [m for m in args.method_list if m != "router"]
             if others:
-                row[f"{fraction:g}"]["methods"] = {
-                    m: _row(nll, full, tokens, args)
-                    if k == info.num_experts
-                    else method_row(model, tokenizer, batch, heldout[domain], k, m, info, full, tokens, args)
+                row[key]["methods"] = {
+                    m: _row(full if k == info.num_experts else nll_of(keep[m], k), full, tokens, args)
                     for m in others
                 }
-            if train is not None and domain in train and fraction in args.ft_fraction_list:
-                tuned = finetuned_nll(model, tokenizer, keep, train[domain], heldout[domain], args)
-                row[f"{fraction:g}"]["finetuned"] = _row(tuned, full, tokens, args)
+            if (domain, key) in tuned:
+                row[key]["finetuned"] = _row(tuned[domain, key], full, tokens, args)
         results[domain] = row
         line = "  ".join(f"{f:g}: {row[f'{f:g}']['relative']:+.1%}" for f in fractions)
-        tuned = "  ".join(
+        tuned_line = "  ".join(
             f"{f:g}: {row[f'{f:g}']['finetuned']['relative']:+.1%}"
             for f in fractions
             if "finetuned" in row[f"{f:g}"]
         )
-        print(f"  {Path(path).name:<24}{domain:<8} full {row['full']:.3f}  {line}"
-              + (f"  | fine-tuned {tuned}" if tuned else ""), flush=True)  # fmt: skip
-    return results
-
-
-def method_row(model, tokenizer, batch, heldout: list[str], k: int, method: str, info, full, tokens, args) -> dict:
-    """One domain's row for a subset chosen by ``method`` (``moectl.subsets``: REAP, frequency, ...) on the
-    same calibration documents as the router selection."""
-    with torch.no_grad():
-        keep = select_subset(model, batch["input_ids"], k, method, batch["attention_mask"], info=info)
-    policy = ExpertMask.from_lists(info, keep, renorm="pruned")
-    nll = document_losses(model, tokenizer, heldout, [policy], args.max_length)[0]
-    return _row(nll, full, tokens, args)
+        cost = (
+            f"  ({args.quantize} vs unquantized {row['quantization']['relative']:+.2%})"
+            if args.quantize
+            else ""
+        )
+        print(f"  {Path(path).name:<24}{domain:<8} full {row['full']:.3f}{cost}  {line}"
+              + (f"  | fine-tuned {tuned_line}" if tuned_line else ""), flush=True)  # fmt: skip
+    return results, quant
 
 
 def relative_statistic(
@@ -244,6 +297,34 @@ def summarise(results: dict, fractions: list[float], args) -> dict:
     return out
 
 
+def quantization_summary(results: dict, fractions: list[float], args) -> dict:
+    """Per model: the quantized full model's held-out loss relative to the unquantized full model's
+    (what quantizing costs), and per kept fraction the quantized router subset's relative to the
+    unquantized full model (quantizing and pruning together); mean over domains, 95% intervals from
+    the same paired bootstrap as the figure's."""
+    domains = sorted(next(iter(results.values())))
+    n = sum(len(results[NAMES[0]][d]["nll_full"]) for d in domains)
+    whole = np.ones((1, n))
+
+    def cell(name: str, nll) -> dict:
+        stat = relative_statistic(
+            {d: (np.asarray(nll(results[name][d])), np.asarray(results[name][d]["unquantized"]["nll_full"]))
+             for d in domains}
+        )  # fmt: skip
+        return {
+            "relative": float(stat(whole)[0]),
+            "ci95": list(bootstrap_interval(stat, n, args.iters, args.seed)),
+        }
+
+    return {
+        "full_model": {name: cell(name, lambda r: r["nll_full"]) for name in NAMES},
+        "subsets_vs_unquantized": {
+            f"{f:g}": {name: cell(name, lambda r, key=f"{f:g}": r[key]["nll"]) for name in NAMES}
+            for f in fractions
+        },
+    }
+
+
 def method_summary(results: dict, key: str, domains: list[str], args) -> dict:
     """Per selection method and model: the mean relative increase over domains with its 95% interval,
     and the paired difference to the router selection (same bootstrap resamples)."""
@@ -254,7 +335,10 @@ def method_summary(results: dict, key: str, domains: list[str], args) -> dict:
         out[method] = {}
         for name in NAMES:
             stat = relative_statistic(_groups(results[name], key, None, domains, method))
-            cell = {"relative": float(stat(whole)[0]), "ci95": list(bootstrap_interval(stat, n, args.iters, args.seed))}
+            cell = {
+                "relative": float(stat(whole)[0]),
+                "ci95": list(bootstrap_interval(stat, n, args.iters, args.seed)),
+            }
             if method != "router":
                 router = relative_statistic(_groups(results[name], key, None, domains))
                 diff = _difference(stat, router)
@@ -275,10 +359,15 @@ def print_methods(summary: dict, labels: dict[str, str]) -> None:
     for method in entries[0]["methods"]:
         for e in entries:
             cells = [e["methods"][method][n] for n in NAMES]
-            text = "".join(f"{c['relative']:+7.2%} [{c['ci95'][0]:+.2%}, {c['ci95'][1]:+.2%}]".ljust(width) for c in cells)
+            text = "".join(
+                f"{c['relative']:+7.2%} [{c['ci95'][0]:+.2%}, {c['ci95'][1]:+.2%}]".ljust(width)
+                for c in cells
+            )
             diffs = "".join(
                 f"{c['minus_router']['relative']:+7.2%} [{c['minus_router']['ci95'][0]:+.2%}, "
-                f"{c['minus_router']['ci95'][1]:+.2%}]".ljust(width) if "minus_router" in c else "".ljust(width)
+                f"{c['minus_router']['ci95'][1]:+.2%}]".ljust(width)
+                if "minus_router" in c
+                else "".ljust(width)
                 for c in cells
             )
             print(f"{method:<12}{e['fraction']:<8.1%}{e['k']:>4}  {text}{diffs}")
@@ -300,7 +389,13 @@ def print_summary(summary: dict, field: str | None = None) -> None:
 
 
 def plot(
-    summary: dict, labels: dict[str, str], domains: list[str], docs: int, path: Path, ft_note: str = ""
+    summary: dict,
+    labels: dict[str, str],
+    domains: list[str],
+    docs: int,
+    path: Path,
+    ft_note: str = "",
+    quant_note: str = "",
 ) -> None:
     """EMO Figure 3's layout: x = experts kept (100% left), y = relative loss increase; standard vs EMO,
     solid = no fine-tuning, dashed = fine-tuned, shaded = 95% interval. Fine-tuned on fewer domains
@@ -347,15 +442,25 @@ def plot(
 
     ax = axes[0][0]
     for name in NAMES:
-        line(ax, entries, lambda r: r, name, "-", f"{labels[name]}, {'router' if others else 'no fine-tuning'}")
+        line(
+            ax, entries, lambda r: r, name, "-", f"{labels[name]}, {'router' if others else 'no fine-tuning'}"
+        )
         if tuned and not split:
             line(ax, tuned, lambda r: r["finetuned"], name, "--", f"{labels[name]}, fine-tuned")
     note = f"; fine-tuned: {ft_note}" if tuned and not split and ft_note else ""
     for method, (style, mark) in zip(others, METHOD_STYLES, strict=False):
         for name in NAMES:
-            line(ax, entries, lambda r, m=method: r["methods"][m], name, style, f"{labels[name]}, {method}", mark)
+            line(
+                ax,
+                entries,
+                lambda r, m=method: r["methods"][m],
+                name,
+                style,
+                f"{labels[name]}, {method}",
+                mark,
+            )
     frame(ax, f"held-out loss, mean over {len(domains)} domains ({docs} test documents){note}")
-    ax.set_ylabel("loss increase vs full model (%)")
+    ax.set_ylabel(f"loss increase vs {quant_note + ' ' if quant_note else ''}full model (%)")
     if split:
         ax = axes[0][1]
         for name in NAMES:
@@ -369,8 +474,9 @@ def plot(
             )
             line(ax, tuned, lambda r: r["finetuned"], name, "--", f"{labels[name]}, fine-tuned")
         frame(ax, f"fine-tuned domains only: {', '.join(ft_domains)}" + (f"\n({ft_note})" if ft_note else ""))
-    fig.suptitle("Selective expert use (EMO Fig. 3 in miniature): per-domain subsets; shaded: 95% bootstrap "
-                 "interval over documents", fontsize=11)  # fmt: skip
+    quant = f" of the {quant_note} model" if quant_note else ""
+    fig.suptitle(f"Selective expert use (EMO Fig. 3 in miniature): per-domain subsets{quant}; shaded: 95% "
+                 "bootstrap interval over documents", fontsize=11)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")  # the suptitle is wider than the axes
@@ -383,7 +489,8 @@ def replot(payload: dict, path: Path) -> None:
     domains = sorted(results["standard"])
     docs = sum(results["standard"][d]["documents"] for d in domains)
     labels = {name: Path(p).name for name, p in zip(NAMES, payload["models"], strict=True)}
-    plot(payload["summary"], labels, domains, docs, path, finetune_note(payload.get("finetune")))
+    plot(payload["summary"], labels, domains, docs, path, finetune_note(payload.get("finetune")),
+         quant_note(payload.get("quantization")))  # fmt: skip
 
 
 def finetune_note(settings: dict | None) -> str:
@@ -391,6 +498,13 @@ def finetune_note(settings: dict | None) -> str:
         return ""
     return (f"{settings['ft_steps']} steps × {settings['ft_batch']} documents of ≤{settings['ft_max_length']} "
             f"tokens, lr {settings['ft_lr']:g}")  # fmt: skip
+
+
+def quant_note(quantization: dict | None) -> str:
+    if not quantization:
+        return ""
+    group = quantization.get("group_size")
+    return quantization["scheme"] + (f" (group {group})" if group else "")
 
 
 def _fractions(text: str, option: str) -> list[float]:
@@ -423,7 +537,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=1000, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/reference/subset_retention.json"))
+    parser.add_argument(
+        "--quantize", default=None, metavar="|".join(reversed(SCHEMES)),
+        help="quantize both models' experts after choosing the subsets (moectl.loaded.quantize_loaded; routers "
+        "stay float32): every loss is the quantized model's, relative to the quantized full model, and the "
+        "JSON adds the quantized full model's loss relative to the unquantized one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4 group (inputs per scale and zero)"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=Path("benchmarks/results/reference/subset_retention.json")
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write EMO Figure 3's plot to this PNG")
     parser.add_argument(
         "--replot", type=Path, default=None, help="only redraw --plot from this earlier --json"
@@ -471,6 +596,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if not set(args.ft_fraction_list) <= set(fractions):
         fail(f"--ft-fractions {args.ft_fractions} must be among --fractions {args.fractions}")
+    try:
+        check_scheme(args.quantize)
+        if args.quantize == "int4":
+            check_group_size(args.group_size)
+    except ConfigError as err:
+        fail(f"--quantize / --group-size: {err}")
     torch.set_num_threads(args.threads)
     if args.corpus is None:
         from moectl.data.sample import sample_corpus_dir
@@ -486,16 +617,50 @@ def main(argv: Sequence[str] | None = None) -> None:
         train = {
             d: t for d, t in corpus_texts_by_domain(args.corpus, args.ft_docs, "train").items() if d in wanted
         }
-    seconds, results = {}, {}
+    seconds, results, quantized = {}, {}, {}
     for name, path in zip(NAMES, args.models, strict=True):
         start = time.perf_counter()
-        results[name] = retention(path, calib, heldout, train, fractions, args)
+        results[name], quantized[name] = retention(path, calib, heldout, train, fractions, args)
         seconds[name] = round(time.perf_counter() - start, 1)
     summary = summarise(results, fractions, args)
     docs = sum(len(t) for t in heldout.values())
-    print(f"\nmean relative loss increase over {len(heldout)} domains ({docs} held-out test documents)")
+    against = f", against the {args.quantize} full model" if args.quantize else ""
+    print(
+        f"\nmean relative loss increase over {len(heldout)} domains ({docs} held-out test documents{against})"
+    )
     print_summary(summary)
     print_methods(summary, {name: Path(p).name for name, p in zip(NAMES, args.models, strict=True)})
+    quantization = None
+    if args.quantize:
+        quantization = {
+            "scheme": args.quantize,
+            "group_size": quantized[NAMES[0]]["group_size"],
+            "scope": "experts",
+            "activations": "float32",
+            "reference": (
+                "summary and results are relative to the quantized full model (results[model][domain]['full', "
+                "'nll_full']); results[model][domain]['unquantized'] holds the unquantized full model's losses"
+            ),
+            "selection": (
+                "subsets chosen (and fine-tuned) on the unquantized model, then applied as masks to the "
+                "quantized one (a fine-tuned subset is quantized after its fine-tuning)"
+            ),
+            "models": quantized,
+            **quantization_summary(results, fractions, args),
+        }
+        print(
+            f"\n{quant_note(quantization)} full model vs unquantized (mean relative loss increase over domains)"
+        )
+        for name, path in zip(NAMES, args.models, strict=True):
+            cell = quantization["full_model"][name]
+            print(
+                f"  {Path(path).name:<28}{cell['relative']:+7.2%} [{cell['ci95'][0]:+.2%}, {cell['ci95'][1]:+.2%}]"
+            )
+        print("quantized subsets vs the unquantized full model")
+        for key, cells in quantization["subsets_vs_unquantized"].items():
+            text = "".join(f"{c['relative']:+7.2%} [{c['ci95'][0]:+.2%}, {c['ci95'][1]:+.2%}]".ljust(28)
+                           for c in cells.values())  # fmt: skip
+            print(f"  {float(key):<8.1%}{text}")
     if args.finetune:
         domains = next(e["finetuned"]["domains"] for e in summary.values() if "finetuned" in e)
         print(f"\nafter fine-tuning ({', '.join(domains)}; relative to the full model without fine-tuning)")
@@ -507,8 +672,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "corpus": str(args.corpus),
         "settings": {"calib_docs": args.calib_docs, "eval_docs": args.eval_docs, "max_length": args.max_length,
                      "selection": "router", "methods": args.method_list,
-                     "threads": args.threads},
+                     "threads": args.threads, "quantize": args.quantize,
+                     "group_size": quantization["group_size"] if quantization else None},
         "finetune": settings if args.finetune else None,
+        "quantization": quantization,
         "intervals": {"confidence": 0.95, "method": "percentile bootstrap over held-out documents (pooled, "
                       "paired across subsets and models)", "iters": args.iters, "seed": args.seed},
         "seconds": seconds,
@@ -519,7 +686,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_text_atomic(args.json, json.dumps(payload, indent=1))
     if args.plot is not None:
         labels = {name: Path(p).name for name, p in zip(NAMES, args.models, strict=True)}
-        plot(summary, labels, sorted(heldout), docs, args.plot, finetune_note(payload["finetune"]))
+        plot(summary, labels, sorted(heldout), docs, args.plot, finetune_note(payload["finetune"]),
+             quant_note(quantization))  # fmt: skip
 
 
 if __name__ == "__main__":

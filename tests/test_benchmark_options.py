@@ -134,7 +134,9 @@ def test_run_folders_and_controller_overrides(tmp_path):
     run = tmp_path / "std-k8-eta0.02"
     (run / "checkpoints" / "step-000040").mkdir(parents=True)
     (run / "checkpoints" / "step-000040" / "controller.json").write_text("{}")
-    torch.save({"step": 40}, run / "checkpoints" / "step-000040" / "trainer_state.pt")  # a complete checkpoint
+    torch.save(
+        {"step": 40}, run / "checkpoints" / "step-000040" / "trainer_state.pt"
+    )  # a complete checkpoint
     (run / "checkpoints" / "latest").write_text("step-000040")
     assert options_headline.controller_folder(run) is None  # unfinished: skipped unless --latest
     latest = options_headline.controller_folder(run, latest=True)
@@ -150,7 +152,9 @@ def test_run_folders_and_controller_overrides(tmp_path):
     (kept / "options.json").write_text(json.dumps({"steps": 300}))
     torch.save({"step": 120}, kept / "trainer_state.pt")
     assert options_headline.folder_step(kept) == 120  # its trainer state, not the planned 300
-    card = tmp_path / "models" / "controller-k16"  # `moectl options card`: no trainer state, the log up to its step
+    card = (
+        tmp_path / "models" / "controller-k16"
+    )  # `moectl options card`: no trainer state, the log up to its step
     card.mkdir(parents=True)
     (card / "options.json").write_text(json.dumps({"steps": 300}))
     (card / "training_log.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 120)))
@@ -197,6 +201,57 @@ def test_headline_end_to_end_on_a_tiny_model(tiny_eval, corpus, tmp_path, capsys
     assert options_headline.main([*common, "--limit", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "k-hat = 99" in err[0] and "--limit (7)" in err[1]
+
+
+def test_headline_quantized_merges_each_controller_before_quantizing(
+    tiny_eval, corpus, tmp_path, monkeypatch
+):
+    """``--quantize int4``: the base model quantized, the trained controller (LoRA on attention and
+    experts, trained routers) merged into a fresh float32 model and only then quantized, baselines
+    as masks on the quantized model; the JSON records the scheme and what quantizing costs."""
+    from moectl.options.trainer import OptionsConfig, train_options
+
+    cache, _, _, _ = tiny_eval
+    lm, tok = load_model("tiny:qwen2_moe", dtype="float32")
+    cfg = OptionsConfig(k_hat=4, steps=1, batch_size=2, max_new_tokens=4, lora_r=4, lora_alpha=4)
+    train_options(lm, tok, ["hello there", "a cat"], cfg, tmp_path / "run", progress=False)
+    folder = tmp_path / "run" / "final"
+    assert (folder / "adapter.safetensors").exists()  # adapters to merge, not only a controller
+    calls = []
+    real = options_headline.quantize_loaded
+
+    def spy(model, scheme, **kwargs):
+        calls.append((scheme, kwargs.get("group_size"), list(kwargs.get("merge_first", ()))))
+        return real(model, scheme, **kwargs)
+
+    monkeypatch.setattr(options_headline, "quantize_loaded", spy)
+    out = tmp_path / "headline.json"
+    argv = ["--model", "tiny:qwen2_moe", "--corpus", str(corpus), "--cache", str(cache), "--k-hat", "4",
+            "--eta", "0.02", "--runs", str(tmp_path / "runs"), "--tasks", "arc_easy", "--screen-limit", "4",
+            "--limit", "4", "--all-sets", "--max-docs", "1", "--max-length", "24", "--prompts", "2",
+            "--max-new-tokens", "4", "--calib-docs", "2", "--calib-length", "24", "--out", str(out),
+            "--baselines", "frequency", "wanda", "--controller", f"k4-eta0.02={folder}", "--quantize", "int4",
+            "--group-size", "32"]  # fmt: skip
+    assert options_headline.main(argv) == 0
+    assert calls == [("int4", 32, []), ("int4", 32, [str(folder)])]  # the base model, then the controller's
+    doc = json.loads(out.read_text())
+    assert doc["setup"]["quantize"] == "int4" and doc["setup"]["group_size"] == 32
+    quant = doc["quantization"]
+    assert quant["scheme"] == "int4" and quant["group_size"] == 32 and quant["summary"]["experts_modules"] > 0
+    cost = quant["base_vs_unquantized"]
+    assert 0 < cost["kl"] < 0.05 and 0.9 < cost["ppl_ratio"] < 1.1  # int4 is close to, not equal to, float32
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == ["base model", "frequency", "wanda", "controller η=0.02"]
+    assert rows["base model"]["kl"] == 0.0  # the teacher is the quantized base model itself
+    for row in rows.values():
+        assert np.isfinite(row["kl"]) and row["kl"] >= 0 and np.isfinite(row["ppl_ratio"])
+        assert row["accuracy"]["arc_easy"]["n"] == 4
+    ctrl = rows["controller η=0.02"]
+    assert ctrl["kl"] > 0 and ctrl["switch_source"] == "allowed" and ctrl["train_config"]["k_hat"] == 4
+    assert rows["frequency"]["switch_rate"] == 0.0 and rows["frequency"]["kl"] > 0
+    # bad scheme or group: exit 2 before any work
+    assert options_headline.main([*argv[:-4], "--quantize", "int3"]) == 2
+    assert options_headline.main([*argv[:-2], "--group-size", "48"]) == 2
 
 
 def test_paired_kl_compares_controllers_with_baselines_on_the_same_documents():
