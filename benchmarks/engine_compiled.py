@@ -30,6 +30,7 @@ import moectl
 from bench_args import PROMPTS, fail
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
+from moectl.lm import compiled_decode
 
 ROUTING: str | dict | None = None  # every request's routing (``--routing``), registered as "r"
 
@@ -64,13 +65,21 @@ def measure(spec: str, args) -> dict:
     model, tok, _ = moectl.load(spec)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.rows)]
     engines, warmup = {}, {}
-    for name, on in (("lean", False), ("compiled", True)):
-        torch._dynamo.reset()
-        counters.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    variants = [("lean", False, None), ("compiled", True, None)]
+    if args.cpp_wrapper_ab:  # the same step with inductor's Python wrapper: what cpp_wrapper gains
+        variants.append(("compiled python-wrapper", True, lambda weights, mode: {}))
+    for name, on, options in variants:
         start = time.perf_counter()
         routings = {} if ROUTING is None else {"r": ROUTING}
         config = EngineConfig(max_batch=args.rows, compile_decode=on)
-        engines[name] = Engine(model, tok, config, routings=routings).open()
+        default = compiled_decode.compile_options
+        compiled_decode.compile_options = options or default
+        try:
+            engines[name] = Engine(model, tok, config, routings=routings).open()
+        finally:
+            compiled_decode.compile_options = default
         tok_s(engines[name], prompts[:1], 3)
         tok_s(engines[name], prompts, 3)
         warmup[name] = time.perf_counter() - start
@@ -91,6 +100,8 @@ def measure(spec: str, args) -> dict:
            "graphs_built": graphs, "decode_forward": forwards, "loadavg": os.getloadavg()}  # fmt: skip
     for r in ("1 row", f"{args.rows} rows"):
         out[f"compiled_vs_lean {r}"] = median[f"compiled {r}"] / median[f"lean {r}"]
+        if args.cpp_wrapper_ab:
+            out[f"cpp_wrapper_gain {r}"] = median[f"compiled {r}"] / median[f"compiled python-wrapper {r}"]
     return out
 
 
@@ -103,6 +114,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--routing", default=None, help="every request's routing: a policy file, spec or JSON")
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
+    ap.add_argument("--cpp-wrapper-ab", action="store_true",
+                    help="also time the compiled step with inductor's Python wrapper (what cpp_wrapper gains)")
     args = ap.parse_args()
     global ROUTING
     ROUTING = json.loads(args.routing) if args.routing and args.routing.lstrip().startswith("{") else args.routing
@@ -120,6 +133,9 @@ def main() -> None:
         print(f"  compiled/lean: 1 row {r['compiled_vs_lean 1 row']:.2f}x, {args.rows} rows "
               f"{r[f'compiled_vs_lean {args.rows} rows']:.2f}x; rows joining and leaving: "
               f"{r['graphs_built']} graphs built over the run")  # fmt: skip
+        if args.cpp_wrapper_ab:
+            print(f"  cpp_wrapper/python wrapper: 1 row {r['cpp_wrapper_gain 1 row']:.2f}x, {args.rows} rows "
+                  f"{r[f'cpp_wrapper_gain {args.rows} rows']:.2f}x")  # fmt: skip
     if args.json_path is not None:
         payload = {"threads": args.threads, "tokens": args.tokens, "rows": args.rows, "results": results}
         write_text_atomic(args.json_path, json.dumps(payload, indent=2) + "\n")
