@@ -127,6 +127,15 @@ def moectl_cmd(
     ]  # fmt: skip
 
 
+def whole_cmd(args, out: Path) -> list[str]:
+    """moectl's engine on the whole model (``moectl_decode.py``): where it fits the cap, the best policy."""
+    return [
+        sys.executable, str(ROOT / "benchmarks" / "moectl_decode.py"), "--model", str(args.moectl_checkpoint or args.checkpoint),
+        "--tokens", str(args.tokens), "--threads", str(args.threads), "--prompt", args.prompt, "--json", str(out),
+        *(["--compile"] if args.whole == "compiled" else []),
+    ]  # fmt: skip
+
+
 def llama_cmd(args, out: Path) -> list[str]:
     return [
         sys.executable, str(ROOT / "benchmarks" / "llama_decode.py"), "--gguf", str(args.gguf),
@@ -173,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--moectl-checkpoint", type=Path, help="the moectl rows serve this folder (a quantized checkpoint)"
+    )
+    ap.add_argument(
+        "--whole", choices=["eager", "compiled"], help="also rows of moectl's engine on the whole model"
     )
     ap.add_argument(
         "--llama-no-extra-bufts", action="store_true", help="llama.cpp rows without extra CPU buffer types"
@@ -224,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cap_budgets = {
-            float(c): b for c, b in (item.split(":") for item in args.cap_budgets.split(",") if item)
+            (None if c == "none" else float(c)): b
+            for c, b in (item.split(":") for item in args.cap_budgets.split(",") if item)
         }
     except ValueError:
         print(
@@ -245,32 +258,36 @@ def main(argv: list[str] | None = None) -> int:
         systems = [
             ("moectl", p, d, r) for d in slot_dtypes for p in args.policies.split(",") for r in routings
         ]
+        if args.whole is not None:
+            systems.insert(0, ("moectl (whole)", args.whole, "same", "none"))
         if args.gguf is not None:
             systems.insert(0, ("llama.cpp", "mmap", "bf16", "none"))
         for fraction in caps:
             cap = None if fraction is None else int(fraction * total)
             for system, policy, slot_dtype, routing in systems:
-                out = Path(tmp) / f"{system}-{policy}-{slot_dtype}-{routing}-{fraction}.json".replace(
-                    ":", "_"
-                )
-                cmd = (
-                    llama_cmd(args, out)
-                    if system == "llama.cpp"
-                    else moectl_cmd(
+                name = f"{system}-{policy}-{slot_dtype}-{routing}-{fraction}.json"
+                out = Path(tmp) / name.replace(":", "_").replace(" ", "_")
+                if system == "llama.cpp":
+                    cmd = llama_cmd(args, out)
+                elif system == "moectl (whole)":
+                    cmd = whole_cmd(args, out)
+                else:
+                    cmd = moectl_cmd(
                         args, policy, slot_dtype, out, prompts, routing, cap_budgets.get(fraction)
                     )
-                )
                 print(f"[{system} {policy} {slot_dtype} {routing} cap={fraction}] running ...", flush=True)
                 row = _run(cmd, cap, out, args.timeout)
                 label = policy if slot_dtype == "same" else f"{policy}, {slot_dtype} slots"
                 label += "" if routing == "none" else f", routing {routing}"
                 row.update(
                     system=system,
-                    policy_label=label if system == "moectl" else "mmap",
-                    budget=cap_budgets.get(fraction, args.budget) if system == "moectl" else None,
-                    served=str(args.moectl_checkpoint or args.checkpoint)
+                    policy_label=label
                     if system == "moectl"
-                    else str(args.gguf),
+                    else ("mmap" if system == "llama.cpp" else f"whole, {policy}"),
+                    budget=cap_budgets.get(fraction, args.budget) if system == "moectl" else None,
+                    served=str(args.gguf)
+                    if system == "llama.cpp"
+                    else str(args.moectl_checkpoint or args.checkpoint),
                     cap_fraction=fraction,
                     cap_bytes=cap,
                     checkpoint_bytes=total,

@@ -102,3 +102,26 @@ def test_report_groups_by_cap_with_ratios_to_llama_cpp(tmp_path, capsys):
     assert "| 6.0 |" in lines[2]  # weights GB/s = 2 GB per token x 3 tokens/s
     assert "killed (out of memory)" in lines[3]
     assert report.main([str(tmp_path / "nope.json")]) == 2
+
+
+def test_a_quantized_folder_offloaded_and_whole(tmp_path):
+    """Issue 40 item 5's rows: ``--moectl-checkpoint`` serves a quantized folder (its store reads int4),
+    ``--whole`` adds the engine on the whole model, ``--cap-budgets`` gives the cap its budget."""
+    from moectl.quant import quantize_checkpoint
+
+    folder = tmp_path / "int4"
+    quantize_checkpoint(str(ROOT / "models" / "moectl-small-standard"), folder, "int4")
+    out = tmp_path / "capped.json"
+    args = ["--checkpoint", str(ROOT / "models" / "moectl-small-standard"), "--moectl-checkpoint", str(folder),
+            "--whole", "eager", "--caps", "none", "--cap-budgets", "none:8", "--policies", "lru", "--tokens", "3",
+            "--threads", "1", "--json", str(out)]  # fmt: skip
+    assert _module().main(args) == 0
+    whole, offloaded = json.loads(out.read_text())["rows"]
+    assert whole["system"] == "moectl (whole)" and whole["exit"] == 0 and whole["generated_tokens"] == 3
+    assert (
+        offloaded["policy_label"] == "lru"
+        and offloaded["store"] == "checkpoint"
+        and offloaded["budget"] == "8"
+    )
+    assert whole["served"] == offloaded["served"] == str(folder)
+    assert "weights_gb_per_s" not in offloaded  # bf16 bytes would misstate an int4 row

@@ -31,9 +31,10 @@ log = logging.getLogger("moectl.engine")
 def compile_options(weights: StepWeights, mode: str | None) -> dict[str, Any]:
     """``torch.compile``'s mode or options for the step. On the CPU, inductor's C++ wrapper
     (``cpp_wrapper``): the generated kernels are called from C++, not from a Python wrapper, which
-    a small model's step spends a good part of its time in. Measured in one process, interleaved,
-    5 rounds (``benchmarks/engine_compiled.py --cpp-wrapper-ab``, reference model, one thread,
-    load ~3.5): 1 row 279.1 against 250.9 tok/s (1.11x), 8 rows 955.1 against 880.0 (1.09x)."""
+    a small model's step spends a part of its time in. Measured in one process, interleaved, 5
+    rounds (``benchmarks/engine_compiled.py --cpp-wrapper-ab``, reference model, one thread): quiet
+    (load 0.6) 1 row 292.9 against 279.3 tok/s (1.05x), 8 rows 1019.6 against 972.7 (1.05x); at load
+    ~3.5, 1.11x and 1.09x."""
     if mode is not None:
         return {"mode": mode}
     return {"options": {"cpp_wrapper": True}} if weights.embed.device.type == "cpu" else {}

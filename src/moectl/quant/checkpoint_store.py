@@ -143,23 +143,30 @@ class QuantizedCheckpointStore:
         self.io.read(entry.file, [(entry.offset + expert * entry.row_bytes, _bytes(out))])
         return out
 
+    def _form(self, name: str, t: Tensor) -> Tensor:
+        """A stored tensor (one expert's slice or the whole [E, ...] stack) as the module holds it."""
+        if name.endswith(".packed") and name not in self.repacked:  # portable codes: repack for this machine
+            return portable_int4.to_kernel(t if t.dim() == 3 else t.unsqueeze(0)).reshape(t.shape)
+        if name.endswith(".scale_zero"):
+            return t.to(self.dtype)
+        if name.endswith(".scale"):
+            return t.float()
+        return t
+
+    def read_layer(self, layer: int) -> dict[str, Tensor]:
+        """Every expert of MoE layer ``layer`` at once ([E, ...] per name): loading the model whole."""
+        out = {}
+        for name, entry in self.layers[layer].entries.items():
+            t = torch.empty(entry.shape, dtype=entry.dtype)
+            self.io.read(entry.file, [(entry.offset, _bytes(t))])
+            out[name] = self._form(name, t)
+        return out
+
     def load(self, layer: int, expert: int) -> dict[str, Tensor]:
         """Expert ``expert`` of MoE layer ``layer`` as its quantized module holds it."""
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"MoE layer {layer} out of range: the model has {len(self.layers)} MoE layers")
-        out = {}
-        for name, entry in self.layers[layer].entries.items():
-            t = self._read(entry, expert)
-            if (
-                name.endswith(".packed") and name not in self.repacked
-            ):  # portable codes: repack for this machine
-                t = portable_int4.to_kernel(t.unsqueeze(0))[0]
-            elif name.endswith(".scale_zero"):
-                t = t.to(self.dtype)
-            elif name.endswith(".scale"):
-                t = t.float()
-            out[name] = t
-        return out
+        return {name: self._form(name, self._read(e, expert)) for name, e in self.layers[layer].entries.items()}
 
     def close(self) -> None:
         self.io.close()

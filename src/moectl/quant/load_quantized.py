@@ -217,9 +217,29 @@ def load_quantized(
     with_tokenizer: bool = True,
 ) -> tuple[nn.Module, Any]:
     """(model in eval mode, tokenizer or None) of quantized checkpoint ``folder``. ``dtype``: the
-    unquantized weights' and the activations' (``auto``: the checkpoint's); int4 runs on the CPU only."""
-    model, tokenizer, _ = _build(Path(folder).expanduser(), dtype, device, device_map, with_tokenizer)
-    return model, tokenizer
+    unquantized weights' and the activations' (``auto``: the checkpoint's); int4 runs on the CPU only.
+
+    The experts are read a layer at a time through :class:`QuantizedCheckpointStore` (int4 codes
+    from its kernel-layout cache, written on the first load): peak memory is the model plus one
+    layer's experts, not the file read whole and then repacked (OLMoE-1B-7B dims, int4: 8.5 GB
+    peak RSS for a 3.8 GB folder before)."""
+    from moectl.models.load import place
+
+    folder = Path(folder).expanduser()
+    model, tokenizer, scheme = _build(folder, dtype, "cpu", None, with_tokenizer, lazy_experts=True)
+    if scheme == "int4" and (device_map is not None or torch.device(device).type != "cpu"):
+        raise ConfigError(f"{folder} is int4, which runs PyTorch's CPU kernel: load it with --device cpu")
+    dtype_ = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    store = QuantizedCheckpointStore(folder, experts_modules(model), scheme, dtype_)
+    try:
+        for layer in store.layers:
+            experts = model.get_submodule(layer.module)
+            for name, tensor in store.read_layer(layer.index).items():
+                part, leaf = name.split(".")
+                getattr(experts, part).register_buffer(leaf, tensor)
+    finally:
+        store.close()
+    return place(model, device, device_map), tokenizer
 
 
 @torch.no_grad()
