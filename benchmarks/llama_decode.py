@@ -72,15 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for _, _token in zip(range(args.tokens), llm.generate(tokens, temp=0.0, top_k=1), strict=False):
         times.append(time.perf_counter())
-    wall = times[-1] - start
-    decode = times[-1] - times[0]
     io1 = _read_bytes()
+    head = {"system": "llama.cpp", "gguf": str(args.gguf), "mmap": not args.no_mmap, "threads": args.threads,
+            "prompt_tokens": len(tokens)}  # fmt: skip
+    report(head, times, start, load_s, io0, io1, args.json)
+    return 0
+
+
+def report(
+    head: dict, times: list[float], start: float, load_s: float, io0, io1, json_path: Path | None
+) -> dict:
+    """The figures ``offload_capped.py`` compares, after ``head``: printed and written to ``json_path``.
+    ``times``: when each token arrived; ``start``: when the request went in."""
+    wall, decode = times[-1] - start, times[-1] - times[0]
     result = {
-        "system": "llama.cpp",
-        "gguf": str(args.gguf),
-        "mmap": not args.no_mmap,
-        "threads": args.threads,
-        "prompt_tokens": len(tokens),
+        **head,
         "generated_tokens": len(times),
         "load_s": load_s,
         "time_to_first_token_s": times[0] - start,
@@ -92,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if result["disk_read_bytes"] is not None:
         result["disk_read_bytes_per_token"] = result["disk_read_bytes"] / max(len(times), 1)
     print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

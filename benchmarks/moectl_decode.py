@@ -11,14 +11,12 @@ token, peak RSS, bytes read from storage); ``--compile`` decodes through the com
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_decode import _read_bytes
+from llama_decode import _read_bytes, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,26 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     while engine.stats()["running"] or engine.stats()["waiting"]:
         engine.step()
     engine.close()
-    wall, decode = times[-1] - start, times[-1] - times[0]
-    io1 = _read_bytes()
-    result = {
+    head = {
         "system": "moectl (whole)",
         "model": args.model,
         "threads": args.threads,
         "compiled": args.compile,
-        "generated_tokens": len(times),
-        "load_s": load_s,
-        "time_to_first_token_s": times[0] - start,
-        "decode_tokens_per_s": (len(times) - 1) / decode if decode > 0 else None,
-        "tokens_per_s": len(times) / wall if wall > 0 else None,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "disk_read_bytes": None if io0 is None or io1 is None else io1 - io0,
     }
-    if result["disk_read_bytes"] is not None:
-        result["disk_read_bytes_per_token"] = result["disk_read_bytes"] / max(len(times), 1)
-    print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    report(head, times, start, load_s, io0, _read_bytes(), args.json)
     return 0
 
 
