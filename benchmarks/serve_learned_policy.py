@@ -11,9 +11,9 @@ MoE layer. One server per configuration, because two of them cannot share one:
 - ``reroute:TOL``: ``--residency reroute:TOL``. Rerouting is a server-wide residency policy: it reads
   the offload runtime's resident sets, which only the runtime's own residency policy is handed.
   ``--routing`` does not take ``reroute:TOL``, and an inline ``{"type": "reroute", ...}`` routing is
-  refused (it used to load and change nothing: no resident set reaches it). It also acts only at decoding steps with a single
-  row in the batch (``offload/reroute.py``: ``b * t != 1`` returns), so with several concurrent
-  requests it serves as its S3-FIFO base.
+  refused (it used to load and change nothing: no resident set reaches it). It reroutes every row
+  of a decoding step against the resident set they share (``offload/reroute.py``: ``reroute_rows``;
+  before 2026-11-29 it acted only at steps of one row, so concurrent requests got its S3-FIFO base).
 - ``model`` (as trained) and ``subset``: ``--residency R`` (default ``s3fifo``, reroute's base).
 
 Requests name a routing so that every switch rate is counted alike: ``model`` and ``reroute`` requests
@@ -417,10 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "the server for all routings together, so each configuration runs on its own server, one after "
             "another, same model and budget"
         ),
-        "reroute_batched": (
-            "offload/reroute.py acts only at decoding steps with one row in the batch (b * t == 1); with "
-            "concurrent clients it serves as S3-FIFO except when one request is left decoding"
-        ),
+        "reroute_batched": "offload/reroute.py reroutes every row of a decoding step (reroute_rows)",
         "rows": rows,
     }
 

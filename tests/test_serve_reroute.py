@@ -89,3 +89,34 @@ def test_an_expert_another_policy_disallowed_is_never_swapped_in():
     state = RoutingState(0, logits, layer.rule, RouteContext(1, 1), allowed=allowed.clone())
     policy.router.apply(state)
     assert policy.rerouted == 0 and torch.equal(state.allowed, allowed)  # 3 (p - 1 >= 0 - TOL) not taken
+
+
+def test_rows_of_a_decoding_step_reroute_each_as_one_token_would():
+    """A batched decoding step reroutes every row against the shared resident set (it used to act
+    only at steps of one row, so with several clients reroute:TOL served as its S3-FIFO base)."""
+    from moectl.offload.reroute import reroute_rows
+
+    g = torch.Generator().manual_seed(0)
+    for tol in (0.0, 0.05, 0.2, 1.0):
+        probs = torch.rand(16, 12, generator=g).softmax(-1)
+        chosen = probs.topk(3, dim=-1).indices
+        resident = torch.rand(12, generator=g) < 0.5
+        picked, swapped = reroute_rows(probs, chosen, resident, tol)
+        one = [reroute(p, c, resident, tol) for p, c in zip(probs, chosen, strict=True)]
+        assert torch.equal(picked, torch.stack([m for m, _ in one])) and swapped == sum(n for _, n in one)
+        assert (picked.sum(-1) == 3).all()
+
+
+def test_a_batched_decoding_step_is_rerouted():
+    from types import SimpleNamespace
+
+    from moectl.routing.routing_state import RouteContext, RoutingState
+
+    layer = moectl.inspect(moectl.tiny("olmoe")).layers[0]  # 8 experts, top-2
+    policy = RerouteResidency(1.0)
+    policy.sets[0] = SimpleNamespace(where={4: 0, 5: 1, 6: 2})  # experts 4, 5, 6 resident
+    logits = torch.tensor([[0.0, 1.0, -1, -1, -2, -2, -3, -3], [1.0, 0.0, -1, -1, -3, -2, -2, -3]]).view(2, 1, 8)
+    state = RoutingState(0, logits, layer.rule, RouteContext(2, 1))
+    policy.router.apply(state)
+    assert policy.rerouted == 4  # both rows' two missing experts, within TOL 1
+    assert _ids(state.allowed[0, 0]) == [4, 5] and _ids(state.allowed[1, 0]) == [5, 6]

@@ -35,20 +35,29 @@ def reroute(probs: Tensor, chosen: Tensor, resident: Tensor, tol: float) -> tupl
     """The experts to route to ([E] bool) and how many were swapped, for one token.
 
     ``probs`` [E] the router distribution, ``chosen`` [k] its top-k, ``resident`` [E] bool."""
-    experts = probs.shape[-1]
-    picked = torch.zeros(experts, dtype=torch.bool, device=probs.device)
-    picked[chosen] = True
-    resident = resident.to(probs.device)
-    missing = chosen[~resident[chosen]]
-    if missing.numel() == 0:
-        return picked, 0
-    missing = missing[torch.argsort(probs[missing], descending=True)]
-    candidates = (resident & ~picked).nonzero().flatten()
-    candidates = candidates[torch.argsort(probs[candidates], descending=True)][: missing.numel()]
-    n = candidates.numel()
-    swap = probs[candidates] >= probs[missing[:n]] - tol
-    picked[missing[:n][swap]] = False
-    picked[candidates[swap]] = True
+    picked, swapped = reroute_rows(probs.unsqueeze(0), chosen.unsqueeze(0), resident, tol)
+    return picked[0], swapped
+
+
+def reroute_rows(probs: Tensor, chosen: Tensor, resident: Tensor, tol: float) -> tuple[Tensor, int]:
+    """:func:`reroute` for R tokens at once (the rows of a decoding step share one resident set):
+    ``probs`` [R, E], ``chosen`` [R, k], ``resident`` [E] bool or [R, E] -> ([R, E] bool, swaps).
+
+    Per row, its missing experts in descending p are paired with its resident candidates (resident,
+    not chosen) in descending p, the i-th with the i-th, and a pair within ``tol`` is swapped."""
+    rows, experts = probs.shape
+    k = chosen.shape[-1]
+    resident = resident.to(probs.device).expand(rows, experts)
+    picked = torch.zeros(rows, experts, dtype=torch.bool, device=probs.device).scatter_(1, chosen, True)
+    p_chosen = probs.gather(1, chosen)
+    p_missing = p_chosen.masked_fill(resident.gather(1, chosen), float("-inf"))  # resident: not missing
+    p_missing, order = p_missing.sort(dim=1, descending=True)
+    missing = chosen.gather(1, order)
+    p_cand, candidates = probs.masked_fill(~resident | picked, float("-inf")).topk(min(k, experts), dim=1)
+    p_missing, missing = p_missing[:, : p_cand.shape[1]], missing[:, : p_cand.shape[1]]
+    swap = (p_missing > float("-inf")) & (p_cand > float("-inf")) & (p_cand >= p_missing - tol)
+    picked.scatter_(1, missing, ~swap & picked.gather(1, missing))
+    picked.scatter_(1, candidates, swap | picked.gather(1, candidates))
     return picked, int(swap.sum())
 
 
@@ -69,22 +78,24 @@ class CacheAwareRouting:
                 )
 
     def apply(self, state: RoutingState) -> None:
+        """At a decoding step (one token per row; every row of a batch, against the resident set
+        they share), the swaps of :func:`reroute_rows`; a prompt's tokens are never rerouted."""
         res = self.owner.sets.get(state.layer)
         b, t, e = state.logits.shape
-        if res is None or b * t != 1 or not res.where:
+        if res is None or t != 1 or not res.where:
             return
-        probs = state.probs.reshape(e)
-        resident = torch.zeros(e, dtype=torch.bool, device=probs.device)
-        resident[list(res.where)] = True
+        probs = state.probs.reshape(b, e)
+        resident = torch.zeros(b, e, dtype=torch.bool, device=probs.device)
+        resident[:, list(res.where)] = True
         if state.allowed is not None:  # another policy's restriction holds: only allowed experts
-            allowed = state.allowed.reshape(e)
+            allowed = state.allowed.reshape(b, e)
             probs = probs.masked_fill(~allowed, -1.0)
             resident &= allowed
-        chosen = torch.topk(probs, state.rule.top_k).indices
-        allowed, swapped = reroute(probs, chosen, resident, self.owner.tol)
+        chosen = torch.topk(probs, state.rule.top_k, dim=-1).indices
+        allowed, swapped = reroute_rows(probs, chosen, resident, self.owner.tol)
         if swapped:
             self.owner.rerouted += swapped
-            state.restrict(allowed.view(1, 1, e), renorm="stock")
+            state.restrict(allowed.view(b, 1, e), renorm="stock")
 
 
 @register_policy("reroute")
