@@ -14,11 +14,17 @@ slow in two ways, measured on a 2-core AVX-512 machine on 2026-11-27 (decoding:
 Both accumulate in fp32 and round the result to bf16, as PyTorch's bf16 products do; the sums run in
 another order, so results can differ from PyTorch's in the last bf16 bit. A row's result does not
 depend on how many rows run beside it (at most :data:`FEW_ROWS`). Used only where no gradient is
-needed, on CPU tensors in bf16, when the kernel could be built (:mod:`moectl.kernels.kernel_build`),
-and only on CPUs without native bf16 products (``avx512_bf16`` or ``amx_bf16`` in the CPU flags:
-there oneDNN's bf16 kernels read 27 GB/s for one row, measured on such a machine). The environment
-variable ``MOECTL_CPU_KERNELS`` overrides: ``0`` never, ``1`` on any CPU. Elsewhere the callers keep
-PyTorch's products.
+needed, on CPU tensors in bf16, when the kernel could be built (:mod:`moectl.kernels.kernel_build`).
+
+On CPUs with native bf16 products (``avx512_bf16`` or ``amx_bf16`` in the CPU flags) the few-row
+kernel runs too: measured on such a 2-core machine on 2026-11-29 (quiet), oneDNN's bf16 one-row
+product read 13.9-16.3 GB/s (1 thread; 27-31 with 2) against this kernel's 25.5-26.0 (53-58), 1.6-2.1x;
+at 8 rows oneDNN's AMX path was 4-15% faster per product, but the engine's lean decoding still gained
+end to end (interleaved in one process: reference model 1.50x at 1 row, 1.39x at 8; OLMoE-1B-7B dims,
+2 layers, 1.17x / 1.07x). An earlier rule kept PyTorch's products on such CPUs (from a figure of 27
+GB/s for one row measured on another machine). Past :data:`FEW_ROWS` rows they keep PyTorch's bf16
+product (AMX), not the fp32 blocks. The environment variable ``MOECTL_CPU_KERNELS`` overrides: ``0``
+never, ``1`` on any CPU. Elsewhere the callers keep PyTorch's products.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+@cache
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (then PyTorch's bf16 products are fast)."""
     flags = cpu_flags().split()
@@ -51,16 +58,14 @@ def native_bf16() -> bool:
 
 @cache
 def wanted() -> bool:
-    """Whether the products should run here (``MOECTL_CPU_KERNELS``: 0, 1, else by :func:`native_bf16`)."""
-    mode = os.environ.get("MOECTL_CPU_KERNELS", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return not native_bf16()
+    """Whether the products should run here (``MOECTL_CPU_KERNELS``: 0 never, else yes; see the module doc)."""
+    return os.environ.get("MOECTL_CPU_KERNELS", "auto") != "0"
 
 
 def refresh() -> None:
     """Read ``MOECTL_CPU_KERNELS`` again (tests change it)."""
     wanted.cache_clear()
+    getattr(native_bf16, "cache_clear", lambda: None)()  # tests replace it with a plain function
     _lib.cache_clear()
 
 
@@ -99,7 +104,7 @@ def available() -> bool:
 
 def applies(x: Tensor, w: Tensor) -> bool:
     """Whether ``x`` @ ``w``ᵀ should run here: both bf16 on the CPU, no gradient wanted, ``w``'s rows
-    contiguous, the CPU without native bf16 products (:func:`wanted`) and the kernel available."""
+    contiguous, not switched off (:func:`wanted`) and the kernel available."""
     if (
         x.device.type != "cpu"
         or w.device.type != "cpu"
@@ -115,7 +120,7 @@ def applies(x: Tensor, w: Tensor) -> bool:
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for bf16 ``x`` [..., K] and ``w`` [N, K] where :func:`applies`."""
     rows = x.reshape(-1, x.shape[-1])
-    out = _wide(rows, w) if rows.shape[0] > FEW_ROWS else _few(rows, w)
+    out = _many(rows, w) if rows.shape[0] > FEW_ROWS else _few(rows, w)
     out = out if bias is None else out + bias.float()
     return out.to(torch.bfloat16).reshape(*x.shape[:-1], w.shape[0])
 
@@ -130,6 +135,12 @@ def _few(rows: Tensor, w: Tensor) -> Tensor:
             x32.data_ptr(), k, m, w.data_ptr(), w.stride(0), n, k, y.data_ptr(), n, torch.get_num_threads()
         )
     return y
+
+
+def _many(rows: Tensor, w: Tensor) -> Tensor:
+    """More than :data:`FEW_ROWS` rows, in fp32: PyTorch's bf16 product where the CPU has native bf16
+    products (AMX / AVX512-BF16), else fp32 blocks (:func:`_wide`)."""
+    return F.linear(rows, w).float() if native_bf16() else _wide(rows, w)
 
 
 def _wide(rows: Tensor, w: Tensor) -> Tensor:
@@ -148,7 +159,7 @@ def grouped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     if x.shape[0] > FEW_ROWS:  # a prefill: each group by its own size (one host read of the sizes)
         bounds = [0, *ends.tolist()]
         parts = [
-            (_few if b - a <= FEW_ROWS else _wide)(x[a:b], w[e])
+            (_few if b - a <= FEW_ROWS else _many)(x[a:b], w[e])
             for e, (a, b) in enumerate(itertools.pairwise(bounds))
             if b > a
         ]

@@ -23,13 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moectl.kernels import bf16_rows
+
 # experts (bytes of one expert's weights) and weights this large run through the operations
 KERNEL_BYTES = 1 << 20
 
 
 @torch.library.custom_op("moectl::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``, opaque to the compiler (see the module doc)."""
+    """``F.linear``, opaque to the compiler (see the module doc); moectl's bf16 CPU kernel where it
+    applies, as the model's own ``nn.Linear`` layers run (``moectl.kernels.cpu_linear``)."""
+    if bf16_rows.applies(x, weight):
+        return bf16_rows.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -53,7 +58,9 @@ def routed_experts(x: Tensor, idx: Tensor, weights: Tensor, gate_up: Tensor, dow
     """Σ_j weights[:, j] · expert_{idx[:, j]}(x) for rows ``x`` [N, H] (SiLU-gated experts)."""
     from moectl.models.grouped_experts import grouped_experts_forward
 
-    experts = SimpleNamespace(num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down, act_fn=F.silu)
+    experts = SimpleNamespace(
+        num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down, act_fn=F.silu
+    )
     return grouped_experts_forward(experts, x, idx, weights)
 
 
