@@ -140,16 +140,21 @@ def _roe_config(spec: Any) -> Any:
 def _carries_weights(spec: Any, info: ModelInfo) -> bool:
     """Whether loading ``spec`` merges trained weights into the model (a trained controller's
     LoRA adapters and routers: ``ControllerPolicy.pending``)."""
+    return any(carries_weights(item) for item in _loaded(spec, info))
+
+
+def _loaded(spec: Any, info: ModelInfo) -> list[Any]:
+    """What ``spec`` loads to without the model (a policy object: itself), as a list; [] when it
+    does not load so (the real load, with the model, reports what is wrong)."""
     from moectl.routing.policy_files import load_policy
 
     if not isinstance(spec, (str, Mapping, list, tuple)) and not isinstance(spec, os.PathLike):
-        return carries_weights(spec)
+        return [spec]
     try:
         loaded = load_policy(spec, info)
     except (ValueError, OSError, TypeError, KeyError):
-        return False  # the real load (with the model) reports what is wrong
-    items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
-    return any(carries_weights(item) for item in items)
+        return []
+    return list(loaded) if isinstance(loaded, (list, tuple)) else [loaded]
 
 
 ROUTING_RESIDENCIES = frozenset({"option", "static"})
@@ -161,17 +166,7 @@ cannot: as a routing they did nothing (reroute needs the server's resident sets)
 
 def _refuse_residency(name: str, spec: Any, info: ModelInfo) -> None:
     """``ConfigError`` for a spec that is a residency policy and no routing (reroute, lru, ...)."""
-    from moectl.routing.policy_files import load_policy
-
-    if not isinstance(spec, (str, Mapping, os.PathLike)):
-        items = [spec]
-    else:
-        try:
-            loaded = load_policy(spec, info)
-        except (ValueError, OSError, TypeError, KeyError):
-            return  # the real load (with the model) reports what is wrong
-        items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
-    for item in items:
+    for item in _loaded(spec, info):
         kind = getattr(item, "policy_type", "")
         if callable(getattr(item, "min_budget", None)) and kind and kind not in ROUTING_RESIDENCIES:
             raise ConfigError(

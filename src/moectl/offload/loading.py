@@ -32,33 +32,33 @@ def preflight(folder: str, dtype: str, budget: float | int, policy: str, slot_dt
     """Refuse a budget below the policy's minimum, or one the memory limit cannot hold, before any
     weight is read (the model built on meta; a policy that needs the loaded model is checked later)."""
     from moectl.models.meta_model import build_meta, load_config
-    from moectl.offload.plan import preflight as plan_preflight
-    from moectl.offload.residency import parse_policy
 
-    meta = build_meta(load_config(folder), None if dtype == "auto" else dtype)
-    k_hat = controller_k_hat(policy)
-    try:  # a controller's minimum is its k-hat: read it, do not merge its adapters into the meta model
-        residency = parse_policy(f"option:{k_hat}" if k_hat is not None else policy, meta)
-    except Exception:  # a policy that needs the loaded model
-        residency = None
-    plan_preflight(meta, budget, residency, slot_dtype)
+    check_budget(
+        build_meta(load_config(folder), None if dtype == "auto" else dtype), budget, policy, slot_dtype
+    )
 
 
 def check_budget(model: Any, budget: float | int, policy: str, slot_dtype: str) -> None:
-    """``preflight``'s checks on a model already built (a quantized checkpoint's, experts unread)."""
+    """``preflight``'s checks on a model whose experts are not loaded (built on meta, or a quantized
+    checkpoint's with its experts unread)."""
     from moectl.offload.plan import preflight as plan_preflight
     from moectl.offload.residency import parse_policy
 
     k_hat = controller_k_hat(policy)
-    try:
+    try:  # a controller's minimum is its k-hat: read it, do not merge its adapters into the model
         residency = parse_policy(f"option:{k_hat}" if k_hat is not None else policy, model)
-    except Exception:  # a policy that needs more than the model's shape: checked when installed
+    except Exception:  # a policy that needs the loaded model: checked when installed
         residency = None
     plan_preflight(model, budget, residency, slot_dtype)
 
 
 def load_for_offload(
-    spec: str, config: Any, dtype: str = "auto", device: str = "cpu", seed: int = 0, quantize: str | None = None
+    spec: str,
+    config: Any,
+    dtype: str = "auto",
+    device: str = "cpu",
+    seed: int = 0,
+    quantize: str | None = None,
 ) -> tuple:
     """(model, tokenizer, reader) for serving ``spec`` under ``config`` (an ``OffloadConfig``; its
     ``policy`` a string). ``reader`` is the checkpoint's shard reader (close it when done), or None.

@@ -2,7 +2,7 @@
 
 ``moectl serve-offload DIR`` / ``moectl serve DIR --budget B`` of a quantized checkpoint
 (``moectl.quant.checkpoint_format``) builds the model with its experts left unread
-(``load_quantized(..., lazy_experts=True)``) and serves them from this store: each
+(``load_quantized_lazy``) and serves them from this store: each
 ``load(layer, expert)`` reads that expert's slice of the stored tensors — its int4 codes and
 scales, about a quarter of its bf16 bytes — with ``moectl.io.range_read`` (``O_DIRECT`` by
 default, so the page cache does not fill a memory cap with bytes already copied into slots).

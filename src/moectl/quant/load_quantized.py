@@ -38,12 +38,17 @@ TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def _experts_key(key: str) -> bool:
     """Whether ``key`` is a quantized experts tensor (``P.gate_up.codes``, ``P.down.scale_zero``, ...)."""
     parts = key.split(".")
-    return len(parts) >= 3 and parts[-2] in EXPERTS_PARTS and parts[-1] in {p for s in STORED.values() for p in s}
+    return (
+        len(parts) >= 3
+        and parts[-2] in EXPERTS_PARTS
+        and parts[-1] in {p for s in STORED.values() for p in s}
+    )
 
 
-def read_tensors(folder: Path, lazy_experts: bool = False) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint's safetensors file(s), by name, each in memory of its own
-    (``lazy_experts``: the quantized experts' tensors as meta tensors of their stored shape, unread).
+def read_tensors(folder: Path) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint's safetensors file(s), by name, each in memory of its own, but
+    the quantized experts' (``P.gate_up.codes``, ...): meta tensors of their stored shape, unread —
+    :class:`QuantizedCheckpointStore` reads those, a layer or an expert at a time.
 
     ``safe_open(...).get_tensor`` gives tensors at the file's offsets (here 24 bytes past a 64-byte
     boundary); ``aten._weight_int8pack_mm`` crashes (SIGSEGV, torch 2.13 CPU) on codes so placed,
@@ -55,7 +60,7 @@ def read_tensors(folder: Path, lazy_experts: bool = False) -> dict[str, Tensor]:
     for file in index.files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if lazy_experts and _experts_key(key):
+                if _experts_key(key):
                     entry = index[key]
                     tensors[key] = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
                     continue
@@ -182,7 +187,9 @@ def assign_tensors(model: nn.Module, tensors: dict[str, Tensor], where: Path) ->
         f"{owner}.{leaf}" if owner else leaf
         for owner, module in model.named_modules()
         for leaf, buffer in module.named_buffers(recurse=False)
-        if buffer is not None and buffer.is_meta and leaf not in module._non_persistent_buffers_set
+        if buffer is not None
+        and buffer.is_meta
+        and leaf not in module._non_persistent_buffers_set
         and not _lazy_experts(model, owner)
     ]
     if missing or persistent:
@@ -193,7 +200,7 @@ def assign_tensors(model: nn.Module, tensors: dict[str, Tensor], where: Path) ->
 
 
 def _lazy_experts(model: nn.Module, owner: str) -> bool:
-    """Whether module ``owner`` is a part of quantized experts left unread (``lazy_experts``)."""
+    """Whether module ``owner`` is a part of quantized experts, left unread by :func:`read_tensors`."""
     parent, _, leaf = owner.rpartition(".")
     return leaf in EXPERTS_PARTS and isinstance(model.get_submodule(parent), QuantizedExperts)
 
@@ -226,12 +233,10 @@ def load_quantized(
     from moectl.models.load import place
 
     folder = Path(folder).expanduser()
-    model, tokenizer, scheme = _build(folder, dtype, "cpu", None, with_tokenizer, lazy_experts=True)
-    if scheme == "int4" and (device_map is not None or torch.device(device).type != "cpu"):
-        raise ConfigError(f"{folder} is int4, which runs PyTorch's CPU kernel: load it with --device cpu")
-    dtype_ = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    store = QuantizedCheckpointStore(folder, experts_modules(model), scheme, dtype_)
+    model, tokenizer, store = _build(folder, dtype, with_tokenizer, DEFAULT_READ_METHOD)
     try:
+        if store.scheme == "int4" and (device_map is not None or torch.device(device).type != "cpu"):
+            raise ConfigError(f"{folder} is int4, which runs PyTorch's CPU kernel: load it with --device cpu")
         for layer in store.layers:
             experts = model.get_submodule(layer.module)
             for name, tensor in store.read_layer(layer.index).items():
@@ -239,7 +244,7 @@ def load_quantized(
                 getattr(experts, part).register_buffer(leaf, tensor)
     finally:
         store.close()
-    return place(model, device, device_map), tokenizer
+    return _for_cpu(place(model, device, device_map)), tokenizer
 
 
 @torch.no_grad()
@@ -258,24 +263,15 @@ def load_quantized_lazy(
             f"offloading a quantized checkpoint's experts runs on the CPU (got device {device!r}): "
             "use --device cpu, or serve it whole"
         )
-    folder = Path(folder).expanduser()
-    model, tokenizer, scheme = _build(folder, dtype, device, None, with_tokenizer, lazy_experts=True)
-    dtype_ = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    store = QuantizedCheckpointStore(folder, experts_modules(model), scheme, dtype_, method)
-    return model, tokenizer, store
+    model, tokenizer, store = _build(Path(folder).expanduser(), dtype, with_tokenizer, method)
+    return _for_cpu(model), tokenizer, store
 
 
 def _build(
-    folder: Path,
-    dtype: str,
-    device: str,
-    device_map: str | None,
-    with_tokenizer: bool,
-    lazy_experts: bool = False,
-) -> tuple[nn.Module, Any, str]:
-    from moectl.kernels.cpu_linear import install as install_cpu_linear
-    from moectl.models.grouped_experts import prefer_on_cpu
-    from moectl.models.load import place
+    folder: Path, dtype: str, with_tokenizer: bool, method: str
+) -> tuple[nn.Module, Any, QuantizedCheckpointStore]:
+    """(model on the CPU in eval mode with its quantized experts on meta, tokenizer or None, the
+    store that reads those experts)."""
     from moectl.models.meta_buffers import materialize_buffers
     from moectl.models.meta_model import build_meta, load_config, resolve_dtype
 
@@ -284,23 +280,29 @@ def _build(
         raise FileFormatError(
             f"{folder} is not a moectl quantized checkpoint (no quantization_config in config.json)"
         )
-    scheme = block["scheme"]
-    if scheme == "int4" and (device_map is not None or torch.device(device).type != "cpu"):
-        raise ConfigError(f"{folder} is int4, which runs PyTorch's CPU kernel: load it with --device cpu")
     config = load_config(folder)
     del config.quantization_config  # transformers has no quantizer "moectl"; the modules say it
     compute = resolve_dtype(dtype, config)
     model = build_meta(config, compute)
-    tensors = read_tensors(folder, lazy_experts)
-    put_quantized_modules(model, tensors, scheme, compute, folder)
+    tensors = read_tensors(folder)
+    put_quantized_modules(model, tensors, block["scheme"], compute, folder)
     assign_tensors(model, tensors, folder)
     materialize_buffers(model, "cpu")
     if (folder / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(folder))
-    model = model.eval() if lazy_experts else place(model.eval(), device, device_map)  # lazy: CPU, as built
-    prefer_on_cpu(model)
-    install_cpu_linear(model)  # the unquantized bf16 Linear layers, as load_model gives them
     tokenizer = _tokenizer(folder, model.config.vocab_size) if with_tokenizer else None
-    return model, tokenizer, scheme
+    store = QuantizedCheckpointStore(folder, experts_modules(model), block["scheme"], compute, method)
+    return model.eval(), tokenizer, store
+
+
+def _for_cpu(model: nn.Module) -> nn.Module:
+    """The model once placed, as ``load_model`` gives it: CPU experts' implementation and moectl's
+    bf16 kernel for the unquantized Linear layers."""
+    from moectl.kernels.cpu_linear import install as install_cpu_linear
+    from moectl.models.grouped_experts import prefer_on_cpu
+
+    prefer_on_cpu(model)
+    install_cpu_linear(model)
+    return model
