@@ -173,3 +173,50 @@ def test_a_compiler_failure_falls_back_to_the_lean_forward(monkeypatch):
         monkeypatch.setattr(CompiledDecode, "__call__", broken)
         got = engine.generate(PROMPTS[:2], params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want] and engine.runner.compiled is None
+
+
+def test_greedy_token_is_the_first_largest_logit():
+    """The step's fused argmax (two vectorised reductions) picks what ``argmax`` picks, ties to the
+    lowest index, and a token id even where the logits are NaN."""
+    from moectl.lm.decode_step import _argmax
+
+    logits = torch.randn(5, 300).bfloat16()
+    logits[1, [7, 250]] = 40.0  # a tie: the first
+    logits[2, -1] = 50.0
+    assert torch.equal(_argmax(logits), logits.argmax(-1))
+    assert _argmax(torch.full((1, 9), float("nan"))).item() == 8
+
+
+def test_omega_is_the_chosen_experts_as_a_mask():
+    from moectl.lm.decode_step import _omega
+
+    chosen = torch.tensor([[[0, 3]], [[2, 1]]])  # [L=2, B=1, k=2]
+    omega = _omega(chosen, 5)
+    assert omega.shape == (1, 2, 5) and omega.dtype == torch.bool
+    assert omega[0, 0].tolist() == [True, False, False, True, False]
+    assert omega[0, 1].tolist() == [False, True, True, False, False]
+
+
+@pytest.mark.parametrize("way", ["sum", "product"])
+def test_compiled_small_products_as_sums_or_products_equal_the_eager_step_in_bf16(way, monkeypatch):
+    """torch.compile for real, bf16: small weights' products fused as multiply-and-sums (or BLAS
+    calls) give the eager twin's logits within bf16 rounding, the greedy tokens of those logits and
+    ω of the experts chosen, at one row and at three."""
+    from moectl.lm import decode_step
+
+    monkeypatch.setattr(decode_step, "SMALL_PRODUCTS", way)
+    torch._dynamo.reset()
+    model, _, _ = moectl.load("tiny:qwen2_moe", dtype="bfloat16")
+    weights, why = step_weights(model, inspect(model))
+    assert weights is not None, why
+    compiled, eager = CompiledDecode(weights), CompiledDecode(weights, compile=False)
+    for batch in (1, 3):
+        cache, mask, positions = _prefilled(model, batch)
+        token = torch.randint(3, 60, (batch,), generator=torch.Generator().manual_seed(batch))
+        ours, theirs = copy.deepcopy(cache), copy.deepcopy(cache)
+        with torch.inference_mode():
+            got, got_experts = compiled(token, mask, positions, ours)
+            want, _ = eager(token, mask, positions, theirs)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+        assert torch.equal(compiled.greedy, got.argmax(-1))  # (experts may differ where bf16 rounding ties)
+        assert torch.equal(compiled.omega, decode_step._omega(got_experts, weights.num_experts))

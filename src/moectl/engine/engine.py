@@ -763,15 +763,23 @@ class Engine:
         steps = [len(r.generated) for r in reqs]
         return SamplingBatch.of([r.params for r in reqs], [r.key for r in reqs], steps, self.device)
 
-    def _choose(self, logits: Tensor, reqs: list[Request], sampling: SamplingBatch | None = None) -> Tensor:
+    def _choose(
+        self, logits: Tensor, reqs: list[Request], sampling: SamplingBatch | None = None, greedy: Tensor | None = None
+    ) -> Tensor:
         """Each request's next token (a request's K copies: one distribution, ``repeats.combine``),
         after the penalties and bias of the requests that ask for them (``penalties.penalise``):
         greedy requests only need the argmax, else ``choose_tokens`` with the requests' parameters
         (``sampling``: the running batch's, kept from step to step; None: built for ``reqs``).
-        Reported log-probabilities are the model's, before penalties, temperature and filters."""
+        Reported log-probabilities are the model's, before penalties, temperature and filters.
+        ``greedy``: the rows' argmax where the step computed it (the compiled step), taken where
+        every request is greedy, one row, unpenalised."""
         raw = combine(logits, [r.copies for r in reqs])
         logits = penalise(raw, reqs, self.eos_ids)
-        if sampling is None and all(r.params.temperature == 0 for r in reqs):
+        if greedy is not None and logits is raw and len(greedy) == len(reqs) and all(
+            r.params.temperature == 0 for r in reqs
+        ):
+            tokens = greedy
+        elif sampling is None and all(r.params.temperature == 0 for r in reqs):
             tokens = logits.argmax(-1)  # nothing to build
         else:
             tokens = (sampling or self._sampling(reqs)).choose(logits)
@@ -802,10 +810,10 @@ class Engine:
         valid = torch.cat([batch.valid, torch.ones(b, 1, dtype=torch.bool, device=batch.valid.device)], 1)
         try:
             plain, masks, renorm = self._plain()
-            logits, cache = self.runner.decode(batch.last, valid.long(), batch.positions, batch.cache, plain, masks,
+            logits, cache = self.runner.decode(batch.last, valid, batch.positions, batch.cache, plain, masks,
                                                renorm)  # fmt: skip
             if self.runner.chosen is not None:  # the compiled step ran no hooks: its choices counted here
-                self.meter.chose(self.runner.chosen)
+                self.meter.chose(self.runner.chosen, self.runner.omega)
             elif self.runner.reason is not None:  # a compiled runner's step left to the lean forward
                 for req in batch.requests:
                     req.slow_reasons.add(self.runner.reason)
@@ -816,7 +824,7 @@ class Engine:
             self._union[0] += sum(unions) / len(unions)
             self._union[1] = max(self._union[1], max(unions))
             self._union[2] += 1
-        tokens = self._choose(logits, batch.requests, batch.sampling)
+        tokens = self._choose(logits, batch.requests, batch.sampling, self.runner.greedy)
         batch.advance(cache, valid, expand(tokens, batch.copies()))
         finished = [
             i

@@ -57,6 +57,8 @@ class ModelRunner:
         self.calls: dict[str, int] = {}  # decoding forwards by path: {"compiled": n, "lean": m, "model": k}
         self.slow: dict[str, int] = {}  # decoding steps a compiled runner left to a slower path, by reason
         self.chosen: Tensor | None = None  # [L, B, k] the experts the latest compiled step chose
+        self.greedy: Tensor | None = None  # [B] its logits' argmax (the greedy tokens)
+        self.omega: Tensor | None = None  # [B, L, E] bool: ``chosen`` as ω (the switch counts)
         self.reason: str | None = None  # why the latest decoding step did not run compiled (with one)
         if self.lean is None or (compile and self.compiled is None):
             log.info("decoding path: %s", why)
@@ -71,13 +73,14 @@ class ModelRunner:
         self, last: Tensor, mask: Tensor, positions: Tensor, cache: Any, plain: str | None = "not asked",
         allowed: list[Tensor | None] | None = None, renorm: str = "pruned",
     ) -> tuple[Tensor, Any]:  # fmt: skip
-        """The logits [B, V] after one token per row (``last`` [B]) and the cache extended by it.
+        """The logits [B, V] after one token per row (``last`` [B]) and the cache extended by it;
+        ``mask`` [B, T + 1] the rows' real columns (bool or 0/1).
 
         ``plain`` is None where the compiled step may run: every row routed as the model routes it
         or by an expert mask (``allowed``, ``renorm``: ``decode_step``), nothing recording the step;
         else the reason it may not. After a compiled step ``chosen`` holds the experts it chose
         [L, B, k] (None after any other path)."""
-        self.chosen = self.reason = None
+        self.chosen = self.reason = self.greedy = self.omega = None
         if self.compiled is not None:
             why = plain or self.compiled.covers(cache) or self._hooked()
             self.reason = why
@@ -87,9 +90,11 @@ class ModelRunner:
                 except Exception as err:  # a compiler failure (no C++ compiler, an inductor error): the
                     self.disable(err)  # step is pure until it returns, so the lean forward takes it
                 else:
+                    self.greedy, self.omega = self.compiled.greedy, self.compiled.omega
                     self.calls["compiled"] = self.calls.get("compiled", 0) + 1
                     return logits, cache
             self.slow[why] = self.slow.get(why, 0) + 1
+        mask = mask.long()  # the model's forward takes a 0/1 mask (the compiled step a bool one)
         if self.lean is None:
             self.calls["model"] = self.calls.get("model", 0) + 1
             return self.prefill(last[:, None], mask, positions, cache)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moectl.lm.decode_step import StepWeights, decode_step
+from moectl.lm.decode_step import StepWeights, decode_step, sums_for
 
 log = logging.getLogger("moectl.engine")
 
@@ -48,12 +48,14 @@ class CompiledDecode:
         self.compiled = compile
         self.compiles = 0  # graphs built (first calls of a new shape class)
         self.compile_seconds = 0.0
+        self.greedy: Tensor | None = None  # [B] the latest step's argmax tokens
+        self.omega: Tensor | None = None  # [B, L, E] bool: the experts it activated (``decode_step``)
         self._shapes: set[tuple] = set()  # graph classes seen: one row / several, the masked layers
         self._fn = torch.compile(self._step, dynamic=None, **compile_options(weights, mode)) if compile else self._step
 
     def _step(self, ids: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor], values: list[Tensor],
-              allowed: list[Tensor | None] | None, renorm: str):  # fmt: skip
-        return decode_step(self.weights, ids, positions, valid, keys, values, allowed, renorm)
+              allowed: list[Tensor | None] | None, renorm: str, sums: bool):  # fmt: skip
+        return decode_step(self.weights, ids, positions, valid, keys, values, allowed, renorm, sums)
 
     def warm_up(self) -> float:
         """Build both graphs now (one row, two rows) on an empty-ish cache, so the first requests do
@@ -98,7 +100,10 @@ class CompiledDecode:
         values = [layer.values.contiguous() for layer in cache.layers]  # one stride, one graph
         positions = positions.reshape(-1)
         valid = valid.bool()
-        if self.compiled:
+        sums = sums_for(last.shape[0])
+        shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm, sums)
+        first = self.compiled and shape not in self._shapes
+        if first:  # marks matter only where a graph is built; later calls match its symbolic sizes
             for t in (*keys, *values):
                 torch._dynamo.maybe_mark_dynamic(t, 2)
                 if t.shape[0] > 1:
@@ -107,10 +112,10 @@ class CompiledDecode:
             if last.shape[0] > 1:
                 for t in (last, positions, valid, *(m for m in allowed or () if m is not None)):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm)
-        first = self.compiled and shape not in self._shapes
         start = time.perf_counter()
-        logits, new_keys, new_values, chosen = self._fn(last, positions, valid, keys, values, allowed, renorm)
+        logits, new_keys, new_values, chosen, self.greedy, self.omega = self._fn(
+            last, positions, valid, keys, values, allowed, renorm, sums
+        )
         if first:
             self._shapes.add(shape)
             self.compiles += 1

@@ -81,6 +81,18 @@ class StepWeights:
     clip: float | None
     top_k: int
     dtype: torch.dtype
+    num_experts: int = 0  # the widest MoE layer's experts (ω's width)
+
+
+SMALL_PRODUCTS = "auto"  # small weights' products when compiled: "auto" (``sums_for``), "sum", "product"
+
+
+def sums_for(rows: int) -> bool:
+    """Whether a compiled step of ``rows`` rows takes small weights' products as sums (``_linear``):
+    always for one row; for several, only with more than one thread (measured: see ``_linear``)."""
+    if SMALL_PRODUCTS != "auto":
+        return SMALL_PRODUCTS == "sum"
+    return rows == 1 or torch.get_num_threads() > 1
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -88,15 +100,28 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``; for a large weight the eager product, opaque to the compiler (``step_ops``)."""
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sums: bool = False) -> Tensor:
+    """``F.linear``; for a large weight the eager product, opaque to the compiler (``step_ops``).
+
+    Compiled with ``sums``, a small weight's product is written as a multiply-and-sum, which
+    inductor fuses into the layer's generated loops (products and sum in float32, rounded once:
+    ``F.linear``'s numbers within rounding) instead of calling the BLAS product: at a few rows that
+    call costs 15-25 us whatever the size (oneDNN's bf16 product of a [1, 256] x [256, 32] is 18 us
+    on this CPU), and the reference model's step made 48 of them, 1.5 of its 2.3 ms. The compiled
+    step alone, reference model, training paused (``benchmarks/compiled_step_products.py``, load
+    1.5): one row 2.37 -> 1.20 ms with two threads, 2.75 -> 1.44 with one; 8 rows 3.80 -> 3.48 with
+    two threads but 6.42 -> 6.99 with one (the generated loops then compute per row what the
+    product shares): hence ``sums_for``. Eager (the step's CPU twin), ``F.linear`` as the model computes it."""
     if large(weight):
         return torch.ops.moectl.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if not sums or not torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    y = (x.unsqueeze(-2) * weight).sum(-1)
+    return y if bias is None else y + bias
 
 
-def _glu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    return _linear(F.silu(_linear(x, gate)) * _linear(x, up), down)
+def _glu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, sums: bool) -> Tensor:
+    return _linear(F.silu(_linear(x, gate, None, sums)) * _linear(x, up, None, sums), down, None, sums)
 
 
 def _experts(w: LayerWeights, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
@@ -110,6 +135,25 @@ def _experts(w: LayerWeights, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor
     return (out * weights.to(out.dtype)[..., None]).sum(1)
 
 
+def _omega(chosen: Tensor, num_experts: int) -> Tensor:
+    """ω [B, L, E] bool: the experts each row activated at each MoE layer (``chosen`` [L, B, k]),
+    what the engine's switch counts compare from step to step (``engine.rows.RowMeter.end``)."""
+    experts = chosen.permute(1, 0, 2)
+    return torch.zeros(*experts.shape[:2], num_experts, dtype=torch.bool, device=chosen.device).scatter_(
+        2, experts, True
+    )
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` (the first index of the largest) as two reductions the compiler
+    vectorises, a max and a min of indices: inductor's own argmax is a scalar loop, 25 us over a
+    vocabulary of 8192 on this CPU."""
+    top = logits.amax(-1, keepdim=True)
+    index = torch.arange(logits.shape[-1], device=logits.device)
+    first = torch.where(logits == top, index, logits.shape[-1]).amin(-1)
+    return first.clamp(max=logits.shape[-1] - 1)  # NaN logits: still a token id
+
+
 def decode_step(
     sw: StepWeights,
     ids: Tensor,
@@ -119,8 +163,12 @@ def decode_step(
     values: list[Tensor],
     allowed: list[Tensor | None] | None = None,
     renorm: str = "pruned",
-) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor]:
-    """Logits [B, V] after one token per row, the caches extended by it, the experts chosen [L, B, k].
+    sums: bool = False,
+) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
+    """Logits [B, V] after one token per row, the caches extended by it, the experts chosen [L, B, k],
+    the same as ω [B, L, E] bool (``num_experts`` wide, for the switch counts) and each row's greedy
+    token [B] (the logits' argmax, fused into the step: a bf16 argmax over the
+    vocabulary is ~30 us eager on this CPU, a sizeable part of a small model's step).
 
     ``ids`` [B] the rows' last tokens; ``positions`` [B] their positions; ``valid`` [B, T + 1] bool,
     the rows' real columns after this token (left padding False); ``keys`` / ``values`` per layer
@@ -141,7 +189,7 @@ def decode_step(
     heads, kv_heads, d = sw.num_heads, sw.num_kv_heads, sw.head_dim
     for i, w in enumerate(sw.layers):
         x = w.input_norm(h)
-        q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
+        q, k, v = _linear(x, w.q, w.q_bias, sums), _linear(x, w.k, w.k_bias, sums), _linear(x, w.v, w.v_bias, sums)
         if sw.qk_norm == "flat":
             assert w.q_norm is not None and w.k_norm is not None
             q, k = w.q_norm(q), w.k_norm(k)
@@ -160,13 +208,13 @@ def decode_step(
         new_values.append(values_i)
         out = F.scaled_dot_product_attention(q, keys_i, values_i, attn_mask=mask, scale=w.scaling,
                                              enable_gqa=kv_heads != heads)  # fmt: skip
-        h = h + _linear(out.transpose(1, 2).reshape(b, 1, heads * d), w.o, w.o_bias)
+        h = h + _linear(out.transpose(1, 2).reshape(b, 1, heads * d), w.o, w.o_bias, sums)
         x = w.post_norm(h)[:, 0]  # [B, H]
         if w.dense is not None:
-            h = h + _glu(x, *w.dense)[:, None]
+            h = h + _glu(x, *w.dense, sums)[:, None]
             continue
         assert w.router is not None and w.rule is not None and w.moe_index is not None
-        logits = _linear(x, w.router)
+        logits = _linear(x, w.router, None, sums)
         experts_mask = None if allowed is None else allowed[w.moe_index]
         if experts_mask is None:
             weights, idx = w.rule.select(logits, w.router_bias)
@@ -175,10 +223,11 @@ def decode_step(
         chosen.append(idx)
         y = _experts(w, x, weights.to(sw.dtype), idx)
         if w.shared is not None:
-            shared = _glu(x, *w.shared)
+            shared = _glu(x, *w.shared, sums)
             if w.shared_gate is not None:
-                shared = torch.sigmoid(_linear(x, w.shared_gate)) * shared
+                shared = torch.sigmoid(_linear(x, w.shared_gate, None, sums)) * shared
             y = y + shared
         h = h + y[:, None]
-    logits = _linear(sw.norm(h)[:, 0], sw.lm_head, sw.lm_head_bias)
-    return logits, new_keys, new_values, torch.stack(chosen)
+    logits = _linear(sw.norm(h)[:, 0], sw.lm_head, sw.lm_head_bias, sums)
+    experts = torch.stack(chosen)  # [L, B, k]
+    return logits, new_keys, new_values, experts, _argmax(logits), _omega(experts, sw.num_experts)

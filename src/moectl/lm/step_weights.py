@@ -89,6 +89,7 @@ def step_weights(model: nn.Module, info: ModelInfo) -> tuple[StepWeights | None,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads), qk_norm=FAMILIES[family],
         clip=getattr(config, "clip_qkv", None), top_k=top_k.pop(), dtype=embed.dtype,
+        num_experts=max(layer.num_experts for layer in info.layers),
     ), f"compiled decoding step for {family}"  # fmt: skip
 
 
