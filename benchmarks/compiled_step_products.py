@@ -3,8 +3,8 @@
 ``moectl.lm.decode_step._linear`` writes a small weight's product, compiled, as a multiply-and-sum
 that inductor fuses into the layer's loops instead of calling the BLAS product (15-25 us a call at
 a few rows, whatever the size). This times the step alone (``CompiledDecode``'s graph on a cache of
-``--cache`` tokens, no engine around it) both ways, ``SMALL_PRODUCTS`` = "product" and "sum", and
-the shipped rule ("auto"), for 1 and ``--rows`` rows at each of ``--threads``; each variant is
+``--cache`` tokens, no engine around it) both ways, ``SMALL_PRODUCTS`` = "product" and "sum" (the
+shipped way), for 1 and ``--rows`` rows at each of ``--threads``; each variant is
 compiled afresh (``torch._dynamo.reset``), timed ``--repeats`` x ``--steps`` steps (medians of the
 repeats). The machine's load is printed beside; run it quiet.
 
@@ -80,7 +80,7 @@ def main() -> None:
     with torch.inference_mode():
         for threads in args.threads:
             torch.set_num_threads(threads)
-            for way in ("product", "sum", "auto"):
+            for way in ("product", "sum"):
                 decode_step.SMALL_PRODUCTS = way
                 torch._dynamo.reset()
                 step = CompiledDecode(weights)
@@ -88,7 +88,7 @@ def main() -> None:
                     key = f"{threads} threads {rows} rows {way}"
                     ms[key] = time_step(step, rows, args.cache, args.steps, args.repeats)
                     print(f"{key:32s} {ms[key]:7.3f} ms a step", flush=True)
-    decode_step.SMALL_PRODUCTS = "auto"
+    decode_step.SMALL_PRODUCTS = "sum"
     out = {"model": args.model, "cache": args.cache, "ms_per_step": ms, "loadavg": os.getloadavg()}
     print(f"load {out['loadavg'][0]:.1f}")
     if args.json_path:

@@ -84,15 +84,16 @@ class StepWeights:
     num_experts: int = 0  # the widest MoE layer's experts (ω's width)
 
 
-SMALL_PRODUCTS = "auto"  # small weights' products when compiled: "auto" (``sums_for``), "sum", "product"
+SMALL_PRODUCTS = "sum"  # small weights' products when compiled: "sum" (``_linear``) or "product"
 
 
 def sums_for(rows: int) -> bool:
     """Whether a compiled step of ``rows`` rows takes small weights' products as sums (``_linear``):
-    always for one row; for several, only with more than one thread (measured: see ``_linear``)."""
-    if SMALL_PRODUCTS != "auto":
-        return SMALL_PRODUCTS == "sum"
-    return rows == 1 or torch.get_num_threads() > 1
+    at every batch size and thread count. A rule on the thread count (sums at 8 rows only with two
+    threads, where they gain 10%; with one they lose 16%) would make a new graph class, compiled for
+    seconds in the middle of serving, whenever ``moectl serve`` re-picks its threads under load
+    (``threads.pick_threads``); ``SMALL_PRODUCTS`` = "product" keeps the BLAS calls (its benchmark)."""
+    return SMALL_PRODUCTS == "sum"
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -109,9 +110,10 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sums: bool = 
     call costs 15-25 us whatever the size (oneDNN's bf16 product of a [1, 256] x [256, 32] is 18 us
     on this CPU), and the reference model's step made 48 of them, 1.5 of its 2.3 ms. The compiled
     step alone, reference model, training paused (``benchmarks/compiled_step_products.py``, load
-    1.5): one row 2.37 -> 1.20 ms with two threads, 2.75 -> 1.44 with one; 8 rows 3.80 -> 3.48 with
-    two threads but 6.42 -> 6.99 with one (the generated loops then compute per row what the
-    product shares): hence ``sums_for``. Eager (the step's CPU twin), ``F.linear`` as the model computes it."""
+    1.5): one row 2.36 -> 1.14 ms with two threads, 2.66 -> 1.39 with one; 8 rows 3.83 -> 3.44 with
+    two threads but 5.62 -> 6.51 with one (the generated loops then compute per row what the
+    product shares; ``sums_for`` says why one way is kept). Eager (the step's CPU twin),
+    ``F.linear`` as the model computes it."""
     if large(weight):
         return torch.ops.moectl.linear(x, weight, bias)
     if not sums or not torch.compiler.is_compiling():
