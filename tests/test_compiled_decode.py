@@ -220,3 +220,29 @@ def test_compiled_small_products_as_sums_or_products_equal_the_eager_step_in_bf1
         torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
         assert torch.equal(compiled.greedy, got.argmax(-1))  # (experts may differ where bf16 rounding ties)
         assert torch.equal(compiled.omega, decode_step._omega(got_experts, weights.num_experts))
+
+
+def test_a_server_engine_builds_its_graphs_for_the_loops_thread_counts(monkeypatch):
+    """``moectl serve`` opens the engine with one torch thread and steps with more (re-picked under
+    load): dynamo guards on the count, so the warm-up builds the graphs for every count the loop
+    may use and the first requests compile nothing (the counter is dynamo's own)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(model, tok, EngineConfig(compile_decode=True, adapt_threads=True, threads=2))
+        assert engine._step_threads() == (1, 2)
+        with engine:
+            built = int(counters["stats"]["unique_graphs"])
+            assert built == 4  # one row and several, at one thread and at two
+            torch.set_num_threads(2)  # the loop's count
+            engine.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))
+            engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
+            assert int(counters["stats"]["unique_graphs"]) == built
+            assert engine.stats()["decode_forward"]["compiled"] > 0
+    finally:
+        torch.set_num_threads(before)

@@ -66,3 +66,16 @@ def test_the_governor_follows_other_processes_load(monkeypatch):
     assert gov.update() is None  # nobody else busy: keeps 4
     assert gov.update() == 1  # 30 s of others' CPU over 10 s = 3 CPUs busy: 1 left
     assert gov.update() == 4 and applied == [1, 4]
+
+
+def test_the_governor_picks_only_among_its_choices(monkeypatch):
+    """With a compiled step the counts are those its graphs were built for: the largest that fits."""
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    applied = []
+    gov = threads.ThreadGovernor(interval_s=0.0, apply=applied.append, choices=(4, 1))
+    samples = iter([(10.0, 110.0, 0.0), (20.0, 130.0, 0.0), (30.0, 130.0, 0.0)])
+    monkeypatch.setattr(gov, "_sample", lambda: next(samples))
+    gov._last, gov.current = (0.0, 100.0, 0.0), 4
+    assert gov.update() == 1  # 1 CPU busy elsewhere: 3 wanted, 3 is not a choice, 1 is
+    assert gov.update() is None  # 2 busy: 2 wanted, still 1
+    assert gov.update() == 4 and applied == [1, 4]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -116,10 +117,11 @@ class ThreadGovernor:
     OpenMP); it returns the new count when it changed, else None.
     """
 
-    def __init__(self, interval_s: float = 5.0, apply=None) -> None:
+    def __init__(self, interval_s: float = 5.0, apply=None, choices: Sequence[int] | None = None) -> None:
         import torch
 
         self.interval_s = interval_s
+        self.choices = sorted(choices) if choices else None  # counts it may pick (the largest that fits)
         self.apply = apply or torch.set_num_threads
         self.cpus = _affinity()
         self.usable = usable_cpus()
@@ -151,6 +153,8 @@ class ThreadGovernor:
         others = self.others_busy(self._last, sample)
         self._last = sample
         wanted = max(1, min(self.usable, int(self.usable - others + 0.3)))  # a CPU 70% free counts
+        if self.choices:
+            wanted = max([c for c in self.choices if c <= wanted] or self.choices[:1])
         if wanted == self.current:
             return None
         self.apply(wanted)

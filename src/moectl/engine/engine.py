@@ -227,6 +227,8 @@ class Engine:
         self.runtime = None  # the OffloadRuntime while open, if offloading
         self._experts_before: str | None = None  # the experts implementation to restore on close
         self._thread: threading.Thread | None = None
+        self._warm_in_loop = False  # started as a server: the loop thread warms the compiled step up
+        self._warmed = False  # the compiled step's graphs built (``_warm_up``)
         self._stopping = False
         self._drain = True
         self._abort_asked = False  # abort(): the loop cancels every request at its next turn (output.aborted)
@@ -256,13 +258,8 @@ class Engine:
                 policies += list(self.runtime.policy.routing(self.runtime.info))
             self._residency = policies
             self.prefix_rules.residency = bool(policies)  # routing follows the resident set: no prefixes
-            if self.runner.compiled is not None and self.config.compile_decode:
-                try:
-                    seconds = self.runner.compiled.warm_up()  # the graphs built before the first request
-                    log.info("decoding step compiled in %.1f s (%s)", seconds, self.runner.path)
-                except Exception as err:  # no C++ compiler, an inductor error: the lean forward decodes
-                    self.runner.disable(err)
-                    self.output.compiled = False
+            if not self._warm_in_loop:
+                self._warm_up()
             self._session = route(self.model, [*policies, self.router], info=self.info)
             self._session.__enter__()
             self.meter.install(self.model)
@@ -297,6 +294,29 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _warm_up(self) -> None:
+        """Build the compiled step's graphs before the first request (``CompiledDecode.warm_up``), for
+        the thread counts the steps run with; a failure leaves the lean forward to decode. A server
+        (``start``) builds them in its loop thread: warming up in the opening thread with the loop's
+        count would give that thread an OpenMP pool of several threads beside the loop's, which
+        slows the loop (``server/serve_run.py``)."""
+        if self.runner.compiled is None or not self.config.compile_decode or self._warmed:
+            return
+        self._warmed = True
+        try:
+            seconds = self.runner.compiled.warm_up(self._step_threads())
+            log.info("decoding step compiled in %.1f s (%s)", seconds, self.runner.path)
+        except Exception as err:  # no C++ compiler, an inductor error: the lean forward decodes
+            self.runner.disable(err)
+            self.output.compiled = False
+
+    def _step_threads(self) -> tuple[int, ...]:
+        """The torch thread counts the steps will run with: ``start``'s loop count, and one where the
+        loop re-picks its count under load (``adapt_threads``: its governor then chooses between
+        the two, so the compiled step's graphs, one per count, are all built at ``open``)."""
+        threads = self.config.threads or torch.get_num_threads()
+        return tuple(sorted({1, threads})) if self.config.adapt_threads else (threads,)
+
     def start(self) -> Engine:
         """Run the step loop in a background thread (a server's mode), with ``config.threads`` torch
         threads (else the calling thread's count). Keep other threads' torch work to one thread
@@ -304,6 +324,7 @@ class Engine:
         loads the model with one thread for that reason; see ``cli/serve.py``)."""
         if self._thread is not None:
             return self
+        self._warm_in_loop = True  # the compiled step's graphs: built by the loop thread (``_warm_up``)
         self.open()
         threads = self.config.threads or torch.get_num_threads()  # OpenMP's thread count is per thread
         self._thread = threading.Thread(target=self._loop, args=(threads,), name="moectl-engine", daemon=True)
@@ -476,11 +497,14 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------
     def _loop(self, threads: int) -> None:
         torch.set_num_threads(threads)
+        self._warm_up()  # before the first step, in this thread (``_warm_up``)
         governor = None
         if self.config.adapt_threads:
             from moectl.threads import ThreadGovernor
 
-            governor = ThreadGovernor()
+            # with a compiled step, one of the counts its graphs were built for (``_step_threads``)
+            choices = self._step_threads() if self.runner.compiled is not None else None
+            governor = ThreadGovernor(choices=choices)
         while True:
             if governor is not None:
                 governor.update()  # in this thread: torch's thread count is per thread under OpenMP

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,23 +58,33 @@ class CompiledDecode:
               allowed: list[Tensor | None] | None, renorm: str, sums: bool):  # fmt: skip
         return decode_step(self.weights, ids, positions, valid, keys, values, allowed, renorm, sums)
 
-    def warm_up(self) -> float:
+    def warm_up(self, threads: Sequence[int] = ()) -> float:
         """Build both graphs now (one row, two rows) on an empty-ish cache, so the first requests do
-        not wait for the compiler; the seconds it took."""
+        not wait for the compiler; the seconds it took. ``threads``: the torch thread counts the
+        steps will run with (default: this thread's): dynamo guards on the count (inductor's kernels
+        are generated for it), so a graph built with another count is built again at the first
+        step (``moectl serve`` loaded and warmed up with one thread, then stepped with two: both
+        graphs compiled again under its first requests)."""
         from transformers import DynamicCache
 
         w = self.weights
         start = time.perf_counter()
         device = w.embed.device
-        with torch.inference_mode():  # as the engine steps: its caches are inference tensors (a guard)
-            for rows in (1, 2):
-                cache = DynamicCache()
-                for i in range(len(w.layers)):
-                    kv = torch.zeros(rows, w.num_kv_heads, 4, w.head_dim, dtype=w.dtype, device=device)
-                    cache.update(kv, kv.clone(), i)
-                valid = torch.ones(rows, 5, dtype=torch.bool, device=device)
-                positions = torch.full((rows, 1), 4, dtype=torch.long, device=device)
-                self(torch.zeros(rows, dtype=torch.long, device=device), valid, positions, cache)
+        before = torch.get_num_threads()
+        try:
+            for count in threads or (before,):
+                torch.set_num_threads(count)
+                with torch.inference_mode():  # as the engine steps: its caches are inference tensors (a guard)
+                    for rows in (1, 2):
+                        cache = DynamicCache()
+                        for i in range(len(w.layers)):
+                            kv = torch.zeros(rows, w.num_kv_heads, 4, w.head_dim, dtype=w.dtype, device=device)
+                            cache.update(kv, kv.clone(), i)
+                        valid = torch.ones(rows, 5, dtype=torch.bool, device=device)
+                        positions = torch.full((rows, 1), 4, dtype=torch.long, device=device)
+                        self(torch.zeros(rows, dtype=torch.long, device=device), valid, positions, cache)
+        finally:
+            torch.set_num_threads(before)
         return time.perf_counter() - start
 
     def covers(self, cache: Any) -> str | None:
@@ -101,7 +112,8 @@ class CompiledDecode:
         positions = positions.reshape(-1)
         valid = valid.bool()
         sums = sums_for(last.shape[0])
-        shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm, sums)
+        shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm, sums,
+                 torch.get_num_threads())  # fmt: skip  (dynamo guards on the count: a graph per count)
         first = self.compiled and shape not in self._shapes
         if first:  # marks matter only where a graph is built; later calls match its symbolic sizes
             for t in (*keys, *values):
