@@ -26,6 +26,15 @@ def _swallowed(signum: int) -> None:
 )
 def test_a_swallowed_exit_is_raised_again_when_the_store_closes(name, expected):
     signum = getattr(signal, name)
+    default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    outer = signal.signal(signum, default)  # as a terminal gives it (under nohup or `&` they start ignored)
+    try:
+        _exit_raised_again(signum, expected)
+    finally:
+        signal.signal(signum, outer)
+
+
+def _exit_raised_again(signum: int, expected: type[BaseException]) -> None:
     previous = signal.getsignal(signum)
     guard = ExitOnSignal()
     guard.install()
