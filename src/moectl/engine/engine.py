@@ -313,7 +313,8 @@ class Engine:
     def _step_threads(self) -> tuple[int, ...]:
         """The torch thread counts the steps will run with: ``start``'s loop count, and one where the
         loop re-picks its count under load (``adapt_threads``: its governor then chooses between
-        the two, so the compiled step's graphs, one per count, are all built at ``open``)."""
+        the two, so the compiled step's graphs, one per count, are all built before the first
+        request)."""
         threads = self.config.threads or torch.get_num_threads()
         return tuple(sorted({1, threads})) if self.config.adapt_threads else (threads,)
 

@@ -295,7 +295,7 @@ class SwitchMeter:
         """The experts [L, B, k] a forward that ran no router hooks chose at each row's token (the
         compiled decoding step, ``moectl.lm.compiled_decode``), for ``end`` to count; ``omega``: the
         same as ω [B, L, E] bool where the step built it (``end`` then takes it whole where no row is
-        restricted and no row is ``option:K``: ~60 us less a step than building ω here)."""
+        restricted and no row is ``option:K``: 76 -> 37 us a step, reference model, one row)."""
         self._last = {i: chosen[i] for i in range(chosen.shape[0])}
         self._omega = omega
 

@@ -87,9 +87,9 @@ class StepWeights:
 SMALL_PRODUCTS = "sum"  # small weights' products when compiled: "sum" (``_linear``) or "product"
 
 
-def sums_for(rows: int) -> bool:
-    """Whether a compiled step of ``rows`` rows takes small weights' products as sums (``_linear``):
-    at every batch size and thread count. A rule on the thread count (sums at 8 rows only with two
+def sums_for() -> bool:
+    """Whether the compiled step takes small weights' products as sums (``_linear``): the same at
+    every batch size and thread count. A rule on the thread count (sums at 8 rows only with two
     threads, where they gain 10%; with one they lose 16%) would make a new graph class, compiled for
     seconds in the middle of serving, whenever ``moectl serve`` re-picks its threads under load
     (``threads.pick_threads``); ``SMALL_PRODUCTS`` = "product" keeps the BLAS calls (its benchmark)."""
@@ -139,7 +139,7 @@ def _experts(w: LayerWeights, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor
 
 def _omega(chosen: Tensor, num_experts: int) -> Tensor:
     """ω [B, L, E] bool: the experts each row activated at each MoE layer (``chosen`` [L, B, k]),
-    what the engine's switch counts compare from step to step (``engine.rows.RowMeter.end``)."""
+    what the engine's switch counts compare from step to step (``engine.rows.SwitchMeter.end``)."""
     experts = chosen.permute(1, 0, 2)
     return torch.zeros(*experts.shape[:2], num_experts, dtype=torch.bool, device=chosen.device).scatter_(
         2, experts, True
