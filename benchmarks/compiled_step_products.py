@@ -6,7 +6,9 @@ a few rows, whatever the size). This times the step alone (``CompiledDecode``'s 
 ``--cache`` tokens, no engine around it) both ways, ``SMALL_PRODUCTS`` = "product" and "sum" (the
 shipped way), for 1 and ``--rows`` rows at each of ``--threads``; each variant is
 compiled afresh (``torch._dynamo.reset``), timed ``--repeats`` x ``--steps`` steps (medians of the
-repeats). The machine's load is printed beside; run it quiet.
+repeats). ``--split`` then splits one row's step by torch.profiler with inductor's kernel profile
+(the layers' generated kernels, the LM head, attention, top-k, dynamo's guards, the rest) and says
+how many weight bytes it reads. The machine's load is printed beside; run it quiet.
 
     python benchmarks/compiled_step_products.py --json benchmarks/results/compiled_step_products.json
 """
@@ -60,6 +62,44 @@ def time_step(step: CompiledDecode, rows: int, cache: int, steps: int, repeats: 
     return statistics.median(times)
 
 
+SPLIT = (  # profiler events -> part of the step
+    ("layers' generated kernels", lambda k: k.startswith("graph_") and "cpp_fused" in k),
+    ("LM head (moectl::linear)", lambda k: k == "moectl::linear"),
+    ("attention (aten SDPA)", lambda k: k.startswith("aten::_scaled_dot_product")),
+    ("top-k (aten)", lambda k: k == "aten::topk"),
+    ("dynamo's guards", lambda k: k == "TorchDynamo Cache Lookup"),
+)
+
+
+def active_bytes(w) -> int:
+    """Weight bytes one row's step reads: every layer's attention, router and shared or dense MLP,
+    top-k experts' weights, the final norm and the LM head (one embedding row: left out)."""
+    def nbytes(*ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    total = nbytes(w.lm_head, w.lm_head_bias)
+    for layer in w.layers:
+        total += nbytes(layer.q, layer.k, layer.v, layer.o, layer.q_bias, layer.k_bias, layer.v_bias, layer.o_bias)
+        total += nbytes(layer.router, layer.shared_gate, *(layer.shared or ()), *(layer.dense or ()))
+        if layer.gate_up is not None:
+            total += w.top_k * nbytes(layer.gate_up[0], layer.down[0])
+    return total
+
+
+def split(step: CompiledDecode, rows: int, cache: int, steps: int) -> dict:
+    """Where a step's time goes, from torch.profiler with inductor's kernel profile (the graph must
+    be built with ``cpp.enable_kernel_profile`` and the Python wrapper: the C++ one hides its kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_step(step, rows, cache, 3, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = time_step(step, rows, cache, steps, 1)
+    events = {e.key: e.self_cpu_time_total / steps / 1e3 for e in prof.key_averages()}  # ms a step
+    parts = {name: sum(v for k, v in events.items() if match(k)) for name, match in SPLIT}
+    parts["everything else (wrapper, allocation, small ops)"] = max(0.0, wall - sum(parts.values()))
+    return {"ms_per_step_profiled": wall, "parts_ms": parts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/moectl-small-standard")
@@ -68,6 +108,8 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=64)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--split", action="store_true",
+                    help="also split one row's step by torch.profiler (inductor's kernel profile, Python wrapper)")
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
     args = ap.parse_args()
     if args.rows < 2 or args.cache < 1 or args.steps < 1 or args.repeats < 1 or min(args.threads) < 1:
@@ -90,6 +132,27 @@ def main() -> None:
                     print(f"{key:32s} {ms[key]:7.3f} ms a step", flush=True)
     decode_step.SMALL_PRODUCTS = "sum"
     out = {"model": args.model, "cache": args.cache, "ms_per_step": ms, "loadavg": os.getloadavg()}
+    if args.split:
+        import torch._inductor.config as inductor_config
+
+        from moectl.lm import compiled_decode
+
+        torch.set_num_threads(max(args.threads))
+        torch._dynamo.reset()
+        default = compiled_decode.compile_options
+        compiled_decode.compile_options = lambda weights, mode: {}  # the Python wrapper shows the kernels
+        try:
+            with inductor_config.patch({"cpp.enable_kernel_profile": True}), torch.inference_mode():
+                out["split_1_row"] = split(CompiledDecode(weights), 1, args.cache, args.steps)
+        finally:
+            compiled_decode.compile_options = default
+        wall = out["split_1_row"]["ms_per_step_profiled"]
+        print(f"one row, {max(args.threads)} threads, profiled: {wall:.3f} ms a step (Python wrapper, profiler on)")
+        for name, value in out["split_1_row"]["parts_ms"].items():
+            print(f"  {name:48s} {value:6.3f} ms  {100 * value / wall:5.1f}%")
+        weight_bytes = active_bytes(weights)
+        out["split_1_row"]["active_weight_bytes"] = weight_bytes
+        print(f"  weights one row's step reads: {weight_bytes / 2**20:.1f} MiB")
     print(f"load {out['loadavg'][0]:.1f}")
     if args.json_path:
         write_text_atomic(args.json_path, json.dumps(out, indent=1) + "\n")
