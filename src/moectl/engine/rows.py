@@ -260,6 +260,7 @@ class SwitchMeter:
         self.pads: list[int] | None = None  # per row: leading padding columns of this call (None: none)
         self._last: dict[int, Tensor] = {}  # per MoE layer: [B, k] experts chosen at each row's last token
         self._last_probs: dict[int, Tensor] = {}  # per MoE layer: [B, E] p at the last token (option:K rows)
+        self._chosen: Tensor | None = None  # [L, B, k] the compiled step's choices (``chose``)
         self._omega: Tensor | None = None  # ω [B, L, E] as the compiled step built it (``chose``)
         self._handles: list = []
         self._default_k = 0  # experts per token of rows without a topk:N of their own, this call
@@ -296,15 +297,15 @@ class SwitchMeter:
         compiled decoding step, ``moectl.lm.compiled_decode``), for ``end`` to count; ``omega``: the
         same as ω [B, L, E] bool where the step built it (``end`` then takes it whole where no row is
         restricted and no row is ``option:K``: 76 -> 37 us a step, reference model, one row)."""
-        self._last = {i: chosen[i] for i in range(chosen.shape[0])}
-        self._omega = omega
+        self._chosen, self._omega = chosen, omega
 
     def end(self) -> None:
         """After a forward: ω of every layer that ran at each row's last token, switches counted
         where ω changed (a decoding step), ω kept for the next call."""
         last, self._last = self._last, {}
         built, self._omega = self._omega, None
-        if self.prev is None or self.switches is None or not last:
+        compiled, self._chosen = self._chosen, None
+        if self.prev is None or self.switches is None or (not last and compiled is None):
             return
         if (
             built is not None
@@ -316,6 +317,8 @@ class SwitchMeter:
                 self.switches += (built.to(self.prev.device) != self.prev).any(-1).to(self.switches.device)
             self.prev.copy_(built)
             return
+        if compiled is not None:  # the compiled step's choices, per MoE layer as the hooks keep them
+            last = {i: compiled[i] for i in range(compiled.shape[0])}
         layers = sorted(last)
         device = self.prev.device
         chosen = torch.stack([last[i].to(device).long() for i in layers], 1)  # [B, L', k]
@@ -390,4 +393,4 @@ class SwitchMeter:
         """Before a forward: ω at each row's latest token [B, L, E], the rows' switch counts [B, L]
         (updated in place by ``end``), and whether this call is a decoding step (switches count)."""
         self.prev, self.switches, self.counting = prev, switches, counting
-        self._last, self._last_probs, self._omega = {}, {}, None
+        self._last, self._last_probs, self._chosen, self._omega = {}, {}, None, None
