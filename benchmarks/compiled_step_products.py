@@ -44,20 +44,17 @@ def time_step(step: CompiledDecode, rows: int, cache: int, steps: int, repeats: 
         t = torch.randn(rows, w.num_kv_heads, cache, w.head_dim, dtype=w.dtype)
         kv.update(t, t.clone(), i)
     last = torch.zeros(rows, dtype=torch.long)
-    valid = torch.ones(rows, cache + 1, dtype=torch.bool)
-    positions = torch.full((rows, 1), cache)
-    keys = [layer.keys for layer in kv.layers]
-    values = [layer.values for layer in kv.layers]
-    step(last, valid, positions, kv)  # the graph for this class, built
-    for layer, k, v in zip(kv.layers, keys, values, strict=True):
-        layer.keys, layer.values = k, v  # the same cache length every call
+    step(last, torch.ones(rows, cache + 1, dtype=torch.bool), torch.full((rows, 1), cache), kv)  # graph built
+    valid = torch.ones(rows, cache + 2, dtype=torch.bool)  # the cache is a column longer now
+    positions = torch.full((rows, 1), cache + 1)
+    saved = [dict(vars(layer)) for layer in kv.layers]  # the cache after one step: every call from here
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(steps):
             step(last, valid, positions, kv)
-            for layer, k, v in zip(kv.layers, keys, values, strict=True):
-                layer.keys, layer.values = k, v
+            for layer, state in zip(kv.layers, saved, strict=True):
+                vars(layer).update(state)  # back to the same length (and buffers: ``lm/kv_buffers``)
         times.append((time.perf_counter() - start) / steps * 1e3)
     return statistics.median(times)
 

@@ -225,7 +225,8 @@ def test_compiled_small_products_as_sums_or_products_equal_the_eager_step_in_bf1
 def test_a_server_engine_builds_its_graphs_for_the_loops_thread_counts(monkeypatch):
     """``moectl serve`` opens the engine with one torch thread and steps with more (re-picked under
     load): dynamo guards on the count, so the warm-up builds the graphs for every count the loop
-    may use and the first requests compile nothing (the counter is dynamo's own)."""
+    may use and the first requests compile nothing, nor does a cache outgrowing its buffers (the
+    counter is dynamo's own)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -240,7 +241,8 @@ def test_a_server_engine_builds_its_graphs_for_the_loops_thread_counts(monkeypat
             built = int(counters["stats"]["unique_graphs"])
             assert built == 4  # one row and several, at one thread and at two
             torch.set_num_threads(2)  # the loop's count
-            engine.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))
+            # 40 tokens: the cache outgrows its first buffers (``lm/kv_buffers``), a graph still serves it
+            engine.generate(PROMPTS[:2], SamplingParams(max_tokens=40, ignore_eos=True))
             engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
             assert int(counters["stats"]["unique_graphs"]) == built
             assert engine.stats()["decode_forward"]["compiled"] > 0

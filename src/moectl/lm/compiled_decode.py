@@ -2,9 +2,9 @@
 
 :class:`CompiledDecode` runs :func:`moectl.lm.decode_step.decode_step` through ``torch.compile``
 (inductor; on the CPU it generates C++ for the step's small operations, which the eager step spends
-most of its time dispatching: issue 39 item 3). The cache stays the engine's ``DynamicCache``: the
-step reads each layer's keys and values and writes the extended ones back, as
-``DynamicLayer.update`` would. Rows join and leave and the cache grows at every step, so the batch
+most of its time dispatching: issue 39 item 3). The cache stays the engine's ``DynamicCache``: its
+layers' keys and values are views of buffers with free columns (``moectl.lm.kv_buffers``), which
+the step writes in place, not concatenated onto as ``DynamicLayer.update`` does. Rows join and leave and the cache grows at every step, so the batch
 size and the cache length are marked dynamic: one graph serves every length, and batch sizes take
 two (one row, and several: ``torch.compile`` specialises a size of 1). ``compiles`` counts the
 graphs built; ``benchmarks/engine_compiled.py`` measures what they cost as rows join and leave.
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from moectl.lm.decode_step import StepWeights, decode_step, sums_for
+from moectl.lm.kv_buffers import advance, buffers
 
 log = logging.getLogger("moectl.engine")
 
@@ -107,8 +108,7 @@ class CompiledDecode:
         ``valid`` [B, T + 1] marks each row's real columns after this token; ``positions`` [B, 1]
         or [B] each row's position; ``allowed``, ``renorm``: the rows' expert masks per MoE layer
         (:func:`decode_step`). Masks make a graph of their own (which layers have one)."""
-        keys = [layer.keys.contiguous() for layer in cache.layers]  # a re-batched cache may be a view:
-        values = [layer.values.contiguous() for layer in cache.layers]  # one stride, one graph
+        keys, values = buffers(cache)  # each layer's buffer, a free column at T (``kv_buffers``)
         positions = positions.reshape(-1)
         valid = valid.bool()
         sums = sums_for()
@@ -125,15 +125,12 @@ class CompiledDecode:
                 for t in (last, positions, valid, *(m for m in allowed or () if m is not None)):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         start = time.perf_counter()
-        logits, new_keys, new_values, chosen, self.greedy, self.omega = self._fn(
-            last, positions, valid, keys, values, allowed, renorm, sums
-        )
+        logits, chosen, self.greedy, self.omega = self._fn(last, positions, valid, keys, values, allowed, renorm, sums)
         if first:
             self._shapes.add(shape)
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - start
             log.info("compiled the decoding step for %s in %.1f s", "several rows" if shape[0] else "one row",
                      time.perf_counter() - start)  # fmt: skip
-        for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
-            layer.keys, layer.values = k, v
+        advance(cache, keys, values, valid.shape[1])
         return logits, chosen

@@ -166,15 +166,17 @@ def decode_step(
     allowed: list[Tensor | None] | None = None,
     renorm: str = "pruned",
     sums: bool = False,
-) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
-    """Logits [B, V] after one token per row, the caches extended by it, the experts chosen [L, B, k],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Logits [B, V] after one token per row (its keys and values written into the caches' buffers
+    in place), the experts chosen [L, B, k],
     the same as ω [B, L, E] bool (``num_experts`` wide, for the switch counts) and each row's greedy
     token [B] (the logits' argmax, fused into the step: a bf16 argmax over the
     vocabulary is ~30 us eager on this CPU, a sizeable part of a small model's step).
 
     ``ids`` [B] the rows' last tokens; ``positions`` [B] their positions; ``valid`` [B, T + 1] bool,
     the rows' real columns after this token (left padding False); ``keys`` / ``values`` per layer
-    [B, kv heads, T, D]. ``allowed``: per MoE layer None (every row routed as the model routes it)
+    [B, kv heads, C, D] buffers of C > T + 1 columns, the first T the cache: the step writes column T
+    and attends over the first T + 1 (a static cache: no copy of the cache at each step). ``allowed``: per MoE layer None (every row routed as the model routes it)
     or [B, E] bool, the experts each row may take there (an expert mask's rows, all True for the
     others), selected as the routing hooks do with ``renorm`` (``RouterRule.select``). Routings whose
     choice changes from token to token (noise, pools, controllers, replay) are not taken here: the
@@ -185,8 +187,7 @@ def decode_step(
     cos, sin = sw.rotary(h, positions[:, None])
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
     mask = valid[:, None, None, :]
-    new_keys: list[Tensor] = []
-    new_values: list[Tensor] = []
+    t = valid.shape[1] - 1  # the cache's columns before this token: the new one is written at t
     chosen: list[Tensor] = []
     heads, kv_heads, d = sw.num_heads, sw.num_kv_heads, sw.head_dim
     for i, w in enumerate(sw.layers):
@@ -204,10 +205,9 @@ def decode_step(
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys_i = torch.cat([keys[i], k], dim=2)
-        values_i = torch.cat([values[i], v], dim=2)
-        new_keys.append(keys_i)
-        new_values.append(values_i)
+        keys[i].narrow(2, t, 1).copy_(k)  # in place, at column T of the buffer (``KvBuffers``)
+        values[i].narrow(2, t, 1).copy_(v)
+        keys_i, values_i = keys[i].narrow(2, 0, t + 1), values[i].narrow(2, 0, t + 1)
         out = F.scaled_dot_product_attention(q, keys_i, values_i, attn_mask=mask, scale=w.scaling,
                                              enable_gqa=kv_heads != heads)  # fmt: skip
         h = h + _linear(out.transpose(1, 2).reshape(b, 1, heads * d), w.o, w.o_bias, sums)
@@ -232,4 +232,4 @@ def decode_step(
         h = h + y[:, None]
     logits = _linear(sw.norm(h)[:, 0], sw.lm_head, sw.lm_head_bias, sums)
     experts = torch.stack(chosen)  # [L, B, k]
-    return logits, new_keys, new_values, experts, _argmax(logits), _omega(experts, sw.num_experts)
+    return logits, experts, _argmax(logits), _omega(experts, sw.num_experts)
