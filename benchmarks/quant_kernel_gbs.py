@@ -4,7 +4,8 @@ The quantized counterpart of ``decode_kernels.py``: ``experts`` experts of OLMoE
 [2I, H], down [H, I]; enough that the caches do not hold them), each product run through the very
 code moectl's experts forward runs — ``F.linear``, and ``moectl.kernels.bf16_rows`` where it applies
 (not on a CPU with native bf16 products), for bf16;
-``Int8Weights.linear`` (``aten._weight_int8pack_mm`` for few rows) and ``Int4Weights.linear``
+``Int8Weights.linear`` (moectl's ``kernels/int8_rows`` for few rows, PyTorch's
+``aten._weight_int8pack_mm`` timed beside it) and ``Int4Weights.linear``
 (``aten._weight_int4pack_mm_for_cpu``) for the quantized formats — at 1 and 8 rows. GB/s is the
 bytes each format holds for those experts (codes, scales and zeros included) over the best of
 ``repeats`` timed calls; ``bf16-eq GB/s`` is the bf16 bytes of the same weights over the same time
@@ -40,7 +41,7 @@ def measure(
     group_size: int = 64, repeats: int = 5,
 ) -> list[dict]:  # fmt: skip
     """One row per (kernel, rows): ms per pass over ``experts`` experts, GB/s read and bf16-eq GB/s."""
-    from moectl.kernels import bf16_rows
+    from moectl.kernels import bf16_rows, int8_rows
 
     gen = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).bfloat16()
@@ -67,10 +68,19 @@ def measure(
                 bf16_bytes,
             )  # fmt: skip
         for name, (gu, dn) in formats.items():
-            cands[f"{name} moectl ({'int8pack' if name == 'int8' else 'int4pack'}_mm)"] = (
+            kernel = "int4pack_mm" if name != "int8" else "int8_rows" if int8_rows.applies(x, gu.codes) else "int8pack_mm"
+            cands[f"{name} moectl ({kernel})"] = (
                 lambda x=x, y=y, gu=gu, dn=dn: [(gu.linear(x, e), dn.linear(y, e)) for e in range(experts)],
                 gu.nbytes() + dn.nbytes(),
             )
+        gu, dn = formats["int8"]  # PyTorch's int8 kernel beside moectl's (what int8 ran before int8_rows)
+        cands["int8 aten _weight_int8pack_mm"] = (
+            lambda x=x, y=y, gu=gu, dn=dn: [
+                (torch.ops.aten._weight_int8pack_mm(x, gu.codes[e], gu.scale[e].to(x.dtype)),
+                 torch.ops.aten._weight_int8pack_mm(y, dn.codes[e], dn.scale[e].to(y.dtype))) for e in range(experts)
+            ],
+            gu.nbytes() + dn.nbytes(),
+        )  # fmt: skip
         for name, (fn, nbytes) in cands.items():
             s = _best(fn, repeats)
             out.append({"kernel": name, "rows": m, "ms": s * 1e3, "bytes": nbytes,

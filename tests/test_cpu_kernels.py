@@ -213,7 +213,7 @@ def test_a_broken_source_or_no_compiler_gives_none(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flags", [["-mavx2", "-mfma"], ["-march=x86-64"]], ids=["avx2", "scalar"])
 def test_the_other_cpus_paths_compute_the_same(tmp_path, flags):
     """The AVX2 and plain-C paths of ``bf16_rows.c`` (what machines without AVX-512 build), compiled
-    here with those flags, against float64: N % 4 and K % 8 edges, 1 to 6 rows."""
+    here with those flags, against float64: N % 4 and K % 8 edges, 1 to 6 rows, bf16 and int8 weights."""
     import ctypes
     import subprocess
     from pathlib import Path
@@ -236,3 +236,12 @@ def test_the_other_cpus_paths_compute_the_same(tmp_path, flags):
             ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n), ctypes.c_int(1),
         )  # fmt: skip
         _close(y.bfloat16(), x, w)
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(22))
+        scale = torch.rand(n, generator=torch.Generator().manual_seed(23)) + 0.5  # int8 rows (the int8 paths)
+        lib.moectl_int8_linear(
+            ctypes.c_void_p(x32.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(rows),
+            ctypes.c_void_p(q.data_ptr()), ctypes.c_int64(k), ctypes.c_void_p(scale.data_ptr()), ctypes.c_int64(n),
+            ctypes.c_int64(k), ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n), ctypes.c_int(1),
+        )  # fmt: skip
+        ref = x.double() @ (q.double() * scale.double()[:, None]).T
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()

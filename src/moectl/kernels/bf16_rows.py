@@ -94,6 +94,11 @@ def _lib() -> ctypes.CDLL | None:
         _int,
     ]
     lib.moectl_bf16_grouped.restype = None
+    lib.moectl_int8_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
+    lib.moectl_int8_linear.restype = None
+    lib.moectl_int8_grouped.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64,
+                                        _ptr, _int]  # fmt: skip
+    lib.moectl_int8_grouped.restype = None
     return lib
 
 

@@ -6,8 +6,9 @@
     summary = moectl.quant.quantize_model(model, "int4", group_size=64, scope="experts")
 
 The experts (and with ``scope="all"`` the attention, dense MLP and LM-head projections) are
-multiplied by PyTorch's weight-only CPU kernels (``aten._weight_int8pack_mm``,
-``aten._weight_int4pack_mm_for_cpu``); the routers stay in the model's dtype, so every routing
+multiplied by weight-only CPU kernels: int4 by PyTorch's ``aten._weight_int4pack_mm_for_cpu``, int8
+by moectl's own (``moectl.kernels.int8_rows``, where PyTorch's ``aten._weight_int8pack_mm`` read
+int8 slower than bf16 on the CPUs measured; PyTorch's where moectl's is not built); the routers stay in the model's dtype, so every routing
 policy acts as on the unquantized model. ``benchmarks/quantized_experts.py`` measures the speed
 and the quality (KL per token, perplexity ratio) against the model in its own dtype.
 

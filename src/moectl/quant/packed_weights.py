@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moectl.kernels import int8_rows
 from moectl.offload.int8 import dequantize_rows, int8_linear, quantize_rows
 from moectl.quant import int4_groups
 
@@ -30,6 +31,10 @@ class QuantizedWeights(nn.Module):
 
     def linear(self, x: Tensor, index: int = 0) -> Tensor:
         raise NotImplementedError
+
+    def grouped(self, x: Tensor, offsets: Tensor) -> Tensor | None:
+        """Every expert's rows in one call (rows sorted by expert), or None: one call per expert."""
+        return None
 
     def dequantize(self, index: int = 0, dtype: torch.dtype | None = None) -> Tensor:
         raise NotImplementedError
@@ -69,6 +74,15 @@ class Int8Weights(QuantizedWeights):
 
     def linear(self, x: Tensor, index: int = 0) -> Tensor:
         return int8_linear(x, self.codes[index], self.scale[index])
+
+    def grouped(self, x: Tensor, offsets: Tensor) -> Tensor | None:
+        """Rows of ``x`` sorted by expert times each one's weights in one kernel call
+        (``moectl.kernels.int8_rows.grouped``; ``offsets``: each expert's end row), or None where
+        that kernel does not apply or the experts are offloaded (their buffers are then views of slots)."""
+        codes, scale = self.codes, self.scale
+        if not isinstance(codes, Tensor) or not isinstance(scale, Tensor) or not int8_rows.applies(x, codes):
+            return None
+        return int8_rows.grouped(x, codes, scale, offsets)
 
     def dequantize(self, index: int = 0, dtype: torch.dtype | None = None) -> Tensor:
         return dequantize_rows(self.codes[index], self.scale[index], dtype or self.dtype)

@@ -9,8 +9,9 @@ not touched, so masks, traces, controllers and RoE's noise choose the experts as
 products change.
 
 The (token, k) choices are sorted by expert at once (``models.grouped_mm.group_by_expert``), then
-each expert that was hit multiplies its rows, one kernel call per projection (a loop over the hit
-experts, as transformers' eager experts run), and ``combine`` weights and sums each token's k
+int8 experts multiply every hit expert's rows in one kernel call per projection
+(``kernels.int8_rows.grouped``, on the CPU); elsewhere each expert that was hit multiplies its rows,
+one kernel call per projection (a loop over the hit experts, as transformers' eager experts run), and ``combine`` weights and sums each token's k
 outputs. A decode step of one token reads k experts' weights, no others.
 """
 
@@ -55,6 +56,13 @@ class QuantizedExperts(nn.Module):
         index = top_k_index.reshape(hidden.shape[0], -1)
         groups = group_by_expert(index, self.num_experts)
         x = groups.gather(hidden)
+        weights = top_k_weights.reshape(index.shape)
+        gate_up = self.gate_up.grouped(x, groups.offsets)  # every hit expert in one call, where a kernel can
+        if gate_up is not None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down.grouped((self.act_fn(gate) * up).contiguous(), groups.offsets)
+            if out is not None:
+                return combine(out, weights, groups, hidden.shape[0]).to(hidden_states.dtype).reshape(shape)
         out = x.new_empty(x.shape[0], self.hidden_dim)
         start = 0
         for expert, end in enumerate(groups.offsets.tolist()):  # one host read per layer
@@ -62,7 +70,6 @@ class QuantizedExperts(nn.Module):
                 gate, up = self.gate_up.linear(x[start:end], expert).chunk(2, dim=-1)
                 out[start:end] = self.down.linear(self.act_fn(gate) * up, expert)
             start = end
-        weights = top_k_weights.reshape(index.shape)
         return combine(out, weights, groups, hidden.shape[0]).to(hidden_states.dtype).reshape(shape)
 
     def expert_tensors(self) -> dict[str, Tensor]:
