@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from moectl.lm.kv_buffers import HEADROOM_MAX, HEADROOM_MIN, advance, buffers, headroom
+from moectl.lm.kv_buffers import HEADROOM_MAX, HEADROOM_MIN, advance, buffers, headroom, release
 
 
 def _cache(rows: int = 2, length: int = 5, layers: int = 2) -> DynamicCache:
@@ -91,3 +91,15 @@ def test_a_full_buffer_is_replaced_by_a_larger_one():
     assert keys[0] is not first[0] and keys[0].shape[2] > first[0].shape[2]
     assert cache.layers[0].keys.shape[2] == 2 + HEADROOM_MIN + 3
     assert torch.equal(cache.layers[0].keys[0, 0, 2:, 0], torch.tensor([0.0, *range(HEADROOM_MIN + 2)]))
+
+
+def test_released_buffers_are_let_go():
+    """A forward other than the step (the lean one) extends the cache by concatenation: ``release``
+    drops the buffers so they do not live on beside it; the next step copies into new ones."""
+    cache = _cache()
+    keys, _ = _step(cache, 1.0)
+    release(cache)
+    assert not any(hasattr(layer, "_moectl_keys") for layer in cache.layers)
+    release(cache)  # nothing to let go: nothing happens
+    again, _ = _step(cache, 2.0)
+    assert again[0] is not keys[0] and cache.layers[0].keys.shape[2] == 7

@@ -27,6 +27,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from moectl.lm.compiled_decode import CompiledDecode
+from moectl.lm.kv_buffers import release
 from moectl.lm.lean_decode import LeanDecode, lean_decode
 from moectl.routing.kv_cache import cache_out, with_cache
 
@@ -94,6 +95,7 @@ class ModelRunner:
                     self.calls["compiled"] = self.calls.get("compiled", 0) + 1
                     return logits, cache
             self.slow[why] = self.slow.get(why, 0) + 1
+            release(cache)  # the step's cache buffers, if it had any: this forward concatenates
         mask = mask.long()  # the model's forward takes a 0/1 mask (the compiled step a bool one)
         if self.lean is None:
             self.calls["model"] = self.calls.get("model", 0) + 1

@@ -14,7 +14,9 @@ very view the last step left (``is``: a view someone trimmed, re-batched or exte
 tensor); anything else is copied into a new buffer, with ``headroom`` free columns (between 16 and
 256, a quarter of the cache: a copy every T / 4 steps, and at most 25% more memory than the cache,
 or 256 columns). Views handed out earlier (the prefix cache's snapshots) cover only columns the
-step never writes again: it writes only past the newest view's end.
+step never writes again: it writes only past the newest view's end. Where a step runs through
+another forward (a routing the compiled step does not take), the model runner lets the buffers go
+(:func:`release`), so they do not stay alive beside the concatenated cache.
 """
 
 from __future__ import annotations
@@ -59,3 +61,11 @@ def advance(cache: Any, keys: list[Tensor], values: list[Tensor], length: int) -
     for layer, k, v in zip(cache.layers, keys, values, strict=True):
         layer.keys, layer.values = k.narrow(2, 0, length), v.narrow(2, 0, length)
         layer._moectl_keys, layer._moectl_values = (k, layer.keys), (v, layer.values)
+
+
+def release(cache: Any) -> None:
+    """Forget the layers' buffers (a forward other than the compiled step extends this cache now:
+    the buffers would otherwise stay alive beside the concatenated cache, up to twice its memory)."""
+    for layer in getattr(cache, "layers", ()):
+        if hasattr(layer, "_moectl_keys"):
+            del layer._moectl_keys, layer._moectl_values
