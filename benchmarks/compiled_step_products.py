@@ -3,8 +3,9 @@
 ``moectl.lm.decode_step._linear`` writes a small weight's product, compiled, as a multiply-and-sum
 that inductor fuses into the layer's loops instead of calling the BLAS product (15-25 us a call at
 a few rows, whatever the size). This times the step alone (``CompiledDecode``'s graph on a cache of
-``--cache`` tokens, no engine around it) both ways, ``SMALL_PRODUCTS`` = "product" and "sum" (the
-shipped way), for 1 and ``--rows`` rows at each of ``--threads``; each variant is
+``--cache`` tokens, no engine around it) both ways, BLAS products everywhere and sums everywhere
+(the shipped rule, ``decode_step.sums_for``, takes sums but at several rows on one thread), for 1
+and ``--rows`` rows at each of ``--threads``; each variant is
 compiled afresh (``torch._dynamo.reset``), timed ``--repeats`` x ``--steps`` steps (medians of the
 repeats). ``--split`` then splits one row's step by torch.profiler with inductor's kernel profile
 (the layers' generated kernels, the LM head, attention, top-k, dynamo's guards, the rest) and says
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import fail
 from moectl.io.atomic import write_text_atomic
-from moectl.lm import decode_step
+from moectl.lm import compiled_decode, decode_step
 from moectl.lm.compiled_decode import CompiledDecode
 from moectl.lm.step_weights import step_weights
 
@@ -120,19 +121,17 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for way in ("product", "sum"):
-                decode_step.SMALL_PRODUCTS = way
+                compiled_decode.sums_for = lambda rows, threads, way=way: way == "sum"  # everywhere, this way
                 torch._dynamo.reset()
                 step = CompiledDecode(weights)
                 for rows in (1, args.rows):
                     key = f"{threads} threads {rows} rows {way}"
                     ms[key] = time_step(step, rows, args.cache, args.steps, args.repeats)
                     print(f"{key:32s} {ms[key]:7.3f} ms a step", flush=True)
-    decode_step.SMALL_PRODUCTS = "sum"
+    compiled_decode.sums_for = decode_step.sums_for
     out = {"model": args.model, "cache": args.cache, "ms_per_step": ms, "loadavg": os.getloadavg()}
     if args.split:
         import torch._inductor.config as inductor_config
-
-        from moectl.lm import compiled_decode
 
         torch.set_num_threads(max(args.threads))
         torch._dynamo.reset()

@@ -248,3 +248,12 @@ def test_a_server_engine_builds_its_graphs_for_the_loops_thread_counts(monkeypat
             assert engine.stats()["decode_forward"]["compiled"] > 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_small_products_are_sums_but_at_several_rows_on_one_thread(monkeypatch):
+    from moectl.lm import decode_step
+
+    assert decode_step.sums_for(1, 1) and decode_step.sums_for(1, 2) and decode_step.sums_for(8, 2)
+    assert not decode_step.sums_for(8, 1)  # the generated loops would compute per row what BLAS shares
+    monkeypatch.setattr(decode_step, "SMALL_PRODUCTS", "product")
+    assert not decode_step.sums_for(1, 2)

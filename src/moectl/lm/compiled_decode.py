@@ -111,7 +111,7 @@ class CompiledDecode:
         keys, values = buffers(cache)  # each layer's buffer, a free column at T (``kv_buffers``)
         positions = positions.reshape(-1)
         valid = valid.bool()
-        sums = sums_for()
+        sums = sums_for(last.shape[0], torch.get_num_threads())
         shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm, sums,
                  torch.get_num_threads())  # fmt: skip  (dynamo guards on the count: a graph per count)
         first = self.compiled and shape not in self._shapes

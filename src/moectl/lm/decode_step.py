@@ -87,13 +87,18 @@ class StepWeights:
 SMALL_PRODUCTS = "sum"  # small weights' products when compiled: "sum" (``_linear``) or "product"
 
 
-def sums_for() -> bool:
-    """Whether the compiled step takes small weights' products as sums (``_linear``): the same at
-    every batch size and thread count. A rule on the thread count (sums at 8 rows only with two
-    threads, where they gain 10%; with one they lose 16%) would make a new graph class, compiled for
-    seconds in the middle of serving, whenever ``moectl serve`` re-picks its threads under load
-    (``threads.pick_threads``); ``SMALL_PRODUCTS`` = "product" keeps the BLAS calls (its benchmark)."""
-    return SMALL_PRODUCTS == "sum"
+def sums_for(rows: int, threads: int) -> bool:
+    """Whether the compiled step takes small weights' products as sums (``_linear``): everywhere but
+    several rows on one thread, where the generated loops compute per row what a BLAS product
+    shares (the step alone, reference model, one thread, ``benchmarks/compiled_step_products.py``:
+    8 rows 6.57 ms with sums, 4.68 with products; one row 1.47 against 2.61; two threads 8 rows 3.44
+    against 3.83). Through the engine, 8 prompts on one thread, the two were within the noise
+    between processes (870-1110 tok/s either way). The choice is part of the
+    step's graph class (rows > 1, thread count), and ``moectl serve`` builds the graphs of every
+    thread count its loop may use before serving (``Engine._warm_up``), so a re-pick of its threads
+    under load compiles nothing. ``SMALL_PRODUCTS`` = "product" keeps the BLAS calls everywhere (its
+    benchmark)."""
+    return SMALL_PRODUCTS == "sum" and not (rows > 1 and threads == 1)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -112,7 +117,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sums: bool = 
     step alone, reference model, training paused (``benchmarks/compiled_step_products.py``, load
     1.5): one row 2.36 -> 1.14 ms with two threads, 2.66 -> 1.39 with one; 8 rows 3.83 -> 3.44 with
     two threads but 5.62 -> 6.51 with one (the generated loops then compute per row what the
-    product shares; ``sums_for`` says why one way is kept). Eager (the step's CPU twin),
+    product shares; ``sums_for`` keeps the products there). Eager (the step's CPU twin),
     ``F.linear`` as the model computes it."""
     if large(weight):
         return torch.ops.moectl.linear(x, weight, bias)
