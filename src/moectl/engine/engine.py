@@ -800,8 +800,8 @@ class Engine:
         every request is greedy, one row, unpenalised."""
         raw = combine(logits, [r.copies for r in reqs])
         logits = penalise(raw, reqs, self.eos_ids)
-        if greedy is not None and logits is raw and len(greedy) == len(reqs) and all(
-            r.params.temperature == 0 for r in reqs
+        if greedy is not None and len(greedy) == len(reqs) and all(  # one row each (no copies to combine)
+            r.params.temperature == 0 and not r.params.penalised for r in reqs
         ):
             tokens = greedy
         elif sampling is None and all(r.params.temperature == 0 for r in reqs):
@@ -837,8 +837,8 @@ class Engine:
             plain, masks, renorm = self._plain()
             logits, cache = self.runner.decode(batch.last, valid, batch.positions, batch.cache, plain, masks,
                                                renorm)  # fmt: skip
-            if self.runner.chosen is not None:  # the compiled step ran no hooks: its choices counted here
-                self.meter.chose(self.runner.chosen, self.runner.omega)
+            if self.runner.result is not None:  # the compiled step ran no hooks: its choices counted here
+                self.meter.chose(self.runner.result.chosen, self.runner.result.omega)
             elif self.runner.reason is not None:  # a compiled runner's step left to the lean forward
                 for req in batch.requests:
                     req.slow_reasons.add(self.runner.reason)
@@ -849,7 +849,8 @@ class Engine:
             self._union[0] += sum(unions) / len(unions)
             self._union[1] = max(self._union[1], max(unions))
             self._union[2] += 1
-        tokens = self._choose(logits, batch.requests, batch.sampling, self.runner.greedy)
+        greedy = None if self.runner.result is None else self.runner.result.greedy
+        tokens = self._choose(logits, batch.requests, batch.sampling, greedy)
         batch.advance(cache, valid, expand(tokens, batch.copies()))
         finished = [
             i

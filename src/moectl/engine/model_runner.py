@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from moectl.lm.compiled_decode import CompiledDecode
+from moectl.lm.compiled_decode import CompiledDecode, StepResult
 from moectl.lm.kv_buffers import release
 from moectl.lm.lean_decode import LeanDecode, lean_decode
 from moectl.routing.kv_cache import cache_out, with_cache
@@ -57,9 +57,7 @@ class ModelRunner:
         self.path = why
         self.calls: dict[str, int] = {}  # decoding forwards by path: {"compiled": n, "lean": m, "model": k}
         self.slow: dict[str, int] = {}  # decoding steps a compiled runner left to a slower path, by reason
-        self.chosen: Tensor | None = None  # [L, B, k] the experts the latest compiled step chose
-        self.greedy: Tensor | None = None  # [B] its logits' argmax (the greedy tokens)
-        self.omega: Tensor | None = None  # [B, L, E] bool: ``chosen`` as ω (the switch counts)
+        self.result: StepResult | None = None  # the latest decoding step's, where it ran compiled
         self.reason: str | None = None  # why the latest decoding step did not run compiled (with one)
         if self.lean is None or (compile and self.compiled is None):
             log.info("decoding path: %s", why)
@@ -79,21 +77,20 @@ class ModelRunner:
 
         ``plain`` is None where the compiled step may run: every row routed as the model routes it
         or by an expert mask (``allowed``, ``renorm``: ``decode_step``), nothing recording the step;
-        else the reason it may not. After a compiled step ``chosen`` holds the experts it chose
-        [L, B, k] (None after any other path)."""
-        self.chosen = self.reason = self.greedy = self.omega = None
+        else the reason it may not. After a compiled step ``result`` holds what it gave
+        (``StepResult``: the experts it chose, its greedy tokens, ω; None after any other path)."""
+        self.result = self.reason = None
         if self.compiled is not None:
             why = plain or self.compiled.covers(cache) or self._hooked()
             self.reason = why
             if why is None:
                 try:
-                    logits, self.chosen = self.compiled(last, mask, positions, cache, allowed, renorm)
+                    self.result = self.compiled(last, mask, positions, cache, allowed, renorm)
                 except Exception as err:  # a compiler failure (no C++ compiler, an inductor error): the
-                    self.disable(err)  # step is pure until it returns, so the lean forward takes it
+                    self.disable(err)  # step wrote only past the cache's end, so the lean forward takes it
                 else:
-                    self.greedy, self.omega = self.compiled.greedy, self.compiled.omega
                     self.calls["compiled"] = self.calls.get("compiled", 0) + 1
-                    return logits, cache
+                    return self.result.logits, cache
             self.slow[why] = self.slow.get(why, 0) + 1
             release(cache)  # the step's cache buffers, if it had any: this forward concatenates
         mask = mask.long()  # the model's forward takes a 0/1 mask (the compiled step a bool one)

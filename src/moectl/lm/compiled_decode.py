@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,6 +42,16 @@ def compile_options(weights: StepWeights, mode: str | None) -> dict[str, Any]:
     return {"options": {"cpp_wrapper": True}} if weights.embed.device.type == "cpu" else {}
 
 
+class StepResult(NamedTuple):
+    """What one compiled step gives: the logits [B, V], the experts chosen [L, B, k], the greedy
+    tokens [B] (the logits' argmax) and the same choices as ω [B, L, E] bool (the switch counts)."""
+
+    logits: Tensor
+    chosen: Tensor
+    greedy: Tensor
+    omega: Tensor
+
+
 class CompiledDecode:
     """One token per row through :func:`decode_step`, compiled (see the module doc)."""
 
@@ -50,8 +60,6 @@ class CompiledDecode:
         self.compiled = compile
         self.compiles = 0  # graphs built (first calls of a new shape class)
         self.compile_seconds = 0.0
-        self.greedy: Tensor | None = None  # [B] the latest step's argmax tokens
-        self.omega: Tensor | None = None  # [B, L, E] bool: the experts it activated (``decode_step``)
         self._shapes: set[tuple] = set()  # graph classes seen: one row / several, the masked layers
         self._fn = torch.compile(self._step, dynamic=None, **compile_options(weights, mode)) if compile else self._step
 
@@ -102,8 +110,8 @@ class CompiledDecode:
     def __call__(
         self, last: Tensor, valid: Tensor, positions: Tensor, cache: Any,
         allowed: list[Tensor | None] | None = None, renorm: str = "pruned",
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        """Logits [B, V] after ``last`` [B] and the experts chosen [L, B, k]; ``cache`` extended.
+    ) -> StepResult:  # fmt: skip
+        """The step after ``last`` [B] (:class:`StepResult`); ``cache`` extended.
 
         ``valid`` [B, T + 1] marks each row's real columns after this token; ``positions`` [B, 1]
         or [B] each row's position; ``allowed``, ``renorm``: the rows' expert masks per MoE layer
@@ -125,7 +133,7 @@ class CompiledDecode:
                 for t in (last, positions, valid, *(m for m in allowed or () if m is not None)):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         start = time.perf_counter()
-        logits, chosen, self.greedy, self.omega = self._fn(last, positions, valid, keys, values, allowed, renorm, sums)
+        result = StepResult(*self._fn(last, positions, valid, keys, values, allowed, renorm, sums))
         if first:
             self._shapes.add(shape)
             self.compiles += 1
@@ -133,4 +141,4 @@ class CompiledDecode:
             log.info("compiled the decoding step for %s in %.1f s", "several rows" if shape[0] else "one row",
                      time.perf_counter() - start)  # fmt: skip
         advance(cache, keys, values, valid.shape[1])
-        return logits, chosen
+        return result
