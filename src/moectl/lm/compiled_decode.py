@@ -4,9 +4,10 @@
 (inductor; on the CPU it generates C++ for the step's small operations, which the eager step spends
 most of its time dispatching: issue 39 item 3). The cache stays the engine's ``DynamicCache``: its
 layers' keys and values are views of buffers with free columns (``moectl.lm.kv_buffers``), which
-the step writes in place, not concatenated onto as ``DynamicLayer.update`` does. Rows join and leave and the cache grows at every step, so the batch
-size and the cache length are marked dynamic: one graph serves every length, and batch sizes take
-two (one row, and several: ``torch.compile`` specialises a size of 1). ``compiles`` counts the
+the step writes in place, not concatenated onto as ``DynamicLayer.update`` does. Rows join and
+leave and the cache grows at every step, so the batch size, the cache length and the buffers'
+columns are marked dynamic: one graph serves every length, and batch sizes take two (one row, and
+several: ``torch.compile`` specialises a size of 1). ``compiles`` counts the
 graphs built; ``benchmarks/engine_compiled.py`` measures what they cost as rows join and leave.
 
 ``compile=False`` runs the same step eagerly (its CPU twin in tests, and the path where
