@@ -173,3 +173,22 @@ def test_dtype_asked_for_is_the_dtype_loaded(exported):
         F.cosine_similarity(_logits(model).flatten(), _logits(exported["qwen2_moe"][0]).flatten(), dim=0)
         > 0.999
     )
+
+
+def test_a_gguf_is_served_offloaded_through_a_quantized_checkpoint(exported, tmp_path):
+    """The GGUF a user has, offloaded (issue 40 item 3): ``moectl checkpoint quantize`` writes it as a
+    quantized checkpoint once; loaded from there, offloading reads the quantized experts' bytes and
+    computes what the model loaded whole computes."""
+    from moectl.offload import offload
+    from moectl.quant import quantize_checkpoint
+
+    _, _, path = exported["qwen2_moe"]
+    quantize_checkpoint(str(path), tmp_path / "q", "int8")
+    model = moectl.load(str(tmp_path / "q")).model
+    assert quantized_scheme(model) == "int8"
+    whole = _logits(model)
+    assert _kl_per_token(_logits(moectl.load(str(path), quantize="int8").model), whole) < 1e-6
+    with offload(model, budget=2) as rt:
+        offloaded = _logits(model)
+        assert rt.totals()["misses"] > 0
+    assert torch.equal(offloaded, whole)
