@@ -59,7 +59,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "src" / "moectl" / "data" / "samp
 RESIDENCY_ONLY = ("lru", "s3fifo", "arc")
 REROUTE = ("reroute:0.01", "reroute:0.02", "reroute:0.05", "reroute:0.1")
 OPTIONS = ("option:8", "option:16")
-CONTROLLERS = ("k8-eta0.02", "k8-eta0.04", "k8-eta0.32", "k16-eta0.02")
+CONTROLLERS = ("k8-eta0.02", "k8-eta0.04", "k8-eta0.32", "k8-eta0.64", "k16-eta0.02")
 MIB = 2**20
 LINTHRESH = 1e-4  # KL below this is drawn on the symlog axis' linear part (residency-only: 0)
 
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=64, help="first tokens of each document")
     parser.add_argument(
         "--controllers", default=None,
-        help="comma-separated controller folders (default: MODEL-controller-{k8-eta0.02,k8-eta0.04,k8-eta0.32,k16-eta0.02} "
+        help="comma-separated controller folders (default: MODEL-controller-{k8-eta0.02,k8-eta0.04,k8-eta0.32,k8-eta0.64,k16-eta0.02} "
         "that exist; '' for none)",
     )  # fmt: skip
     parser.add_argument(
