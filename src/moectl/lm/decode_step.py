@@ -173,16 +173,15 @@ def decode_step(
     sums: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Logits [B, V] after one token per row (its keys and values written into the caches' buffers
-    in place), the experts chosen [L, B, k],
-    the same as ω [B, L, E] bool (``num_experts`` wide, for the switch counts) and each row's greedy
+    in place), the experts chosen [L, B, k], the same as ω [B, L, E] bool (``num_experts`` wide, for the switch counts) and each row's greedy
     token [B] (the logits' argmax, fused into the step: a bf16 argmax over the
     vocabulary is ~30 us eager on this CPU, a sizeable part of a small model's step).
 
     ``ids`` [B] the rows' last tokens; ``positions`` [B] their positions; ``valid`` [B, T + 1] bool,
     the rows' real columns after this token (left padding False); ``keys`` / ``values`` per layer
     [B, kv heads, C, D] buffers of C > T + 1 columns, the first T the cache: the step writes column T
-    and attends over the first T + 1 (a static cache: no copy of the cache at each step). ``allowed``: per MoE layer None (every row routed as the model routes it)
-    or [B, E] bool, the experts each row may take there (an expert mask's rows, all True for the
+    and attends over the first T + 1 (no copy of the cache at each step: ``moectl.lm.kv_buffers``).
+    ``allowed``: per MoE layer None (every row routed as the model routes it) or [B, E] bool, the experts each row may take there (an expert mask's rows, all True for the
     others), selected as the routing hooks do with ``renorm`` (``RouterRule.select``). Routings whose
     choice changes from token to token (noise, pools, controllers, replay) are not taken here: the
     engine decodes those steps through the hooks (``moectl.engine.model_runner``).
@@ -210,7 +209,7 @@ def decode_step(
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys[i].narrow(2, t, 1).copy_(k)  # in place, at column T of the buffer (``KvBuffers``)
+        keys[i].narrow(2, t, 1).copy_(k)  # in place, at column T of the buffer (``lm/kv_buffers``)
         values[i].narrow(2, t, 1).copy_(v)
         keys_i, values_i = keys[i].narrow(2, 0, t + 1), values[i].narrow(2, 0, t + 1)
         out = F.scaled_dot_product_attention(q, keys_i, values_i, attn_mask=mask, scale=w.scaling,

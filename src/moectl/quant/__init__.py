@@ -8,8 +8,8 @@
 The experts (and with ``scope="all"`` the attention, dense MLP and LM-head projections) are
 multiplied by weight-only CPU kernels: int4 by PyTorch's ``aten._weight_int4pack_mm_for_cpu``, int8
 by moectl's own (``moectl.kernels.int8_rows``, where PyTorch's ``aten._weight_int8pack_mm`` read
-int8 slower than bf16 on the CPUs measured; PyTorch's where moectl's is not built); the routers stay in the model's dtype, so every routing
-policy acts as on the unquantized model. ``benchmarks/quantized_experts.py`` measures the speed
+int8 slower than bf16 on the CPUs measured; PyTorch's where moectl's is not built). The routers
+stay in the model's dtype, so every routing policy acts as on the unquantized model. ``benchmarks/quantized_experts.py`` measures the speed
 and the quality (KL per token, perplexity ratio) against the model in its own dtype.
 
 Quantize once, load many times (issue 40 item 2): ``quantize_checkpoint(MODEL, DIR, "int4")`` (the CLI's

@@ -10,9 +10,9 @@ products change.
 
 The (token, k) choices are sorted by expert at once (``models.grouped_mm.group_by_expert``), then
 int8 experts multiply every hit expert's rows in one kernel call per projection
-(``kernels.int8_rows.grouped``, on the CPU); elsewhere each expert that was hit multiplies its rows,
-one kernel call per projection (a loop over the hit experts, as transformers' eager experts run), and ``combine`` weights and sums each token's k
-outputs. A decode step of one token reads k experts' weights, no others.
+(``kernels.int8_rows.grouped``, on the CPU); elsewhere each expert that was hit multiplies its
+rows, one kernel call per projection (a loop over the hit experts, as transformers' eager experts
+run). ``combine`` then weights and sums each token's k outputs. A decode step of one token reads k experts' weights, no others.
 """
 
 from __future__ import annotations
