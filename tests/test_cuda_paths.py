@@ -668,6 +668,39 @@ def test_engine_rows_on_device_route_as_they_would_alone(loaded, name, spec):
             assert final[rid].info["switch_rate"] == pytest.approx(rate)
 
 
+@pytest.mark.parametrize("opaque", [False, True])
+def test_engine_decodes_through_cuda_graphs_as_it_does_lean(loaded, opaque, monkeypatch):
+    """The step over static buffers replayed as CUDA graphs (``moectl.lm.graph_decode``; on the CPU
+    its uncaptured twin) = the lean forward: rows joining and leaving in batches of 3, a masked row
+    among them; every decoding step through the graphs, several buckets captured. ``opaque``: the
+    experts through ``moectl::routed_experts`` (large experts: grouped products whose counts take no
+    host read), else gathered."""
+    from moectl.engine import Engine, EngineConfig, SamplingParams
+
+    if opaque:
+        monkeypatch.setattr("moectl.lm.step_ops.KERNEL_BYTES", 0)
+    model, tok, _ = loaded
+    prompts = [*PROMPTS, "x" * 40]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    routing = [None, "mask", None, None, None][: len(prompts)]
+    lean = Engine(model, tok, EngineConfig(max_batch=3), routings={"mask": MASK})
+    want = [lean.generate([p], params, r)[0].token_ids for p, r in zip(prompts, routing, strict=False)]
+    engine = Engine(model, tok, EngineConfig(max_batch=3, compile_decode=True, graph_decode=True),
+                    routings={"mask": MASK})  # fmt: skip
+    tokens: dict[str, list[int]] = {}
+    with engine:
+        ids = [engine.submit(p, params, r, lambda e: tokens.setdefault(e.request_id, []).extend(e.token_ids))
+               for p, r in zip(prompts, routing, strict=False)]  # fmt: skip
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            engine.step()
+        forward = engine.stats()["decode_forward"]
+    assert [tokens[i] for i in ids] == want
+    graphs = engine.runner.compiled
+    assert graphs is not None and graphs.captured == CUDA, forward["path"]
+    assert forward["compiled"] > 0 and not forward.get("slow"), forward
+    assert len(graphs._graphs) > 1
+
+
 def test_engine_controller_rows_and_sampling_on_device(loaded):
     """A controller routing (each request forks it) batched = solo; seeded sampling batched = solo."""
     from moectl.engine import Engine, EngineConfig, SamplingParams

@@ -56,7 +56,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo, inspect
-from moectl.engine.attention import attention_kernels
 from moectl.engine.expert_counts import DEFAULT as COUNTS_DEFAULT
 from moectl.engine.expert_counts import ExpertCounts
 from moectl.engine.kv import check_batchable, new_cache
@@ -80,6 +79,7 @@ from moectl.engine.scheduler import Scheduler, StepPlan
 from moectl.engine.text import TextStream, lone_surrogate
 from moectl.errors import ConfigError, MoectlError
 from moectl.kernels.cpu_linear import install as install_cpu_linear
+from moectl.lm.attention import attention_kernels
 from moectl.lm.lm_head import vocab_size
 from moectl.lm.padding import left_pad
 from moectl.progress import progress_bar
@@ -142,10 +142,14 @@ class EngineConfig:
     threads: int | None = None  # torch threads of start()'s loop thread (None: the starting thread's count)
     lean_decode: bool = True  # decode through moectl.lm.lean_decode where the family has it (model_runner)
     compile_decode: bool = False  # decode plain steps through one compiled graph (moectl.lm.compiled_decode)
+    # with compile_decode: the step over static buffers in CUDA graphs (moectl.lm.graph_decode); None:
+    # on CUDA only (True on the CPU runs its uncaptured twin); graph_columns: the longest cache they hold
+    graph_decode: bool | None = None
+    graph_columns: int = 4096
 
     def __post_init__(self) -> None:
         PrefixCache(self.prefix_cache_tokens)  # checks the size
-        for name in ("max_batch", "max_queue", "prefill_tokens", "prefill_chunk"):
+        for name in ("max_batch", "max_queue", "prefill_tokens", "prefill_chunk", "graph_columns"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -193,7 +197,8 @@ class Engine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
         # the one caller of the model's forward
-        self.runner = ModelRunner(model, self.config.lean_decode, self.config.compile_decode, self.info)
+        self.runner = ModelRunner(model, self.config.lean_decode, self.config.compile_decode, self.info,
+                                  self._graph_shape())  # fmt: skip
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
         self.expert_counts = ExpertCounts(self.info)  # expert use per routing over a window (start/stop/dump)
@@ -294,6 +299,15 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _graph_shape(self) -> tuple[int, int] | None:
+        """(rows, columns) of the CUDA graphs' static buffers (``EngineConfig.graph_decode``), or None:
+        the batch's rows, and the cache's columns up to ``graph_columns`` or the model's context."""
+        graphs = self.config.graph_decode
+        if not (graphs if graphs is not None else self.device.type == "cuda"):
+            return None
+        columns = min(self.config.graph_columns, self.max_context or self.config.graph_columns)
+        return self.config.max_batch, columns
+
     def _warm_up(self) -> None:
         """Build the compiled step's graphs before the first request (``CompiledDecode.warm_up``), for
         the thread counts the steps run with; a failure leaves the lean forward to decode. A server
@@ -304,7 +318,8 @@ class Engine:
             return
         self._warmed = True
         try:
-            seconds = self.runner.compiled.warm_up(self._step_threads())
+            with attention_kernels(self.device):
+                seconds = self.runner.compiled.warm_up(self._step_threads())
             log.info("decoding step compiled in %.1f s (%s)", seconds, self.runner.path)
         except Exception as err:  # no C++ compiler, an inductor error: the lean forward decodes
             self.runner.disable(err)

@@ -13,6 +13,10 @@ forward (one token per row) takes the fastest path that computes it as the model
    experts modules, which it calls as the model's forward does.
 3. ``model``: the model's own forward, for everything else.
 
+On CUDA path 1 is the same step over static buffers replayed as CUDA graphs
+(``moectl.lm.graph_decode``; ``EngineConfig.graph_decode``, on by default there; never run on a
+GPU yet), ``graphs`` giving the largest batch and cache its buffers hold.
+
 ``EngineConfig.compile_decode`` switches path 1 on (``moectl serve`` does by default),
 ``EngineConfig.lean_decode=False`` (``--no-lean-decode``) keeps path 3 everywhere. ``path`` says
 which decodes and why not a faster one (logged once); ``calls`` counts forwards by path and
@@ -27,6 +31,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from moectl.lm.compiled_decode import CompiledDecode, StepResult
+from moectl.lm.graph_decode import GraphDecode
 from moectl.lm.kv_buffers import release
 from moectl.lm.lean_decode import LeanDecode, lean_decode
 from moectl.routing.kv_cache import cache_out, with_cache
@@ -37,10 +42,13 @@ log = logging.getLogger("moectl.engine")
 class ModelRunner:
     """Prefill and decode forwards of ``model`` for the engine (see the module doc)."""
 
-    def __init__(self, model: nn.Module, lean: bool = True, compile: bool = False, info: Any = None) -> None:
+    def __init__(
+        self, model: nn.Module, lean: bool = True, compile: bool = False, info: Any = None,
+        graphs: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.lean: LeanDecode | None = None
-        self.compiled: CompiledDecode | None = None
+        self.compiled: CompiledDecode | GraphDecode | None = None
         if lean:
             self.lean, why = lean_decode(model)
         else:
@@ -49,7 +57,11 @@ class ModelRunner:
             from moectl.lm.step_weights import step_weights
 
             weights, reason = step_weights(model, info)
-            if weights is not None:
+            if weights is not None and graphs is not None:
+                self.compiled = GraphDecode(weights, *graphs)
+                kind = "CUDA graphs" if self.compiled.captured else "static buffers, uncaptured (the CPU twin)"
+                why = f"{reason}; over {kind}, up to {graphs[0]} rows and {graphs[1]} columns"
+            elif weights is not None:
                 self.compiled = CompiledDecode(weights)
                 why = reason
             else:

@@ -43,6 +43,19 @@ def compile_options(weights: StepWeights, mode: str | None) -> dict[str, Any]:
     return {"options": {"cpp_wrapper": True}} if weights.embed.device.type == "cpu" else {}
 
 
+def plain_cache(cache: Any, layers: int) -> str | None:
+    """None where ``cache`` is a ``DynamicCache`` of ``layers`` plain, filled layers (what the step
+    extends), else what it is instead."""
+    from transformers.cache_utils import DynamicLayer
+
+    found = getattr(cache, "layers", None)
+    if found is None or len(found) != layers:
+        return "not a DynamicCache of every layer"
+    if any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in found):
+        return "cache layers that are not plain, filled DynamicLayers"
+    return None
+
+
 class StepResult(NamedTuple):
     """What one compiled step gives: the logits [B, V], the experts chosen [L, B, k], the greedy
     tokens [B] (the logits' argmax) and the same choices as ω [B, L, E] bool (the switch counts)."""
@@ -99,14 +112,7 @@ class CompiledDecode:
 
     def covers(self, cache: Any) -> str | None:
         """None where this step can extend ``cache``, else why not."""
-        from transformers.cache_utils import DynamicLayer
-
-        layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) != len(self.weights.layers):
-            return "not a DynamicCache of every layer"
-        if any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
-            return "cache layers that are not plain, filled DynamicLayers"
-        return None
+        return plain_cache(cache, len(self.weights.layers))
 
     def __call__(
         self, last: Tensor, valid: Tensor, positions: Tensor, cache: Any,

@@ -171,6 +171,7 @@ def decode_step(
     allowed: list[Tensor | None] | None = None,
     renorm: str = "pruned",
     sums: bool = False,
+    column: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Logits [B, V] after one token per row (its keys and values written into the caches' buffers
     in place), the experts chosen [L, B, k], the same as ω [B, L, E] bool (``num_experts`` wide, for the switch counts) and each row's greedy
@@ -185,6 +186,11 @@ def decode_step(
     others), selected as the routing hooks do with ``renorm`` (``RouterRule.select``). Routings whose
     choice changes from token to token (noise, pools, controllers, replay) are not taken here: the
     engine decodes those steps through the hooks (``moectl.engine.model_runner``).
+
+    ``column`` (a one-element tensor; ``moectl.lm.graph_decode``'s static buffers): the step writes
+    the new keys and values at that column, not at T, and attends over all C columns of the buffers,
+    ``valid`` [B, C] masking those past each row's end: no size of the step depends on the cache's
+    length, so one CUDA graph serves every length up to C.
     """
     b = ids.shape[0]
     h = F.embedding(ids[:, None], sw.embed)  # [B, 1, H]
@@ -209,9 +215,14 @@ def decode_step(
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys[i].narrow(2, t, 1).copy_(k)  # in place, at column T of the buffer (``lm/kv_buffers``)
-        values[i].narrow(2, t, 1).copy_(v)
-        keys_i, values_i = keys[i].narrow(2, 0, t + 1), values[i].narrow(2, 0, t + 1)
+        if column is None:
+            keys[i].narrow(2, t, 1).copy_(k)  # in place, at column T of the buffer (``lm/kv_buffers``)
+            values[i].narrow(2, t, 1).copy_(v)
+            keys_i, values_i = keys[i].narrow(2, 0, t + 1), values[i].narrow(2, 0, t + 1)
+        else:  # static buffers: at the column the tensor names, attention over every column, masked
+            keys[i].index_copy_(2, column, k)
+            values[i].index_copy_(2, column, v)
+            keys_i, values_i = keys[i], values[i]
         out = F.scaled_dot_product_attention(q, keys_i, values_i, attn_mask=mask, scale=w.scaling,
                                              enable_gqa=kv_heads != heads)  # fmt: skip
         h = h + _linear(out.transpose(1, 2).reshape(b, 1, heads * d), w.o, w.o_bias, sums)

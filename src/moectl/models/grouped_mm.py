@@ -61,7 +61,7 @@ def group_by_expert(index: Tensor, num_experts: int, pad_to: int = 1) -> Groupin
     k = index.shape[-1]
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     if pad_to <= 1:
         return Grouping(order, order // k, counts.cumsum(0).to(torch.int32), counts)
     padded = (counts + pad_to - 1) // pad_to * pad_to
@@ -72,6 +72,16 @@ def group_by_expert(index: Tensor, num_experts: int, pad_to: int = 1) -> Groupin
     tokens = torch.full((total,), index.shape[0], dtype=torch.long, device=flat.device)
     tokens[slots] = order // k
     return Grouping(order, order // k, ends.to(torch.int32), counts, slots, total, tokens)
+
+
+def expert_counts(flat: Tensor, num_experts: int) -> Tensor:
+    """Rows per id [num_experts] of ``flat`` ids. ``bincount`` on the CPU; elsewhere a scatter-add,
+    since CUDA's ``bincount`` reads the largest id to size its output (a host sync, which a CUDA
+    graph's capture refuses: ``moectl.lm.graph_decode``)."""
+    if flat.device.type == "cpu":
+        return torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat))
 
 
 def cpu_pad(x: Tensor, dtype: torch.dtype, index: Tensor, num_experts: int) -> int:
