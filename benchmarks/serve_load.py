@@ -265,6 +265,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file llama-server serves")
     parser.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: its own)")
+    parser.add_argument(
+        "--llama-arg", action="append", default=[],
+        help="extra llama-server argument (repeatable), e.g. --llama-arg=--no-repack: a Q8_0 or Q4_K_M "
+        "file dies of SIGSEGV/SIGILL on this CPU with llama.cpp's repacked AMX layouts",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.routings is not None:
@@ -339,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "-np", str(max(args.concurrency)), "-c", str(max(args.concurrency) * 2048)]  # fmt: skip
         if args.threads:
             command += ["--threads", str(args.threads)]
+        command += args.llama_arg
         llama, base, _ = start(command, port)
         try:
             result["llama_server"] = measure(base, {}, args, args.model, {})
