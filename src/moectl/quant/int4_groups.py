@@ -16,8 +16,11 @@ product) and inputs up to a multiple of the group (zero weights times zero activ
 group is the requested one where it divides K, else the largest allowed one that does (the
 reference model's 128-wide down projection at a requested 256: 128).
 
-Many rows (a long prefill) are multiplied with the weight dequantised instead (:func:`dequantize`):
-the kernel's time grows with the rows, a dequantised GEMM's does not (``INT4_KERNEL_MAX_ROWS``).
+Many rows (a prefill) are multiplied with the weight dequantised instead: the kernel's time grows
+with the rows, a dequantised GEMM's does not. bf16 rows from ``INT4_UNPACK_MIN_ROWS`` on take moectl's
+C dequantisation (``moectl.kernels.int4_unpack``, 17x faster than :func:`dequantize`; a prefill of 128
+tokens at OLMoE-1B-7B's width 2.0x faster, ``benchmarks/int4_prefill.py``); elsewhere
+:func:`dequantize` past ``INT4_KERNEL_MAX_ROWS``.
 Dequantising reads the kernel's packed layout, which PyTorch does not document; :func:`layout_known`
 checks the reading against the packing op on this machine for each shape, and where it does not
 match the product stays on the kernel for any number of rows and :func:`dequantize` asks the kernel
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moectl.kernels import bf16_rows
+from moectl.kernels import bf16_rows, int4_unpack
 from moectl.quant.quant_config import GROUP_SIZES
 
 ROW_ALIGN = 16  # the kernel's N must be a multiple of this
@@ -43,6 +46,16 @@ thread, kernel / dequantised ms at 64 rows 9.33 / 10.89, at 96 rows 12.51 / 11.8
 5.65 / 7.98 and 8.43 / 7.88; ``crossover`` in ``benchmarks/quantized_experts.py``): they cross
 between 64 and 96 rows. A decode step is far below it;
 a prefill of a few hundred tokens reaches it."""
+
+
+INT4_UNPACK_MIN_ROWS = 24
+"""bf16 rows from which the weight is dequantised by ``moectl.kernels.int4_unpack`` (17x faster than
+:func:`dequantize`: 0.35 against 6.0 ms for [2048, 2048], 2 threads) and multiplied by PyTorch's bf16
+product: [2048, 2048] and [2048, 1024], group 64, 2 threads, under a training run's load, kernel
+against dequantised ms at 16 rows 0.78 / 1.36 and 0.38 / 0.53, at 24 rows 1.60 / 1.06 and 0.99 /
+0.48, at 32 rows 1.95 / 0.89 and 0.78 / 0.47, at 64 rows 3.14 / 1.16 and 1.48 / 0.59: they cross
+between 16 and 24 rows. Decoding steps stay far below it; a prefill's projections and its busier
+experts pass it."""
 
 
 def group_for(k: int, group_size: int) -> int:
@@ -130,15 +143,22 @@ def dequantize(packed: Tensor, scale_zero: Tensor, group: int, n: int, k: int, d
 
 
 def int4_linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: int, k: int) -> Tensor:
-    """``x @ w.T`` for x [M, k]: the kernel for up to :data:`INT4_KERNEL_MAX_ROWS` rows (or any rows
-    where the packed layout is not known), else the dequantised weight's product (moectl's bf16
-    kernel where it applies, as ``nn.Linear`` layers run, else ``F.linear``).
+    """``x @ w.T`` for x [M, k]: bf16 rows from :data:`INT4_UNPACK_MIN_ROWS` on, the weight dequantised
+    by moectl's C loop (``moectl.kernels.int4_unpack``) and PyTorch's bf16 product; else the kernel for
+    up to :data:`INT4_KERNEL_MAX_ROWS` rows (or any rows where the packed layout is not known), else
+    the weight dequantised here and its product (moectl's bf16 kernel where it applies, as
+    ``nn.Linear`` layers run, else ``F.linear``).
 
     float32 activations always take the dequantised product where the layout is known: the kernel's
     float32 path is slow at any row count (one thread, [2048, 2048], g64: 1 row 6.9 ms against 5.9 ms
     dequantised, 8 rows 54.5 against 7.1, 64 rows 443 against 10.2; [256, 256]: 0.11 / 0.87 / 6.9 ms
     against 0.10 / 0.10 / 0.16), where bf16 activations take it in 7-102 µs at [256, 256]."""
     fp32 = x.dtype == torch.float32
+    if x.dtype == torch.bfloat16 and x.shape[0] >= INT4_UNPACK_MIN_ROWS and int4_unpack.applies(packed, scale_zero):
+        w = int4_unpack.unpacked(packed, scale_zero, group)  # [N', K'], moectl's C dequantisation
+        rows = x if x.shape[-1] == w.shape[1] else F.pad(x, (0, w.shape[1] - x.shape[-1]))
+        out = F.linear(rows, w)
+        return out if out.shape[-1] == n else out[:, :n]
     if (x.shape[0] <= INT4_KERNEL_MAX_ROWS and not fp32) or not layout_known(packed.shape[0], packed.shape[1] * 2):
         return kernel_linear(x, packed, scale_zero, group, n)
     w = dequantize(packed, scale_zero, group, n, k, x.dtype)
