@@ -1,6 +1,6 @@
 /* int4 weights in PyTorch's CPU packing, dequantised to bf16 in the packing's own order: [K, N].
  *
- * moectl.kernels.int4_unpack loads this file (compiled for the machine it runs on, -march=native) to
+ * moectl.kernels.unpack loads this file (compiled for the machine it runs on, -march=native) to
  * multiply many rows with an int4 weight of moectl.quant.int4_groups: dequantised once, the weight
  * goes through PyTorch's bf16 product (AMX or AVX-512), whose time barely grows with the rows, where
  * aten._weight_int4pack_mm_for_cpu unpacks the codes again for every row. The packing

@@ -27,11 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moectl.errors import ConfigError
-from moectl.kernels import int8_rows
+from moectl.kernels import int8_rows, unpack
 
 SLOT_DTYPES = ("same", "int8")
 SCALE = "_scale"  # slot name suffix of a quantised weight's per-row scales
 KERNEL_MAX_ROWS = 16  # rows (tokens) up to which the int8 kernel beats a dequantised GEMM
+UNPACK_MIN_ROWS = 24
+"""bf16 rows from which the weight is dequantised by ``moectl.kernels.unpack`` and multiplied by
+PyTorch's bf16 product instead of moectl's int8 kernel: [2048, 2048], 2 threads, under a training
+run's load, kernel against dequantised ms at 16 rows 1.08 / 0.61, at 24 rows 0.99 / 1.06, at 32 rows
+1.27 / 0.65, at 48 rows 2.68 / 0.73 (at 8 rows 0.34 / 0.60)."""
 
 
 def quantized(t: Tensor) -> bool:
@@ -61,10 +66,14 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype | None = None) 
 def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """``x @ (q * scale).T`` for x [M, K], q [N, K] int8, scale [N] float32 (``quantize_rows``).
 
-    On the CPU, up to a few dozen rows, moectl's own kernel (``moectl.kernels.int8_rows``: fp32
+    On the CPU, bf16 rows from ``UNPACK_MIN_ROWS`` on: the weight dequantised by moectl's C loop
+    (``moectl.kernels.unpack``) and PyTorch's bf16 product. Fewer rows, up to a few dozen:
+    moectl's own kernel (``moectl.kernels.int8_rows``: fp32
     sums, float32 scales, any K; 1.5-1.7x PyTorch's at 1 and 8 rows). Else PyTorch's, which takes the
     scales in x's dtype; where that cast would flush a scale to 0 (fp16's range), the product is
     taken with the weight dequantised in float32 and cast instead."""
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= UNPACK_MIN_ROWS and unpack.int8_applies(q, scale):
+        return F.linear(x, unpack.int8_unpacked(q, scale))  # dequantised in C, PyTorch's bf16 product
     if int8_rows.applies(x, q):
         return int8_rows.linear(x, q, scale)
     fast = (

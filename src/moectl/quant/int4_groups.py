@@ -18,8 +18,8 @@ reference model's 128-wide down projection at a requested 256: 128).
 
 Many rows (a prefill) are multiplied with the weight dequantised instead: the kernel's time grows
 with the rows, a dequantised GEMM's does not. bf16 rows from ``INT4_UNPACK_MIN_ROWS`` on take moectl's
-C dequantisation (``moectl.kernels.int4_unpack``, 17x faster than :func:`dequantize`; a prefill of 128
-tokens at OLMoE-1B-7B's width 2.0x faster, ``benchmarks/int4_prefill.py``); elsewhere
+C dequantisation (``moectl.kernels.unpack``, 17x faster than :func:`dequantize`; a prefill of 128
+tokens at OLMoE-1B-7B's width 2.0x faster, ``benchmarks/quant_prefill.py``); elsewhere
 :func:`dequantize` past ``INT4_KERNEL_MAX_ROWS``.
 Dequantising reads the kernel's packed layout, which PyTorch does not document; :func:`layout_known`
 checks the reading against the packing op on this machine for each shape, and where it does not
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moectl.kernels import bf16_rows, int4_unpack
+from moectl.kernels import bf16_rows, unpack
 from moectl.quant.quant_config import GROUP_SIZES
 
 ROW_ALIGN = 16  # the kernel's N must be a multiple of this
@@ -49,7 +49,7 @@ a prefill of a few hundred tokens reaches it."""
 
 
 INT4_UNPACK_MIN_ROWS = 24
-"""bf16 rows from which the weight is dequantised by ``moectl.kernels.int4_unpack`` (17x faster than
+"""bf16 rows from which the weight is dequantised by ``moectl.kernels.unpack`` (17x faster than
 :func:`dequantize`: 0.35 against 6.0 ms for [2048, 2048], 2 threads) and multiplied by PyTorch's bf16
 product: [2048, 2048] and [2048, 1024], group 64, 2 threads, under a training run's load, kernel
 against dequantised ms at 16 rows 0.78 / 1.36 and 0.38 / 0.53, at 24 rows 1.60 / 1.06 and 0.99 /
@@ -144,7 +144,7 @@ def dequantize(packed: Tensor, scale_zero: Tensor, group: int, n: int, k: int, d
 
 def int4_linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: int, k: int) -> Tensor:
     """``x @ w.T`` for x [M, k]: bf16 rows from :data:`INT4_UNPACK_MIN_ROWS` on, the weight dequantised
-    by moectl's C loop (``moectl.kernels.int4_unpack``) and PyTorch's bf16 product; else the kernel for
+    by moectl's C loop (``moectl.kernels.unpack``) and PyTorch's bf16 product; else the kernel for
     up to :data:`INT4_KERNEL_MAX_ROWS` rows (or any rows where the packed layout is not known), else
     the weight dequantised here and its product (moectl's bf16 kernel where it applies, as
     ``nn.Linear`` layers run, else ``F.linear``).
@@ -154,8 +154,9 @@ def int4_linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: in
     dequantised, 8 rows 54.5 against 7.1, 64 rows 443 against 10.2; [256, 256]: 0.11 / 0.87 / 6.9 ms
     against 0.10 / 0.10 / 0.16), where bf16 activations take it in 7-102 µs at [256, 256]."""
     fp32 = x.dtype == torch.float32
-    if x.dtype == torch.bfloat16 and x.shape[0] >= INT4_UNPACK_MIN_ROWS and int4_unpack.applies(packed, scale_zero):
-        w = int4_unpack.unpacked(packed, scale_zero, group)  # [N', K'], moectl's C dequantisation
+    many = x.dtype == torch.bfloat16 and x.shape[0] >= INT4_UNPACK_MIN_ROWS
+    if many and unpack.int4_applies(packed, scale_zero) and layout_known(packed.shape[0], packed.shape[1] * 2):
+        w = unpack.int4_unpacked(packed, scale_zero, group)  # [N', K'], moectl's C dequantisation
         rows = x if x.shape[-1] == w.shape[1] else F.pad(x, (0, w.shape[1] - x.shape[-1]))
         out = F.linear(rows, w)
         return out if out.shape[-1] == n else out[:, :n]
