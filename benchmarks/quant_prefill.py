@@ -1,7 +1,7 @@
 """Prefill of a quantized model with and without moectl's C dequantisation for many rows, in one process.
 
 int4 (``moectl.quant.int4_groups.int4_linear``) and int8 (``moectl.offload.int8.int8_linear``)
-products of 24 bf16 rows or more (``INT4_UNPACK_MIN_ROWS``, ``UNPACK_MIN_ROWS``) take the weight
+products of 24 (int4) or 16 (int8) bf16 rows or more (``INT4_UNPACK_MIN_ROWS``, ``UNPACK_MIN_ROWS``) take the weight
 dequantised by ``moectl.kernels.unpack`` and PyTorch's bf16 product; below,
 or with the thresholds set past every prompt (``off``), the quantized kernels, whose time grows with
 the rows (int8 past a few dozen rows: the weight dequantised by tensor code). One
@@ -67,12 +67,12 @@ def main() -> None:
         int4_groups.INT4_UNPACK_MIN_ROWS, int8_weights.UNPACK_MIN_ROWS = default
         med = {w: statistics.median(v) for w, v in times.items()}
         rows.append({"tokens": t, "ms": med, "speedup": med["off"] / med["unpack"], "all_ms": times})
-        print(f"{t:5d} tokens: the quantized kernels {med['off']:8.1f} ms, C dequantisation from {default[0]} rows "
+        print(f"{t:5d} tokens: the quantized kernels {med['off']:8.1f} ms, C dequantisation from {default[0]} / {default[1]} rows (int4 / int8) "
               f"{med['unpack']:8.1f} ms ({med['off'] / med['unpack']:.2f}x)", flush=True)  # fmt: skip
     load_after = os.getloadavg()
     print(f"load {load_before[0]:.1f} -> {load_after[0]:.1f}")
     if args.json_path:
-        out = {"model": str(args.model), "threads": args.threads, "unpack_min_rows": default[0],
+        out = {"model": str(args.model), "threads": args.threads, "unpack_min_rows": {"int4": default[0], "int8": default[1]},
                "load_before": load_before, "load_after": load_after, "rows": rows}  # fmt: skip
         write_text_atomic(args.json_path, json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json_path}")

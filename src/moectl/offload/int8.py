@@ -32,11 +32,12 @@ from moectl.kernels import int8_rows, unpack
 SLOT_DTYPES = ("same", "int8")
 SCALE = "_scale"  # slot name suffix of a quantised weight's per-row scales
 KERNEL_MAX_ROWS = 16  # rows (tokens) up to which the int8 kernel beats a dequantised GEMM
-UNPACK_MIN_ROWS = 24
+UNPACK_MIN_ROWS = 16
 """bf16 rows from which the weight is dequantised by ``moectl.kernels.unpack`` and multiplied by
-PyTorch's bf16 product instead of moectl's int8 kernel: [2048, 2048], 2 threads, under a training
-run's load, kernel against dequantised ms at 16 rows 1.08 / 0.61, at 24 rows 0.99 / 1.06, at 32 rows
-1.27 / 0.65, at 48 rows 2.68 / 0.73 (at 8 rows 0.34 / 0.60)."""
+PyTorch's bf16 product instead of moectl's int8 kernel. Quiet, 2 threads, medians of 5, kernel
+against dequantised ms for [2048, 2048] / [2048, 1024] / [1024, 2048]: 12 rows 0.45 / 0.58, 0.23 /
+0.31, 0.23 / 0.29; 16 rows 0.58 / 0.62, 0.31 / 0.30, 0.30 / 0.29; 20 rows 0.76 / 0.60, 0.39 / 0.31,
+0.36 / 0.30: they cross at about 16."""
 
 
 def quantized(t: Tensor) -> bool:

@@ -51,11 +51,12 @@ a prefill of a few hundred tokens reaches it."""
 INT4_UNPACK_MIN_ROWS = 24
 """bf16 rows from which the weight is dequantised by ``moectl.kernels.unpack`` (17x faster than
 :func:`dequantize`: 0.35 against 6.0 ms for [2048, 2048], 2 threads) and multiplied by PyTorch's bf16
-product: [2048, 2048] and [2048, 1024], group 64, 2 threads, under a training run's load, kernel
-against dequantised ms at 16 rows 0.78 / 1.36 and 0.38 / 0.53, at 24 rows 1.60 / 1.06 and 0.99 /
-0.48, at 32 rows 1.95 / 0.89 and 0.78 / 0.47, at 64 rows 3.14 / 1.16 and 1.48 / 0.59: they cross
-between 16 and 24 rows. Decoding steps stay far below it; a prefill's projections and its busier
-experts pass it."""
+product. Quiet, 2 threads, group 64, medians of 5, kernel against dequantised ms for [2048, 2048] /
+[2048, 1024] / [1024, 2048]: 16 rows 0.74 / 0.85, 0.37 / 0.45, 0.37 / 0.46; 20 rows 0.92 / 0.88,
+0.45 / 0.43, 0.45 / 0.48; 24 rows 1.09 / 0.84, 0.55 / 0.43, 0.55 / 0.48: they cross at about 20,
+where a 20-token prefill of the OLMoE-dims model measured 0.94x with the threshold at 20 (each
+dequantised weight is a new 8 MB allocation), so it starts at 24. Decoding steps stay far below it;
+a prefill's projections and its busier experts pass it."""
 
 
 def group_for(k: int, group_size: int) -> int:
