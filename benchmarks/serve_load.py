@@ -146,11 +146,13 @@ async def level(
     body: dict[str, Any],
     routings: list[str] | None = None,
     unique: bool = False,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     """``requests`` streamed completions from ``concurrency`` closed-loop clients (client i with
     routing ``routings[i % len(routings)]`` when given). ``unique``: every prompt starts with its
     request's number, so no server can reuse the cache of an earlier prompt (llama-server's
-    ``cache_prompt`` reuses the longest common prefix by default)."""
+    ``cache_prompt`` reuses the longest common prefix by default). ``repeat``: each prompt is its
+    text that many times over (longer prefills)."""
     results: list[dict[str, Any]] = []
     issued = 0
     # a new connection per request: llama-server closes kept-alive connections between streams
@@ -161,7 +163,7 @@ async def level(
             nonlocal issued
             mine = {**body, "routing": routings[index % len(routings)]} if routings else body
             while issued < requests:
-                prompt = PROMPTS[issued % len(PROMPTS)]
+                prompt = " ".join([PROMPTS[issued % len(PROMPTS)]] * repeat)
                 if unique:
                     prompt = f"Request {next(SERIAL)}. {prompt}"
                 issued += 1
@@ -197,10 +199,10 @@ def measure(
     """Every concurrency level after a warm-up; ``routings``: one per client, round robin."""
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}  # fmt: skip
-    unique = args.unique_prompts
-    asyncio.run(level(base, headers, 1, min(2, args.requests), body, unique=unique))  # warm-up, not reported
+    unique, repeat = args.unique_prompts, args.prompt_repeat
+    asyncio.run(level(base, headers, 1, min(2, args.requests), body, unique=unique, repeat=repeat))  # warm-up
     return [
-        asyncio.run(level(base, headers, c, args.requests, body, routings, unique)) for c in args.concurrency
+        asyncio.run(level(base, headers, c, args.requests, body, routings, unique, repeat)) for c in args.concurrency
     ]
 
 
@@ -262,6 +264,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="start every prompt with its request's number: no prompt-prefix cache can be reused",
     )
+    parser.add_argument(
+        "--prompt-repeat", type=int, default=1, help="each prompt is its text N times over (longer prefills)"
+    )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file llama-server serves")
     parser.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: its own)")
@@ -284,6 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         fail("--concurrency counts must be at least 1")
     if args.requests < 1 or args.max_tokens < 1 or args.rss_requests < 0 or args.rss_max_tokens < 1:
         fail("--requests, --max-tokens and --rss-max-tokens must be at least 1, --rss-requests at least 0")
+    if args.prompt_repeat < 1:
+        fail(f"--prompt-repeat must be at least 1, got {args.prompt_repeat}")
     if (args.llama_server is None) != (args.gguf is None):
         fail("--llama-server and --gguf go together: the binary and the GGUF file it serves")
     if args.llama_server is not None and not args.llama_server.is_file():
@@ -306,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "routing": args.routing,
         "routings_per_client": args.routings,
         "unique_prompts": args.unique_prompts,
+        "prompt_repeat": args.prompt_repeat,
         "cpu_count": os.cpu_count(),
         "load_average_before": os.getloadavg()[0],  # a shared machine: other work skews every figure
     }
