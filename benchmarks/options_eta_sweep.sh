@@ -31,5 +31,6 @@ for point in $POINTS; do
   echo "$(date -Is) start $out"
   moectl options train models/moectl-small-standard --k-hat "$k" "${cost[@]}" --data "$RUNS/corpus" \
     --steps 300 --batch-size 16 --max-new-tokens 256 --save-every 5 --out "$out"
-  echo "$(date -Is) end $out rc=$?"
+  rc=$?  # before any expansion: "$(date)" in the echo would reset $? to 0
+  echo "$(date -Is) end $out rc=$rc"
 done

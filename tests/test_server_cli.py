@@ -27,6 +27,7 @@ TOKENIZER = str(Path(__file__).resolve().parents[1] / "models" / "moectl-small-s
         (["serve", "tiny:olmoe", "--max-queue", "0"], "--max-queue must be at least 1"),
         (["serve", "tiny:olmoe", "--prefix-cache", "-1"], "--prefix-cache must be a number of tokens >= 0"),
         (["serve", "tiny:olmoe", "--prefill-chunk", "0"], "--prefill-chunk must be a number of tokens >= 1"),
+        (["serve", "tiny:olmoe", "--cuda-graph-columns", "0"], "--cuda-graph-columns must be a number of tokens >= 1"),
         (["serve", "tiny:olmoe", "--residency", "option:4"], "--residency only apply with --budget"),
         (["serve", "tiny:olmoe", "--budget", "lots"], "--budget must be a fraction like 0.25"),
         (["serve", "tiny:olmoe", "--budget", "4", "--store", "cloud"], "--store must be one of disk, checkpoint, host"),

@@ -57,6 +57,7 @@ def test_a_saved_serve_config_loads_back_without_its_api_key(tmp_path):
         ({"served_model_names": []}, "--served-model-name must not be empty"),
         ({"offload": {"store": "cloud"}}, "'offload': store must be one of disk, checkpoint, host"),
         ({"max_bacth": 4}, "unknown serve config setting(s) 'max_bacth'"),
+        ({"cuda_graph_columns": 0}, "--cuda-graph-columns must be a number of tokens >= 1, got 0"),
     ],
 )
 def test_a_bad_value_is_refused_in_one_line(tmp_path, data, words):
@@ -78,7 +79,7 @@ def test_the_command_line_builds_the_config_its_flags_say(monkeypatch):
         "--routing", "opt4=option:4", "--routing", "math = math.subset.json", "--default-routing", "opt4",
         "--routing", 'g={"type": "gumbel", "tau": 0.5}',
         "--max-batch", "4", "--max-queue", "9", "--prefix-cache", "0", "--prefill-chunk", "64", "--no-lean-decode",
-        "--enable-return-routed-experts",
+        "--enable-return-routed-experts", "--no-cuda-graphs", "--cuda-graph-columns", "2048",
         "--budget", "4", "--residency", "option:4", "--slot-dtype", "int8", "--store", "host",
         "--tokenizer", "tok", "--read-timeout", "12.5", "--timeout-keep-alive", "2", "--shutdown-timeout", "7",
         "--seed", "3", "--log-level", "warning", "--threads", "2", "--device", "cpu", "--dtype", "float32",
@@ -98,6 +99,8 @@ def test_the_command_line_builds_the_config_its_flags_say(monkeypatch):
             prefix_cache=0,
             prefill_chunk=64,
             lean_decode=False,
+            cuda_graphs=False,
+            cuda_graph_columns=2048,
             return_routed_experts=True,
             api_key="sk-secret",
             offload=OffloadConfig(budget=4, policy="option:4", slot_dtype="int8", store="host"),
@@ -139,3 +142,20 @@ def test_the_endpoints_checks_live_on_one_state_without_an_app():
     assert state.max_tokens_for(body, 30, 16, "prompt") == 2  # the default, cut to the room left
     with pytest.raises(APIError, match="at most 2"):
         state.max_tokens_for(CompletionRequest(model="m", prompt="hi", max_tokens=3), 30, 16, "prompt")
+
+
+def test_the_cuda_graph_flags_reach_the_engine():
+    """``--no-cuda-graphs`` / ``--cuda-graph-columns`` land in the engine's config (``graph_decode``,
+    ``graph_columns``); left alone, graphs are the engine's choice (on CUDA only)."""
+    from moectl.server.serve_run import open_engine
+
+    for config, want in (
+        (ServeConfig("tiny:olmoe", cuda_graphs=False, cuda_graph_columns=512), (False, 512)),
+        (ServeConfig("tiny:olmoe"), (None, 4096)),
+    ):
+        engine, reader = open_engine(config, threads=1)
+        try:
+            assert reader is None
+            assert (engine.config.graph_decode, engine.config.graph_columns) == want
+        finally:
+            engine.close()

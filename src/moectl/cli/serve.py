@@ -167,6 +167,24 @@ def serve_command(
             "(about a minute). Default: on, off for tiny: test models.",
         ),
     ] = None,
+    cuda_graphs: Annotated[
+        bool | None,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="On a GPU, replay the compiled step as CUDA graphs over static KV buffers (as vLLM and "
+            "SGLang do; --no-cuda-graphs: the compiled step without them). Default: on with --compile on CUDA. "
+            "Never run on a GPU yet (docs/gpu.md).",
+        ),
+    ] = None,
+    cuda_graph_columns: Annotated[
+        int,
+        typer.Option(
+            "--cuda-graph-columns",
+            metavar="TOKENS",
+            help="The longest cache the CUDA graphs' static buffers hold (capped at the model's context); "
+            "longer requests decode without graphs (/metrics: moectl_decode_slow_steps says why).",
+        ),
+    ] = 4096,
     return_routed_experts: Annotated[
         bool,
         typer.Option(
@@ -266,6 +284,8 @@ def serve_command(
         prefill_chunk=prefill_chunk,
         lean_decode=lean_decode,
         compile_decode=compile_decode,
+        cuda_graphs=cuda_graphs,
+        cuda_graph_columns=cuda_graph_columns,
         return_routed_experts=return_routed_experts,
         max_model_len=parse_tokens("--max-model-len", max_model_len),
         default_max_tokens=parse_tokens("--default-max-tokens", default_max_tokens, rest=True),

@@ -57,7 +57,11 @@ class ServeConfig(RunConfig):
     KV is kept for later prompts (0: off); ``prefill_chunk``: longer prompts are prefilled a chunk
     per step. ``lean_decode``: decode through ``moectl.lm.lean_decode`` where it applies.
     ``compile_decode``: decode plain steps through the compiled step (``moectl.lm.compiled_decode``;
-    compiled at start; None: on for checkpoints, off for ``tiny:`` test models).
+    compiled at start; None: on for checkpoints, off for ``tiny:`` test models). ``cuda_graphs``: on
+    CUDA, replay the compiled step as CUDA graphs over static KV buffers (``moectl.lm.graph_decode``;
+    None: on CUDA with ``compile_decode``; never run on a GPU, docs/gpu.md); ``cuda_graph_columns``:
+    the longest cache they hold (longer caches decode lean; the buffers take rows x columns x layers
+    of keys and values).
     ``return_routed_experts``: every choice carries ``routed_experts`` (vLLM's
     ``--enable-return-routed-experts``; else only requests that ask). ``max_model_len``: the tokens
     a request may hold, prompt + max_tokens (vLLM's flag; None: the model's
@@ -87,6 +91,8 @@ class ServeConfig(RunConfig):
     prefill_chunk: int = 512
     lean_decode: bool = True
     compile_decode: bool | None = None
+    cuda_graphs: bool | None = None
+    cuda_graph_columns: int = 4096
     return_routed_experts: bool = False
     max_model_len: int | None = None
     default_max_tokens: int | None = None
@@ -117,6 +123,8 @@ class ServeConfig(RunConfig):
             raise ConfigError(f"--max-queue must be at least 1, got {self.max_queue}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be a number of tokens >= 1, got {self.prefill_chunk}")
+        if self.cuda_graph_columns < 1:
+            raise ConfigError(f"--cuda-graph-columns must be a number of tokens >= 1, got {self.cuda_graph_columns}")
         if self.prefix_cache < 0:
             raise ConfigError(f"--prefix-cache must be a number of tokens >= 0, got {self.prefix_cache}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -90,6 +90,8 @@ def open_engine(config: ServeConfig, threads: int) -> tuple[Any, Any]:
                 lean_decode=config.lean_decode,
                 compile_decode=config.compile_decode if config.compile_decode is not None
                 else not str(config.model).startswith("tiny:"),
+                graph_decode=config.cuda_graphs,
+                graph_columns=config.cuda_graph_columns,
                 threads=threads,
             ),
             routings=dict(config.routings),
