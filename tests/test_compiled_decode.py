@@ -61,6 +61,26 @@ def test_what_it_does_not_cover_is_named():
         assert "no compiled step" in engine.stats()["decode_forward"]["path"]
 
 
+def test_offloading_builds_no_compiled_step():
+    """Experts left in a checkpoint's shards (meta tensors until the offload runtime reads them) are
+    named, and an offloading engine builds no compiled step at all: every step runs the experts' own
+    modules, and a warm-up would compile (and fail on the meta experts) for nothing."""
+    from moectl.offload.offload_config import OffloadConfig
+
+    model, tok, _ = moectl.load("tiny:olmoe", dtype="float32")
+    layer = model.model.layers[1].mlp.experts
+    real = layer.gate_up_proj
+    layer.gate_up_proj = torch.nn.Parameter(torch.empty(real.shape, device="meta"), requires_grad=False)
+    weights, why = step_weights(model, inspect(model))
+    assert weights is None and "layer 1's experts are not in memory" in why
+    layer.gate_up_proj = real
+    engine = Engine(model, tok, EngineConfig(compile_decode=True, offload=OffloadConfig(budget=0.5)))
+    with engine:
+        assert engine.runner.compiled is None
+        engine.generate(["hello"], SamplingParams(max_tokens=3, temperature=0))
+        assert "failed" not in engine.stats()["decode_forward"]["path"]
+
+
 def _run(model, tok, compile_decode: bool, order, eager_twin: bool = False, every: int = 3, **config):
     """Requests joining at different steps and leaving at different lengths (a batch that changes):
     request i decodes 4 + ``every`` * i tokens; each event's tokens and log-probabilities."""

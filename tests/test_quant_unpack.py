@@ -32,7 +32,7 @@ def _weight(n: int, k: int, group: int, seed: int = 0):
 def kernels_on(monkeypatch):
     monkeypatch.delenv("MOECTL_CPU_KERNELS", raising=False)
     bf16_rows.refresh()
-    if unpack._lib("int4_unpack") is None or unpack._lib("int8_unpack") is None:
+    if unpack._lib() is None:
         pytest.skip("no C compiler: the kernel is not built")
     yield
     bf16_rows.refresh()
@@ -75,10 +75,10 @@ def test_where_it_does_not_apply(kernels_on, monkeypatch):
     assert not unpack.int4_applies(packed, scale_zero)
 
 
-def _plain_c(tmp_path, name: str) -> ctypes.CDLL:
-    """``moectl/kernels/NAME.c`` as machines without AVX-512 build it (plain x86-64)."""
-    source = Path(unpack.__file__).with_name(f"{name}.c")
-    lib_path = tmp_path / f"{name}.so"
+def _plain_c(tmp_path) -> ctypes.CDLL:
+    """``moectl/kernels/unpack.c`` as machines without AVX-512 build it (plain x86-64)."""
+    source = Path(unpack.__file__).with_name("unpack.c")
+    lib_path = tmp_path / "unpack.so"
     done = subprocess.run([build._compiler(), "-O2", "-march=x86-64", "-std=c11", "-fopenmp", "-shared", "-fPIC",
                            str(source), "-o", str(lib_path)], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -86,7 +86,7 @@ def _plain_c(tmp_path, name: str) -> ctypes.CDLL:
 
 
 def test_the_plain_c_path_computes_the_same(tmp_path, kernels_on):
-    lib = _plain_c(tmp_path, "int4_unpack")
+    lib = _plain_c(tmp_path)
     for n, k, group in SHAPES:
         packed, scale_zero, g = _weight(n, k, group, seed=5)
         out = torch.empty(k, n, dtype=torch.bfloat16)
@@ -98,7 +98,7 @@ def test_the_plain_c_path_computes_the_same(tmp_path, kernels_on):
 
 
 def test_int8_unpacked_equals_dequantize_rows_and_many_rows_take_it(kernels_on, monkeypatch):
-    """The int8 twin (``int8_unpack.c``): ``int8.dequantize_rows``'s values bit for bit
+    """The int8 twin (``unpack.c``'s ``moectl_int8_unpack``): ``int8.dequantize_rows``'s values bit for bit
     (K not a multiple of 16 included), and ``int8_linear`` takes it from ``UNPACK_MIN_ROWS`` bf16 rows."""
     from moectl.offload import int8
 
@@ -122,7 +122,7 @@ def test_int8_unpacked_equals_dequantize_rows_and_many_rows_take_it(kernels_on, 
 def test_int8_plain_c_path_computes_the_same(tmp_path, kernels_on):
     from moectl.offload import int8
 
-    lib = _plain_c(tmp_path, "int8_unpack")
+    lib = _plain_c(tmp_path)
     w = torch.randn(40, 70, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     q, scale = int8.quantize_rows(w)
     out = torch.empty(40, 70, dtype=torch.bfloat16)

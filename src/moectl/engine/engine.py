@@ -196,9 +196,11 @@ class Engine:
         self.eos_ids = eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0  # any id: padding is masked out
-        # the one caller of the model's forward
-        self.runner = ModelRunner(model, self.config.lean_decode, self.config.compile_decode, self.info,
-                                  self._graph_shape())  # fmt: skip
+        # the one caller of the model's forward; offloading decodes every step through the experts'
+        # own modules (``_plain``), so no compiled step is built for it (its warm-up would compile a
+        # graph never run, over experts that may not be in memory: time and RSS under a memory cap)
+        compiled = self.config.compile_decode and self.config.offload is None
+        self.runner = ModelRunner(model, self.config.lean_decode, compiled, self.info, self._graph_shape())
         self.router = RowRouter()
         self.meter = SwitchMeter(self.info, self.router)
         self.expert_counts = ExpertCounts(self.info)  # expert use per routing over a window (start/stop/dump)

@@ -105,6 +105,8 @@ def _mlp(w: LayerWeights, mlp: nn.Module, layer, i: int) -> str | None:
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3:
         return f"layer {i}'s experts are not stacked tensors (quantized, offloaded or adapted experts)"
+    if gate_up.is_meta or down.is_meta:
+        return f"layer {i}'s experts are not in memory (left in the checkpoint's shards to be offloaded)"
     if not type(experts).__module__.startswith("transformers.") or getattr(experts, "has_bias", False):
         return f"layer {i}'s experts are {type(experts).__name__}, not the family's own (quantized or adapted)"
     if "forward" in experts.__dict__:  # (the engine's own hooks on them act in prefills only: pad_skip)

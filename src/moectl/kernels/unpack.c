@@ -1,15 +1,20 @@
-/* int4 weights in PyTorch's CPU packing, dequantised to bf16 in the packing's own order: [K, N].
+/* Quantized weights dequantised to bf16, for products of many rows: int4 (PyTorch's CPU packing) and int8.
  *
- * moectl.kernels.unpack loads this file (compiled for the machine it runs on, -march=native) to
- * multiply many rows with an int4 weight of moectl.quant.int4_groups: dequantised once, the weight
- * goes through PyTorch's bf16 product (AMX or AVX-512), whose time barely grows with the rows, where
- * aten._weight_int4pack_mm_for_cpu unpacks the codes again for every row. The packing
- * (aten._convert_weight_to_int4pack_for_cpu, AVX-512 layout) holds each block of 64 output rows as
- * K x 32 bytes, byte (k, j) with row j's code in its low nibble and row 32 + j's in its high one; a
- * scale s and a zero z per group of g inputs and output row (bf16, [K/g, N, 2]); w = (q - 8) s + z.
- * Writing w transposed, out[k, n], keeps both sides sequential: for each k, a block's 64 codes give
- * 64 consecutive outputs. Values are computed in fp32 as q s, plus (z - 8 s), rounded to nearest even
- * (what int4_groups.dequantize computes). Threads: OpenMP over blocks of 64 output rows.
+ * moectl.kernels.unpack loads this file (compiled for the machine it runs on, -march=native): past a
+ * few rows a weight dequantised once goes through PyTorch's bf16 product (AMX or AVX-512), whose time
+ * barely grows with the rows, where the quantized kernels unpack the codes again for every row. Both
+ * loops compute in fp32 and round to bf16 to nearest even (one helper, scalar and AVX-512), so their
+ * values are the tensor code's bit for bit (int4_groups.dequantize, int8.dequantize_rows).
+ *
+ * moectl_int4_unpack, for moectl.quant.int4_groups: the packing (aten._convert_weight_to_int4pack_for_cpu,
+ * AVX-512 layout) holds each block of 64 output rows as K x 32 bytes, byte (k, j) with row j's code
+ * in its low nibble and row 32 + j's in its high one; a scale s and a zero z per group of g inputs
+ * and output row (bf16, [K/g, N, 2]); w = (q - 8) s + z, computed as q s plus (z - 8 s). Writing w
+ * transposed, out[k, n], keeps both sides sequential: for each k, a block's 64 codes give 64
+ * consecutive outputs. Threads: OpenMP over blocks of 64 output rows.
+ *
+ * moectl_int8_unpack, for moectl.offload.int8: out[n, k] = bf16(q[n, k] * s[n]), a float32 scale per
+ * output row. Threads: OpenMP over output rows.
  */
 #include <stdint.h>
 #if defined(__AVX512F__)
@@ -83,5 +88,25 @@ void moectl_int4_unpack(const uint8_t *packed, const uint16_t *sz, int64_t N, in
             }
 #endif
         }
+    }
+}
+
+/* out [N, K] bf16 (row stride ldo) = q [N, K] int8 (row stride ldq) times scale [N] per row */
+void moectl_int8_unpack(const int8_t *q, int64_t ldq, const float *scale, int64_t N, int64_t K, uint16_t *out,
+                        int64_t ldo, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = q + n * ldq;
+        uint16_t *o = out + n * ldo;
+        float s = scale[n];
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 sv = _mm512_set1_ps(s);
+        for (; k + 16 <= K; k += 16) {
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k)))), sv);
+            _mm256_storeu_si256((__m256i *)(o + k), round_bf16(v));
+        }
+#endif
+        for (; k < K; k++) o[k] = f32_to_bf16((float)row[k] * s);
     }
 }
