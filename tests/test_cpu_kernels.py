@@ -178,6 +178,19 @@ def test_cpus_with_native_bf16_run_the_kernel_for_few_rows_and_pytorch_for_many(
         assert bf16_rows.wanted() and bf16_rows.applies(_bf16(2, 16), w) == bf16_rows.available()
         many = _bf16(bf16_rows.FEW_ROWS + 1, 16)
         assert torch.equal(bf16_rows._many(many, w), F.linear(many, w).float())
+        # there the kernel takes only a few rows: oneDNN's product barely grows with them (module doc)
+        large = torch.empty(1024, 256, dtype=torch.bfloat16)  # 512 KiB
+        assert bf16_rows.few(bf16_rows.NATIVE_FEW_ROWS, large) and not bf16_rows.few(bf16_rows.NATIVE_FEW_ROWS + 1, large)
+        assert bf16_rows.few(bf16_rows.NATIVE_SMALL_ROWS, w) and not bf16_rows.few(bf16_rows.NATIVE_SMALL_ROWS + 1, w)
+        if bf16_rows.available():
+            x, big = _bf16(8, 256, seed=1), _bf16(1024, 256, seed=2)
+            assert torch.equal(bf16_rows.linear(x, big), F.linear(x, big))  # PyTorch's product, as it is
+    finally:
+        monkeypatch.undo()
+        bf16_rows.refresh()
+    monkeypatch.setattr(bf16_rows, "native_bf16", lambda: False)
+    try:  # without native bf16 the kernel keeps every row up to FEW_ROWS
+        assert bf16_rows.few(bf16_rows.FEW_ROWS, large) and not bf16_rows.few(bf16_rows.FEW_ROWS + 1, large)
     finally:
         monkeypatch.undo()
         bf16_rows.refresh()

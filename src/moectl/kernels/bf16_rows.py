@@ -13,7 +13,7 @@ slow in two ways, measured on a 2-core AVX-512 machine on 2026-11-27 (decoding:
 
 Both accumulate in fp32 and round the result to bf16, as PyTorch's bf16 products do; the sums run in
 another order, so results can differ from PyTorch's in the last bf16 bit. A row's result does not
-depend on how many rows run beside it (at most :data:`FEW_ROWS`). Used only where no gradient is
+depend on how many rows run beside it (up to the rows :func:`few` gives the kernel). Used only where no gradient is
 needed, on CPU tensors in bf16, when the kernel could be built (:mod:`moectl.kernels.kernel_build`).
 
 On CPUs with native bf16 products (``avx512_bf16`` or ``amx_bf16`` in the CPU flags) the few-row
@@ -22,8 +22,14 @@ product read 13.9-16.3 GB/s (1 thread; 27-31 with 2) against this kernel's 25.5-
 at 8 rows oneDNN's AMX path was 4-15% faster per product, but the engine's lean decoding still gained
 end to end (interleaved in one process: reference model 1.50x at 1 row, 1.39x at 8; OLMoE-1B-7B dims,
 2 layers, 1.17x / 1.07x). An earlier rule kept PyTorch's products on such CPUs (from a figure of 27
-GB/s for one row measured on another machine). Past :data:`FEW_ROWS` rows they keep PyTorch's bf16
-product (AMX), not the fp32 blocks. The environment variable ``MOECTL_CPU_KERNELS`` overrides: ``0``
+GB/s for one row measured on another machine). There the kernel takes only a few rows
+(:func:`few`): oneDNN's AMX product barely grows with the rows and this kernel's time does, so past
+:data:`NATIVE_FEW_ROWS` rows (:data:`NATIVE_SMALL_ROWS` for weights of :data:`SMALL_WEIGHT_BYTES` or
+less, where oneDNN's ~18 us a call dominates) PyTorch's bf16 product runs (measured 2026-11-29, quiet,
+medians of 5, this kernel's time over oneDNN's, 1 / 2 threads: [2048, 2048] 0.99 / 0.91 at 5 rows,
+1.10 / 1.05 at 6, 2.08 / 2.08 at 16; the 50304-row LM head 0.98 / 0.96 at 5, 1.70 / 1.78 at 16;
+[256, 256] 0.97 / 0.76 at 12, 1.20 / 1.06 at 16). Before, 48 rows took the kernel there too: up to
+3x slower products for 10-48 rows (prefill chunks, batched and RoE decoding). The environment variable ``MOECTL_CPU_KERNELS`` overrides: ``0``
 never, ``1`` on any CPU. Elsewhere the callers keep PyTorch's products.
 """
 
@@ -41,6 +47,8 @@ from torch import Tensor
 from moectl.kernels.kernel_build import cpu_flags, load
 
 FEW_ROWS = 48  # rows up to which the C kernel runs; past it, blocks cast to fp32 (measured crossover ≈ 64)
+# CPUs with native bf16 products: the kernel up to this many rows, PyTorch's product past them (module doc)
+NATIVE_FEW_ROWS, NATIVE_SMALL_ROWS, SMALL_WEIGHT_BYTES = 5, 12, 256 << 10
 WIDE_BLOCK_BYTES = 32 << 20  # fp32 bytes of weight cast at once on the many-rows path
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -122,10 +130,23 @@ def applies(x: Tensor, w: Tensor) -> bool:
     return w.stride(-1) == 1 and wanted() and available()
 
 
+def few(rows: int, w: Tensor) -> bool:
+    """Whether ``rows`` rows times ``w`` run in the C kernel: up to :data:`FEW_ROWS`, or on a CPU with
+    native bf16 products up to :data:`NATIVE_FEW_ROWS` (:data:`NATIVE_SMALL_ROWS` for a small weight)."""
+    if rows > FEW_ROWS:
+        return False
+    if not native_bf16():
+        return True
+    small = w.numel() * w.element_size() <= SMALL_WEIGHT_BYTES
+    return rows <= (NATIVE_SMALL_ROWS if small else NATIVE_FEW_ROWS)
+
+
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for bf16 ``x`` [..., K] and ``w`` [N, K] where :func:`applies`."""
     rows = x.reshape(-1, x.shape[-1])
-    out = _many(rows, w) if rows.shape[0] > FEW_ROWS else _few(rows, w)
+    if not few(rows.shape[0], w) and native_bf16():
+        return F.linear(x, w, bias)  # PyTorch's bf16 product (AMX / AVX512-BF16)
+    out = _few(rows, w) if few(rows.shape[0], w) else _many(rows, w)
     out = out if bias is None else out + bias.float()
     return out.to(torch.bfloat16).reshape(*x.shape[:-1], w.shape[0])
 
@@ -164,7 +185,7 @@ def grouped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     if x.shape[0] > FEW_ROWS:  # a prefill: each group by its own size (one host read of the sizes)
         bounds = [0, *ends.tolist()]
         parts = [
-            (_few if b - a <= FEW_ROWS else _many)(x[a:b], w[e])
+            (_few if few(b - a, w[e]) else _many)(x[a:b], w[e])
             for e, (a, b) in enumerate(itertools.pairwise(bounds))
             if b > a
         ]
