@@ -2,14 +2,17 @@
 
 Greedy engine decoding (``moectl.engine``) of ``--model`` (default: OLMoE-1B-7B's shape, all 16
 layers, random weights, in ``--dtype`` bf16) on ``--device`` (default cuda) at each ``--batch`` size,
-through each of ``--paths``: ``lean`` (the lean forward, one kernel launch at a time from Python) and
-``graphs`` (the step over static buffers replayed as CUDA graphs, ``moectl.lm.graph_decode``; on the
-CPU its uncaptured twin). Every row is prefilled first, then only decoding steps are timed (the engine
+through each of ``--paths``: ``lean`` (the lean forward, one kernel launch at a time from Python),
+``compiled`` (the step through ``torch.compile``, ``moectl.lm.compiled_decode``: what ``moectl serve``
+decodes with on the CPU) and ``graphs`` (the step over static buffers replayed as CUDA graphs,
+``moectl.lm.graph_decode``; on the CPU its uncaptured twin). Every row is prefilled first, then only decoding steps are timed (the engine
 syncs with the host once per step for the sampled tokens, so the step's wall time is the device's).
 Beside each step time, the read floor: the bytes of weights one step must read (every weight outside
 the experts, and per MoE layer the experts the rows are expected to touch, k at one row, E(1 - (1 -
-k/E)^B) at B rows under uniform routing, as random weights route) over the device's copy speed
-measured in the same run (a large device-to-device copy: its bytes read / its time). Then the same with the
+k/E)^B) at B rows under uniform routing, as random weights route) over the device's read speed
+measured in the same run (the sum of a 1 GiB int64 tensor: each byte read once, nothing written,
+next to no arithmetic; a copy, which also writes every byte, measured half of it on the CPU: 16
+against 28.7 GB/s, and would make the floor twice too long). Then the same with the
 experts offloaded (``OffloadConfig(budget=--budget, store="host")``: on CUDA the pinned host store,
 async loads on a side stream and prefetch by default), with loads per token and the hit rate, and
 whether each row's tokens equal the resident run's (bf16: the offloaded slot forward and the
@@ -44,17 +47,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_speed(device: torch.device, gib: float = 1.0) -> float:
-    """Bytes per second the device reads in a large copy (each byte read once and written once)."""
-    n = int(gib * (1 << 30)) // 2
-    src = torch.ones(n, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+def read_speed(device: torch.device, gib: float = 1.0) -> float:
+    """Bytes per second the device reads: the best of 5 sums of a ``gib`` GiB int64 tensor."""
+    src = torch.ones(int(gib * (1 << 30)) // 8, dtype=torch.int64, device=device)
+    src.sum()
     _sync(device)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return src.numel() * src.element_size() / best
@@ -79,7 +80,8 @@ def run(model, tok, device: torch.device, batch: int, tokens: int, offload: Offl
     """Decode ``tokens`` per row for ``batch`` rows prefilled together through ``path``; tokens/s of
     the decoding steps."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    graphs = {"compile_decode": True, "graph_decode": True} if path == "graphs" else {}
+    graphs = {"lean": {}, "compiled": {"compile_decode": True, "graph_decode": False},
+              "graphs": {"compile_decode": True, "graph_decode": True}}[path]  # fmt: skip
     engine = Engine(model, tok, EngineConfig(max_batch=batch, offload=offload, **graphs))
     out: dict[int, list[int]] = {}
 
@@ -135,15 +137,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:1, cpu (a dry run)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--batch", default="1,8")
-    ap.add_argument("--paths", default="lean,graphs", help="decoding paths: lean, graphs (comma-separated)")
+    ap.add_argument("--paths", default="lean,graphs", help="decoding paths: lean, compiled, graphs (comma-separated)")
     ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per row")
     ap.add_argument("--budget", type=float, default=0.25, help="offloaded runs' budget fraction; 0: none")
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
     args = ap.parse_args()
     batches = int_list(args.batch, "--batch")
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if not paths or not set(paths) <= {"lean", "graphs"}:
-        fail(f"--paths takes lean and/or graphs, got {args.paths!r}")
+    if not paths or not set(paths) <= {"lean", "compiled", "graphs"}:
+        fail(f"--paths takes lean, compiled and/or graphs, got {args.paths!r}")
     if min(batches) < 1 or args.tokens < 2:
         fail("--batch sizes must be >= 1 and --tokens >= 2")
     if not 0 <= args.budget <= 1:
@@ -155,7 +157,7 @@ def main() -> None:
     model, tok, _ = moectl.load(args.model, dtype=args.dtype, device=args.device)
     _sync(device)
     load_s = time.perf_counter() - began
-    speed = copy_speed(device)
+    speed = read_speed(device)
     info = moectl.inspect(model)
     rows = [run(model, tok, device, b, args.tokens, None, path) for path in paths for b in batches]
     for r in rows:
@@ -175,8 +177,8 @@ def main() -> None:
     print(
         f"{args.model}, {args.dtype} on {args.device} ({name}), {args.tokens} tokens per row, load {load_s:.1f} s"
     )
-    print(f"device copy speed {speed / 1e9:.0f} GB/s (the read floor's)")
-    print(f"{'batch':>5} {'path':>6} {'offload':>8} {'tok/s':>8} {'step ms':>8} {'floor':>6} {'x':>6} "
+    print(f"device read speed {speed / 1e9:.1f} GB/s (the read floor's)")
+    print(f"{'batch':>5} {'path':>8} {'offload':>8} {'tok/s':>8} {'step ms':>8} {'floor':>6} {'x':>6} "
           f"{'loads/tok':>9} {'hit':>5} {'same':>5}")  # fmt: skip
     for r in rows:
         floor = f"{r['read_floor_ms']:.2f}" if "read_floor_ms" in r else "-"
@@ -186,7 +188,7 @@ def main() -> None:
         hit = f"{r['hit_rate']:.2f}" if r.get("hit_rate") is not None else "-"
         same = f"{r['rows_equal_to_resident']:.2f}" if "rows_equal_to_resident" in r else "-"
         print(
-            f"{r['batch']:>5} {r.get('path', 'lean'):>6} {off:>8} {r['tokens_per_s']:>8.1f} {r['step_ms']:>8.2f} "
+            f"{r['batch']:>5} {r.get('path', 'lean'):>8} {off:>8} {r['tokens_per_s']:>8.1f} {r['step_ms']:>8.2f} "
             f"{floor:>6} {over:>6} {loads:>9} {hit:>5} {same:>5}"
         )
     wall = time.perf_counter() - began
@@ -202,7 +204,7 @@ def main() -> None:
             "load_s": load_s,
             "wall_s": wall,
             "peak_gpu_gb": peak,
-            "copy_gb_per_s": speed / 1e9,
+            "read_gb_per_s": speed / 1e9,
             "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         }
         write_text_atomic(args.json_path, json.dumps(result, indent=2) + "\n")

@@ -36,3 +36,25 @@ def test_step_bytes_counts_k_experts_at_one_row():
     k_over_e = info.layers[0].top_k / info.layers[0].num_experts
     want = every - embed.numel() * embed.element_size() + embed[0].numel() * embed.element_size() - experts * (1 - k_over_e)
     assert abs(gpu_check.step_bytes(model, info, 1) - want) < 1e-6 * want
+
+
+def test_the_compiled_path_decodes_compiled(tmp_path, monkeypatch):
+    """``--paths compiled``: the CPU's serving path (``compile_decode``, no graphs); here its eager twin
+    (``torch.compile`` replaced by the function itself: the test checks the path, not the compiler)."""
+    monkeypatch.setattr("moectl.lm.compiled_decode.torch.compile", lambda fn, **_: fn)
+    out = tmp_path / "gpu.json"
+    argv = ["gpu_check", "--device", "cpu", "--model", "tiny:olmoe", "--tokens", "4", "--batch", "2",
+            "--paths", "compiled", "--budget", "0", "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    gpu_check.main()
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["path"] == "compiled" and row["forwards"]["compiled"] >= row["decode_steps"]
+    assert result["read_gb_per_s"] > 0
+
+
+def test_the_read_speed_is_a_read():
+    import torch
+
+    speed = gpu_check.read_speed(torch.device("cpu"), gib=1 / 16)
+    assert 1e8 < speed < 1e13  # bytes per second, of a plausible size
