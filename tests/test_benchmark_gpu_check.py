@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+from _bench_helpers import bench, run_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import gpu_check
+gpu_check = bench("gpu_check")
 
 
 def test_dry_run_times_both_paths_beside_the_read_floor(tmp_path, monkeypatch):
-    out = tmp_path / "gpu.json"
-    argv = ["gpu_check", "--device", "cpu", "--model", "tiny:olmoe", "--tokens", "6", "--batch", "1,3",
-            "--budget", "0", "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    gpu_check.main()
-    rows = json.loads(out.read_text())["rows"]
+    args = ["--device", "cpu", "--model", "tiny:olmoe", "--tokens", "6", "--batch", "1,3", "--budget", "0"]
+    rows = run_json(gpu_check, args, tmp_path, monkeypatch)["rows"]
     assert [(r["path"], r["batch"]) for r in rows] == [("lean", 1), ("lean", 3), ("graphs", 1), ("graphs", 3)]
     graphs = [r for r in rows if r["path"] == "graphs"]
     # (the counts include the warm-up request's steps)
@@ -42,12 +35,9 @@ def test_the_compiled_path_decodes_compiled(tmp_path, monkeypatch):
     """``--paths compiled``: the CPU's serving path (``compile_decode``, no graphs); here its eager twin
     (``torch.compile`` replaced by the function itself: the test checks the path, not the compiler)."""
     monkeypatch.setattr("moectl.lm.compiled_decode.torch.compile", lambda fn, **_: fn)
-    out = tmp_path / "gpu.json"
-    argv = ["gpu_check", "--device", "cpu", "--model", "tiny:olmoe", "--tokens", "4", "--batch", "2",
-            "--paths", "compiled", "--budget", "0", "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    gpu_check.main()
-    result = json.loads(out.read_text())
+    args = ["--device", "cpu", "--model", "tiny:olmoe", "--tokens", "4", "--batch", "2", "--paths", "compiled",
+            "--budget", "0"]  # fmt: skip
+    result = run_json(gpu_check, args, tmp_path, monkeypatch)
     (row,) = result["rows"]
     assert row["path"] == "compiled" and row["forwards"]["compiled"] >= row["decode_steps"]
     assert result["read_gb_per_s"] > 0

@@ -3,27 +3,22 @@ refusal where the CPU has no native bf16 products."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import native_rows
+from _bench_helpers import bench, run_json
 from moectl.kernels import bf16_rows
+
+native_rows = bench("native_rows")
 
 
 def test_both_rules_in_one_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bf16_rows, "native_bf16", lambda: True)
     if not bf16_rows.available():
         pytest.skip("no C compiler: the kernel is not built")
-    out = tmp_path / "rows.json"
-    argv = ["native_rows", "--model", "tiny:olmoe", "--rows", "3", "--tokens", "3", "--repeats", "1",
-            "--threads", "1", "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    native_rows.main()
-    got = json.loads(out.read_text())["models"]["tiny:olmoe"]
+    args = ["--model", "tiny:olmoe", "--rows", "3", "--tokens", "3", "--repeats", "1", "--threads", "1"]
+    got = run_json(native_rows, args, tmp_path, monkeypatch)["models"]["tiny:olmoe"]
     assert set(got["decode_tok_s"]) == set(native_rows.RULES) and got["prefill_gain"] > 0 and got["decode_gain"] > 0
     assert native_rows.RULES["few rows (now)"] == (bf16_rows.NATIVE_FEW_ROWS, bf16_rows.NATIVE_SMALL_ROWS)
 
