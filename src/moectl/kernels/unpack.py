@@ -35,6 +35,7 @@ BLOCK = 64  # output rows per packed int4 block
 _SIGNATURES = {  # unpack.c's functions -> their argument types
     "moectl_int4_unpack": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
     "moectl_int8_unpack": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _int],
+    "moectl_int4_row": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int, _int],  # moectl.kernels.int4_row
 }
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moectl.kernels import bf16_rows, unpack
+from moectl.kernels import bf16_rows, int4_row, unpack
 from moectl.quant.quant_config import GROUP_SIZES
 
 ROW_ALIGN = 16  # the kernel's N must be a multiple of this
@@ -144,7 +144,8 @@ def dequantize(packed: Tensor, scale_zero: Tensor, group: int, n: int, k: int, d
 
 
 def int4_linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: int, k: int) -> Tensor:
-    """``x @ w.T`` for x [M, k]: bf16 rows from :data:`INT4_UNPACK_MIN_ROWS` on, the weight dequantised
+    """``x @ w.T`` for x [M, k]: one row through moectl's int4 row loop (``moectl.kernels.int4_row``)
+    where it applies; bf16 rows from :data:`INT4_UNPACK_MIN_ROWS` on, the weight dequantised
     by moectl's C loop (``moectl.kernels.unpack``) and PyTorch's bf16 product; else the kernel for
     up to :data:`INT4_KERNEL_MAX_ROWS` rows (or any rows where the packed layout is not known), else
     the weight dequantised here and its product (moectl's bf16 kernel where it applies, as
@@ -161,6 +162,8 @@ def int4_linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: in
         rows = x if x.shape[-1] == w.shape[1] else F.pad(x, (0, w.shape[1] - x.shape[-1]))
         out = F.linear(rows, w)
         return out if out.shape[-1] == n else out[:, :n]
+    if int4_row.applies(x, packed, scale_zero) and layout_known(packed.shape[0], packed.shape[1] * 2):
+        return int4_row.linear(x, packed, scale_zero, group, n)  # one row: moectl's C loop
     if (x.shape[0] <= INT4_KERNEL_MAX_ROWS and not fp32) or not layout_known(packed.shape[0], packed.shape[1] * 2):
         return kernel_linear(x, packed, scale_zero, group, n)
     w = dequantize(packed, scale_zero, group, n, k, x.dtype)

@@ -1,0 +1,99 @@
+"""One row times an int4 weight by moectl's C loop (moectl.kernels.int4_row).
+
+Its fp32 sums equal a float64 product of the dequantised weight within fp32 rounding (AVX-512 and
+plain-C builds), ``int4_linear`` takes it for one row and only one, and it stays out where it does
+not apply (several rows, output rows not a multiple of 64, fp16 scales, the kernels switched off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from moectl.kernels import bf16_rows, int4_row
+from moectl.kernels import kernel_build as build
+from moectl.quant import int4_groups
+from test_quant_unpack import kernels_on  # noqa: F401 (a fixture)
+
+SHAPES = [(128, 256, 64), (192, 512, 128), (64, 96, 32), (256, 512, 256)]  # (N, K, group): K 96 padded
+
+
+def _weight(n: int, k: int, group: int, seed: int = 0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return int4_groups.quantize(w, group, torch.bfloat16)
+
+
+def _exact(x: torch.Tensor, packed, scale_zero, g: int, n: int, k: int) -> torch.Tensor:
+    return x.double() @ int4_groups.dequantize(packed, scale_zero, g, n, k, torch.float64).T
+
+
+@pytest.fixture
+def kernel_on(kernels_on):  # noqa: F811 (the fixture imported above)
+    if int4_row._lib() is None:
+        pytest.skip("no AVX-512: the loop is not used here")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_row_equals_the_dequantised_product(kernel_on, dtype):
+    for n, k, group in SHAPES:
+        packed, scale_zero, g = _weight(n, k, group, seed=n + k)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        assert int4_row.applies(x, packed, scale_zero)
+        got = int4_row.linear(x, packed, scale_zero, g, n)
+        want = _exact(x, packed, scale_zero, g, n, k)
+        assert got.shape == (1, n) and got.dtype == dtype
+        step = 2**-7 if dtype == torch.bfloat16 else 1e-5  # the result's own rounding
+        assert (got.double() - want).abs().max().item() <= step * want.abs().max().item()
+
+
+def test_int4_linear_takes_it_for_one_row_only(kernel_on, monkeypatch):
+    packed, scale_zero, g = _weight(128, 256, 64)
+    calls = []
+    real = int4_row.linear
+    monkeypatch.setattr(int4_row, "linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    int4_groups.int4_linear(x[:1], packed, scale_zero, g, 128, 256)
+    assert calls == [1]
+    both = int4_groups.int4_linear(x, packed, scale_zero, g, 128, 256)  # two rows: PyTorch's kernel
+    assert calls == [1]
+    want = _exact(x, packed, scale_zero, g, 128, 256)
+    assert (both.double() - want).abs().max().item() <= 2**-7 * want.abs().max().item()
+
+
+def test_where_it_does_not_apply(kernel_on, monkeypatch):
+    packed, scale_zero, _ = _weight(128, 256, 64)
+    one = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert not int4_row.applies(torch.zeros(2, 256, dtype=torch.bfloat16), packed, scale_zero)
+    assert not int4_row.applies(one, packed, scale_zero.half())
+    tail, tail_sz, _ = _weight(80, 256, 64)  # 80 output rows: not whole blocks of 64
+    assert not int4_row.applies(one, tail, tail_sz)
+    monkeypatch.setenv("MOECTL_CPU_KERNELS", "0")
+    bf16_rows.refresh()
+    assert not int4_row.applies(one, packed, scale_zero)
+
+
+def test_the_plain_c_loop_computes_the_same(tmp_path):
+    if build._compiler() is None:
+        pytest.skip("no C compiler")
+    source = Path(int4_row.__file__).with_name("unpack.c")
+    lib_path = tmp_path / "unpack.so"
+    done = subprocess.run([build._compiler(), "-O2", "-march=x86-64", "-std=c11", "-fopenmp", "-shared", "-fPIC",
+                           str(source), "-o", str(lib_path)], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    fn = ctypes.CDLL(str(lib_path)).moectl_int4_row
+    for n, k, group in SHAPES:
+        packed, scale_zero, g = _weight(n, k, group, seed=3)
+        k_pad = packed.shape[1] * 2
+        x = torch.zeros(1, k_pad)
+        x[:, :k] = torch.randn(1, k, generator=torch.Generator().manual_seed(2))
+        for xs, step in ((x, 1e-5), (x.to(torch.bfloat16), 2**-7)):  # fp32, and bf16 in and out
+            y = torch.empty(n, dtype=xs.dtype)
+            fn(ctypes.c_void_p(xs.data_ptr()), ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scale_zero.data_ptr()),
+               ctypes.c_int64(n), ctypes.c_int64(k_pad), ctypes.c_int64(g), ctypes.c_void_p(y.data_ptr()),
+               ctypes.c_int(xs.dtype == torch.bfloat16), ctypes.c_int(1))  # fmt: skip
+            wanted = _exact(xs[:, :k].float(), packed, scale_zero, g, n, k)[0]
+            assert (y.double() - wanted).abs().max().item() <= step * wanted.abs().max().item()
