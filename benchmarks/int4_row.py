@@ -1,10 +1,11 @@
 """One-row int4 decoding through moectl's C loop against PyTorch's int4 kernel, in one run (#40).
 
 ``int4_groups.int4_linear`` takes one row through ``moectl.kernels.int4_row`` where it applies;
-this decodes ``--tokens`` greedy tokens of one prompt with an int4 ``--model`` (a quantized
-checkpoint: ``moectl checkpoint quantize``), the loop on and off (``int4_row.applies`` forced
-False: PyTorch's ``_weight_int4pack_mm_for_cpu``), alternated ``--repeats`` times (medians), the
-load printed beside.
+and ``Int4Weights.grouped`` a decoding step's experts through ``int4_row.grouped``. This decodes
+``--tokens`` greedy tokens of one prompt with an int4 ``--model`` (a quantized checkpoint:
+``moectl checkpoint quantize``), the loop on and off (``int4_row.applies`` and ``grouped_applies``
+forced False: PyTorch's ``_weight_int4pack_mm_for_cpu``, one call per expert), alternated
+``--repeats`` times (medians), the load printed beside.
 
     python benchmarks/int4_row.py --model /work/gguf/olmoe-16/moectl-int4-all-g64 --json benchmarks/results/int4_row.json
 """
@@ -53,18 +54,19 @@ def main() -> None:
         fail("moectl's int4 row loop is not built here (it needs an AVX-512 CPU and a C compiler)")
     torch.set_num_threads(args.threads)
     model, tok, _ = moectl.load(args.model)
-    real = int4_row.applies
-    ways = {"PyTorch's int4 kernel": lambda *a: False, "moectl's int4 row loop": real}
+    real = int4_row.applies, int4_row.grouped_applies
+    never = (lambda *a: False, lambda *a: False)
+    ways = {"PyTorch's int4 kernel": never, "moectl's int4 row loop": real}
     runs: dict[str, list[float]] = {name: [] for name in ways}
     try:
         with Engine(model, tok, EngineConfig(max_batch=1)) as engine:
             tok_s(engine, 4)  # warm-up
             for _ in range(args.repeats):
                 for name, applies in ways.items():
-                    int4_row.applies = applies
+                    int4_row.applies, int4_row.grouped_applies = applies
                     runs[name].append(tok_s(engine, args.tokens))
     finally:
-        int4_row.applies = real
+        int4_row.applies, int4_row.grouped_applies = real
     median = {name: statistics.median(v) for name, v in runs.items()}
     gain = median["moectl's int4 row loop"] / median["PyTorch's int4 kernel"]
     load = os.getloadavg()

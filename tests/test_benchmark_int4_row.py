@@ -13,8 +13,8 @@ int4_row_bench = bench("int4_row")
 def test_both_ways_in_one_run(tmp_path, monkeypatch):
     if int4_row._lib() is None:
         pytest.skip("no AVX-512 or no C compiler: the benchmark refuses")
-    real = int4_row.applies
+    real = int4_row.applies, int4_row.grouped_applies
     args = ["--model", "tiny:olmoe", "--tokens", "3", "--repeats", "1", "--threads", "1"]
     got = run_json(int4_row_bench, args, tmp_path, monkeypatch)
     assert set(got["tok_s"]) == {"PyTorch's int4 kernel", "moectl's int4 row loop"} and got["gain"] > 0
-    assert int4_row.applies is real
+    assert (int4_row.applies, int4_row.grouped_applies) == real

@@ -97,3 +97,36 @@ def test_the_plain_c_loop_computes_the_same(tmp_path):
                ctypes.c_int(xs.dtype == torch.bfloat16), ctypes.c_int(1))  # fmt: skip
             wanted = _exact(xs[:, :k].float(), packed, scale_zero, g, n, k)[0]
             assert (y.double() - wanted).abs().max().item() <= step * wanted.abs().max().item()
+
+
+def test_a_steps_experts_in_one_call_equal_the_row_loop(kernel_on, monkeypatch):
+    """``Int4Weights.grouped``: rows sorted by expert (some experts with two rows, some with none),
+    each row equal to the one-row loop's result bit for bit; the quantized experts' forward takes it."""
+    from moectl.quant.packed_weights import Int4Weights
+
+    w = torch.randn(6, 128, 192, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    weights = Int4Weights(w, 64)
+    x = torch.randn(5, 192, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    offsets = torch.tensor([2, 2, 3, 3, 5, 5], dtype=torch.int32)  # experts 0, 2, 4 have rows
+    got = weights.grouped(x, offsets)
+    assert got is not None and got.shape == (5, 128)
+    experts = [0, 0, 2, 4, 4]
+    for row, e in enumerate(experts):
+        assert torch.equal(got[row : row + 1], weights.linear(x[row : row + 1], e))
+    assert weights.grouped(torch.zeros(int4_row.GROUPED_MAX_ROWS + 1, 192, dtype=torch.bfloat16), offsets) is None
+    calls = []
+    real = int4_row.grouped
+    monkeypatch.setattr(int4_row, "grouped", lambda *a: calls.append(1) or real(*a))
+    import moectl
+    from moectl.quant.quantized_experts import QuantizedExperts
+
+    _, _, info = moectl.load("tiny:olmoe", dtype="bfloat16", quantize="int4")
+    experts_module = info.layers[0].block.experts
+    assert isinstance(experts_module, QuantizedExperts)
+    hidden = torch.randn(2, experts_module.hidden_dim, dtype=torch.bfloat16)
+    index = torch.tensor([[0, 1], [1, 3]])
+    out = experts_module(hidden, index, torch.full((2, 2), 0.5, dtype=torch.bfloat16))
+    assert out.shape == hidden.shape and torch.isfinite(out).all()
+    # whether the tiny model's shapes take it (whole blocks of 64 output rows) decides the count
+    takes = experts_module.gate_up.packed.shape[1] % int4_row.BLOCK == 0
+    assert bool(calls) == takes

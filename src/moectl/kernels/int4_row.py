@@ -8,6 +8,11 @@ weights in turn (quiet, medians of 7): 19.7 against 18.0 GB/s of codes and scale
 fp32 sums rounded once to the activations' dtype (within 5e-5 of a float64 product of the
 dequantised weight where PyTorch's kernel, rounding to bf16, is within one bf16 step).
 
+:func:`grouped` runs every expert's rows of a decoding step in one call (rows sorted by expert, as
+``models.grouped_mm`` groups them), each row as :func:`linear` computes it, up to
+:data:`GROUPED_MAX_ROWS` rows: without it each int4 expert a step used cost two Python-level calls
+(a few hundred a token at OLMoE-1B-7B's width).
+
 Used where :func:`applies`: one row, bf16 scales, output rows a multiple of 64 (the callers check
 that the packing's layout is the one read here, ``int4_groups.layout_known``), an AVX-512 CPU (the
 plain-C loop, built elsewhere, is slower than PyTorch's kernel), the kernels built and
@@ -27,6 +32,7 @@ from moectl.kernels import bf16_rows, unpack
 from moectl.kernels.kernel_build import cpu_flags
 
 BLOCK = 64  # output rows per packed block
+GROUPED_MAX_ROWS = 64  # (token, expert) rows up to which :func:`grouped` runs: a decoding step's, 8 rows x top-8
 
 
 @cache
@@ -60,4 +66,34 @@ def linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: int) ->
     out = torch.empty(1, n_pad, dtype=x.dtype)
     _lib().moectl_int4_row(x.data_ptr(), packed.data_ptr(), scale_zero.data_ptr(), n_pad, k_pad, group,
                            out.data_ptr(), x.dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+    return out if n == n_pad else out[:, :n]
+
+
+def grouped_applies(x: Tensor, packed: Tensor, scale_zero: Tensor) -> bool:
+    """Whether :func:`grouped` can take ``x`` [S, K] against the stacked ``packed`` [E, N', K'/2] and
+    ``scale_zero`` [E, K'/g, N', 2] (see the module doc)."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= GROUPED_MAX_ROWS or x.device.type != "cpu":
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float32) or scale_zero.dtype != torch.bfloat16 or packed.dim() != 3:
+        return False
+    if packed.shape[1] % BLOCK or not (packed.is_contiguous() and scale_zero.is_contiguous()):
+        return False
+    return bf16_rows.wanted() and _lib() is not None
+
+
+def grouped(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, n: int, offsets: Tensor) -> Tensor:
+    """Rows of ``x`` [S, K] sorted by expert (``offsets`` [E]: each expert's end row) times each one's
+    weight: [S, n] in ``x``'s dtype, where :func:`grouped_applies`."""
+    n_pad, k_pad = packed.shape[1], packed.shape[2] * 2
+    if x.shape[-1] != k_pad:
+        x = F.pad(x, (0, k_pad - x.shape[-1]))
+    x = x.contiguous()
+    ends = offsets.to(torch.int64).contiguous()
+    out = torch.empty(x.shape[0], n_pad, dtype=x.dtype)
+    scratch = torch.empty(x.shape[0], k_pad, dtype=torch.float32)
+    _lib().moectl_int4_grouped_rows(
+        x.data_ptr(), x.stride(0), ends.data_ptr(), ends.numel(), packed.data_ptr(), packed.stride(0),
+        scale_zero.data_ptr(), scale_zero.stride(0), n_pad, k_pad, group, out.data_ptr(), n_pad,
+        x.dtype == torch.bfloat16, scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return out if n == n_pad else out[:, :n]

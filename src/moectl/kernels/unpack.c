@@ -123,79 +123,104 @@ void moectl_int8_unpack(const int8_t *q, int64_t ldq, const float *scale, int64_
                             2 KB 17.6-17.8, 3-8 KB 17.9 (PyTorch's kernel 15.5) */
 #endif
 
+/* One block of 64 outputs: y[n0 .. n0 + 64) = x [K] (fp32) times the block's codes p (K x 32 bytes)
+ * and the scales sz [K/g, N, 2]; y bf16 where bf16 is set, else fp32. */
+static inline void row_block(const float *x, const uint8_t *p, const uint16_t *sz, int64_t N, int64_t K, int64_t g,
+                             int64_t n0, void *yv, int bf16) {
+    int64_t groups = K / g;
+#if defined(__AVX512F__)
+    __m512 out[4];
+    for (int i = 0; i < 4; i++) out[i] = _mm512_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t gi = 0; gi < groups; gi++) {
+        if (gi + 1 < groups) /* the next group's 64 (s, z) pairs, N * 4 bytes away: fetched while this one runs */
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((gi + 1) * N + n0 + 16 * i) * 2), _MM_HINT_T0);
+        __m512 acc[4];
+        for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+        float xsum = 0.0f;
+        for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
+            _mm_prefetch((const char *)(p + k * 32) + ROW_AHEAD_BYTES, _MM_HINT_T0); /* never faults */
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + k * 32));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            __m512 xk = _mm512_set1_ps(x[k]);
+            xsum += x[k];
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))), xk, acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))), xk, acc[1]);
+            acc[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), xk, acc[2]);
+            acc[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), xk, acc[3]);
+        }
+        const __m512 xs = _mm512_set1_ps(xsum), eight = _mm512_set1_ps(8.0f);
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        for (int i = 0; i < 4; i++) { /* rows n0 + 16 i .. + 16: 16 (s, z) bf16 pairs, 64 bytes */
+            __m512i pairs = _mm512_loadu_si512((const void *)(sz + (gi * N + n0 + 16 * i) * 2));
+            __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+            __m512 c = _mm512_fnmadd_ps(eight, s, z); /* z - 8 s */
+            out[i] = _mm512_fmadd_ps(s, acc[i], out[i]);
+            out[i] = _mm512_fmadd_ps(c, xs, out[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        if (bf16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)yv + n0 + 16 * i), round_bf16(out[i]));
+        } else {
+            _mm512_storeu_ps((float *)yv + n0 + 16 * i, out[i]);
+        }
+    }
+#else
+    float out[BLOCK] = {0};
+    for (int64_t gi = 0; gi < groups; gi++) {
+        float acc[BLOCK] = {0}, xsum = 0.0f;
+        for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
+            const uint8_t *v = p + k * 32;
+            xsum += x[k];
+            for (int j = 0; j < 32; j++) {
+                acc[j] += (float)(v[j] & 15) * x[k];
+                acc[32 + j] += (float)(v[j] >> 4) * x[k];
+            }
+        }
+        for (int n = 0; n < BLOCK; n++) {
+            const uint16_t *e = sz + (gi * N + n0 + n) * 2;
+            float s = bf16_to_f32(e[0]), z = bf16_to_f32(e[1]);
+            out[n] += s * acc[n] + (z - 8.0f * s) * xsum;
+        }
+    }
+    for (int n = 0; n < BLOCK; n++) {
+        if (bf16) ((uint16_t *)yv)[n0 + n] = f32_to_bf16(out[n]);
+        else ((float *)yv)[n0 + n] = out[n];
+    }
+#endif
+}
+
+/* x [K] in fp32 (bf16 or fp32 input) into buf */
+static inline void widen_row(const void *xv, int64_t K, int bf16, float *buf) {
+    for (int64_t k = 0; k < K; k++) buf[k] = bf16 ? bf16_to_f32(((const uint16_t *)xv)[k]) : ((const float *)xv)[k];
+}
+
 /* y [N] = x [K] times the weight of packed [N, K/2] (N a multiple of 64) and sz; x and y bf16 where
  * bf16 is set (the sums still in fp32, rounded once to nearest even), else fp32. */
 void moectl_int4_row(const void *xv, const uint8_t *packed, const uint16_t *sz, int64_t N, int64_t K, int64_t g,
                      void *yv, int bf16, int threads) {
-    int64_t blocks = N / BLOCK, groups = K / g;
-    float xbuf[K]; /* x in fp32, once (K is a few thousand: on the stack) */
-    for (int64_t k = 0; k < K; k++) xbuf[k] = bf16 ? bf16_to_f32(((const uint16_t *)xv)[k]) : ((const float *)xv)[k];
-    const float *x = xbuf;
+    float x[K]; /* x in fp32, once (K is a few thousand: on the stack) */
+    widen_row(xv, K, bf16, x);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = packed + b * BLOCK * (K / 2);
-        int64_t n0 = b * BLOCK;
-#if defined(__AVX512F__)
-        __m512 out[4];
-        for (int i = 0; i < 4; i++) out[i] = _mm512_setzero_ps();
-        const __m256i low = _mm256_set1_epi8(15);
-        for (int64_t gi = 0; gi < groups; gi++) {
-            if (gi + 1 < groups) /* the next group's 64 (s, z) pairs, N * 4 bytes away: fetched while this one runs */
-                for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((gi + 1) * N + n0 + 16 * i) * 2), _MM_HINT_T0);
-            __m512 acc[4];
-            for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
-            float xsum = 0.0f;
-            for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
-                _mm_prefetch((const char *)(p + k * 32) + ROW_AHEAD_BYTES, _MM_HINT_T0); /* never faults */
-                __m256i v = _mm256_loadu_si256((const __m256i *)(p + k * 32));
-                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                __m512 xk = _mm512_set1_ps(x[k]);
-                xsum += x[k];
-                acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))), xk, acc[0]);
-                acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))), xk, acc[1]);
-                acc[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), xk, acc[2]);
-                acc[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), xk, acc[3]);
-            }
-            const __m512 xs = _mm512_set1_ps(xsum), eight = _mm512_set1_ps(8.0f);
-            const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-            for (int i = 0; i < 4; i++) { /* rows n0 + 16 i .. + 16: 16 (s, z) bf16 pairs, 64 bytes */
-                __m512i pairs = _mm512_loadu_si512((const void *)(sz + (gi * N + n0 + 16 * i) * 2));
-                __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-                __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
-                __m512 c = _mm512_fnmadd_ps(eight, s, z); /* z - 8 s */
-                out[i] = _mm512_fmadd_ps(s, acc[i], out[i]);
-                out[i] = _mm512_fmadd_ps(c, xs, out[i]);
-            }
-        }
-        for (int i = 0; i < 4; i++) {
-            if (bf16) {
-                _mm256_storeu_si256((__m256i *)((uint16_t *)yv + n0 + 16 * i), round_bf16(out[i]));
-            } else {
-                _mm512_storeu_ps((float *)yv + n0 + 16 * i, out[i]);
-            }
-        }
-#else
-        float out[BLOCK] = {0};
-        for (int64_t gi = 0; gi < groups; gi++) {
-            float acc[BLOCK] = {0}, xsum = 0.0f;
-            for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
-                const uint8_t *v = p + k * 32;
-                xsum += x[k];
-                for (int j = 0; j < 32; j++) {
-                    acc[j] += (float)(v[j] & 15) * x[k];
-                    acc[32 + j] += (float)(v[j] >> 4) * x[k];
-                }
-            }
-            for (int n = 0; n < BLOCK; n++) {
-                const uint16_t *e = sz + (gi * N + n0 + n) * 2;
-                float s = bf16_to_f32(e[0]), z = bf16_to_f32(e[1]);
-                out[n] += s * acc[n] + (z - 8.0f * s) * xsum;
-            }
-        }
-        for (int n = 0; n < BLOCK; n++) {
-            if (bf16) ((uint16_t *)yv)[n0 + n] = f32_to_bf16(out[n]);
-            else ((float *)yv)[n0 + n] = out[n];
-        }
-#endif
+    for (int64_t b = 0; b < N / BLOCK; b++) row_block(x, packed + b * BLOCK * (K / 2), sz, N, K, g, b * BLOCK, yv, bf16);
+}
+
+/* Rows of x [S, K] (row stride ldx) sorted by expert, ends[e] each expert's end row, times expert e's
+ * weight (packed + e * stride_p bytes, sz + e * stride_s elements, [N, K] each): y [S, N] (row stride
+ * ldy), each row as moectl_int4_row computes it (a decoding step's experts: a row or two each, one
+ * call for all of them). xf: the caller's scratch of S * K floats. */
+void moectl_int4_grouped_rows(const void *xv, int64_t ldx, const int64_t *ends, int64_t E, const uint8_t *packed,
+                              int64_t stride_p, const uint16_t *sz, int64_t stride_s, int64_t N, int64_t K, int64_t g,
+                              void *yv, int64_t ldy, int bf16, float *xf, int threads) {
+    int64_t S = E ? ends[E - 1] : 0, blocks = N / BLOCK, es = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < S; r++) widen_row((const char *)xv + r * ldx * es, K, bf16, xf + r * K);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < S * blocks; i++) {
+        int64_t r = i / blocks, b = i % blocks, e = 0;
+        while (ends[e] <= r) e++; /* the expert of row r (E is small) */
+        row_block(xf + r * K, packed + e * stride_p + b * BLOCK * (K / 2), sz + e * stride_s, N, K, g, b * BLOCK,
+                  (char *)yv + r * ldy * es, bf16);
     }
 }

@@ -36,6 +36,8 @@ _SIGNATURES = {  # unpack.c's functions -> their argument types
     "moectl_int4_unpack": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
     "moectl_int8_unpack": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _int],
     "moectl_int4_row": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int, _int],  # moectl.kernels.int4_row
+    "moectl_int4_grouped_rows": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _int,
+                                 _ptr, _int],
 }
 
 

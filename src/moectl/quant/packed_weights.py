@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moectl.kernels import int8_rows
+from moectl.kernels import int4_row, int8_rows
 from moectl.offload.int8 import dequantize_rows, int8_linear, quantize_rows
 from moectl.quant import int4_groups
 
@@ -120,6 +120,19 @@ class Int4Weights(QuantizedWeights):
         return int4_groups.int4_linear(
             x, self.packed[index], self.scale_zero[index], self.group, self.out_features, self.in_features
         )
+
+    def grouped(self, x: Tensor, offsets: Tensor) -> Tensor | None:
+        """A decoding step's rows, sorted by expert, times each one's weights in one call
+        (``moectl.kernels.int4_row.grouped``), or None where it does not apply (more rows: a
+        prefill, whose products dequantise; offloaded experts, whose buffers are views of slots)."""
+        packed, scale_zero = self.packed, self.scale_zero
+        if not isinstance(packed, Tensor) or not isinstance(scale_zero, Tensor):
+            return None
+        if not int4_row.grouped_applies(x, packed, scale_zero):
+            return None
+        if not int4_groups.layout_known(packed.shape[1], packed.shape[2] * 2):
+            return None
+        return int4_row.grouped(x, packed, scale_zero, self.group, self.out_features, offsets)
 
     def dequantize(self, index: int = 0, dtype: torch.dtype | None = None) -> Tensor:
         return int4_groups.dequantize(
