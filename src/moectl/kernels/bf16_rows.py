@@ -144,9 +144,10 @@ def few(rows: int, w: Tensor) -> bool:
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for bf16 ``x`` [..., K] and ``w`` [N, K] where :func:`applies`."""
     rows = x.reshape(-1, x.shape[-1])
-    if not few(rows.shape[0], w) and native_bf16():
+    kernel = few(rows.shape[0], w)
+    if not kernel and native_bf16():
         return F.linear(x, w, bias)  # PyTorch's bf16 product (AMX / AVX512-BF16)
-    out = _few(rows, w) if few(rows.shape[0], w) else _many(rows, w)
+    out = _few(rows, w) if kernel else _many(rows, w)
     out = out if bias is None else out + bias.float()
     return out.to(torch.bfloat16).reshape(*x.shape[:-1], w.shape[0])
 

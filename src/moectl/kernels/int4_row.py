@@ -1,12 +1,13 @@
 """One row times an int4 weight by moectl's C loop, the decoding step's int4 product (issue 40).
 
-``moectl_int4_row`` (in ``unpack.c``, beside the int4 dequantisation that reads the same packing) reads ``moectl.quant.int4_groups``' weights in PyTorch's CPU packing (blocks of 64
-output rows, a bf16 scale and zero per group) and computes each group's share as ``s * sum(x q) +
-(z - 8 s) * sum(x)`` in fp32, each code read once and widened in registers, the scales applied once
-per group. Against ``aten._weight_int4pack_mm_for_cpu`` at one row, 2 threads, 24 [2048, 2048] g64
-weights in turn (quiet, medians of 7): 19.7 against 18.0 GB/s of codes and scales; its results are
-fp32 sums rounded once to the activations' dtype (within 5e-5 of a float64 product of the
-dequantised weight where PyTorch's kernel, rounding to bf16, is within one bf16 step).
+``moectl_int4_row`` (in ``unpack.c``, beside the int4 dequantisation that reads the same packing)
+reads ``moectl.quant.int4_groups``' weights in PyTorch's CPU packing (blocks of 64 output rows, a
+bf16 scale and zero per group) and computes each group's share as ``s * sum(x q) + (z - 8 s) *
+sum(x)`` in fp32, each code read once and widened in registers, the scales applied once per group.
+Against ``aten._weight_int4pack_mm_for_cpu`` at one row, 2 threads, 200 [2048, 2048] g64 weights in
+turn (from memory, quiet, medians of 5): 17.6-17.9 against 15.5 GB/s of codes and scales; its
+results are fp32 sums rounded once to the activations' dtype (within 5e-5 of a float64 product of
+the dequantised weight where PyTorch's kernel, rounding to bf16, is within one bf16 step).
 
 :func:`grouped` runs every expert's rows of a decoding step in one call (rows sorted by expert, as
 ``models.grouped_mm`` groups them), each row as :func:`linear` computes it, up to
@@ -31,7 +32,7 @@ from torch import Tensor
 from moectl.kernels import bf16_rows, unpack
 from moectl.kernels.kernel_build import cpu_flags
 
-BLOCK = 64  # output rows per packed block
+BLOCK = unpack.BLOCK  # output rows per packed block
 GROUPED_MAX_ROWS = 64  # (token, expert) rows up to which :func:`grouped` runs: a decoding step's, 8 rows x top-8
 
 
