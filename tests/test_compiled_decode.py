@@ -227,6 +227,30 @@ def test_omega_is_the_chosen_experts_as_a_mask():
     assert omega[0, 1].tolist() == [False, True, True, False, False]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,columns", [(8, 4, 1), (8, 4, 37), (4, 4, 9), (16, 2, 64)])
+def test_compiled_attention_as_sums_equals_aten_attention(dtype, heads, kv_heads, columns):
+    """One query's attention written as sums (what the compiled step traces: ``decode_step._attend``)
+    gives aten's attention within rounding: grouped queries, left padding masked, a single column."""
+    from moectl.lm.decode_step import _attend
+
+    g = torch.Generator().manual_seed(columns)
+    b, d = 3, 32
+    q = torch.randn(b, heads, 1, d, generator=g).to(dtype)
+    keys = torch.randn(b, kv_heads, columns, d, generator=g).to(dtype)
+    values = torch.randn(b, kv_heads, columns, d, generator=g).to(dtype)
+    mask = torch.ones(b, 1, 1, columns, dtype=torch.bool)
+    mask[1, ..., : columns // 2] = False  # a left-padded row (its last column, the new token, is real)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d**-0.5,
+                                                            enable_gqa=kv_heads != heads)  # fmt: skip
+    torch._dynamo.reset()
+    got = torch.compile(_attend, backend="eager", fullgraph=True)(q, keys, values, mask, d**-0.5)
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(_attend(q, keys, values, mask, d**-0.5), want)  # eager: aten's own
+
+
 @pytest.mark.parametrize("way", ["sum", "product"])
 def test_compiled_small_products_as_sums_or_products_equal_the_eager_step_in_bf16(way, monkeypatch):
     """torch.compile for real, bf16: small weights' products fused as multiply-and-sums (or BLAS

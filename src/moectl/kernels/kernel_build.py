@@ -57,8 +57,9 @@ def _writable(folder: Path) -> Path:
         return fallback
 
 
-def build(source: Path) -> Path | None:
-    """The shared object built from ``source`` for this machine (built now if not cached), or None."""
+def build(source: Path, defines: tuple[str, ...] = ()) -> Path | None:
+    """The shared object built from ``source`` for this machine (built now if not cached), or None.
+    ``defines``: ``-D`` flags of a variant (``"FAR_TILES=0"``; benchmarks compare variants this way)."""
     cc = _compiler()
     if cc is None:
         log.info("no C compiler: %s not built, PyTorch's kernels used", source.name)
@@ -68,7 +69,7 @@ def build(source: Path) -> Path | None:
     except (OSError, subprocess.SubprocessError):
         return None
     key = hashlib.sha256(
-        source.read_bytes() + version.encode() + cpu_flags().encode() + " ".join(FLAGS).encode()
+        source.read_bytes() + version.encode() + cpu_flags().encode() + " ".join(FLAGS + defines).encode()
     ).hexdigest()[:16]
     folder = _writable(cache_dir())
     target = folder / f"{source.stem}-{key}.so"
@@ -78,7 +79,8 @@ def build(source: Path) -> Path | None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300
+            [cc, *FLAGS, *(f"-D{d}" for d in defines), str(source), "-o", tmp], capture_output=True, text=True,
+            timeout=300,
         )
         if done.returncode != 0:
             log.warning(

@@ -101,6 +101,30 @@ def sums_for(rows: int, threads: int) -> bool:
     return SMALL_PRODUCTS == "sum" and not (rows > 1 and threads == 1)
 
 
+ATTENTION = "sums"  # one query's attention when compiled: "sums" (``_attend``) or "sdpa" (aten's kernel)
+
+
+def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``F.scaled_dot_product_attention`` of one query per row; compiled, as sums the compiler fuses.
+
+    q [B, Hq, 1, D], keys / values [B, Hkv, T, D] (Hq a multiple of Hkv: grouped queries), mask
+    [B, 1, 1, T] bool. Compiled, the scores and the weighted values are written as multiply-and-sum
+    over float32 (as aten's CPU flash kernel accumulates), masked columns -inf before the softmax:
+    inductor fuses them into a layer's loops, where aten's kernel costs ~40 us a call whatever the
+    length (its blocking and buffers are sized for many queries). Eager, aten's kernel."""
+    if ATTENTION != "sums" or not torch.compiler.is_compiling():
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=keys.shape[1] != q.shape[1])  # fmt: skip
+    b, heads, _, d = q.shape
+    kv_heads, t = keys.shape[1], keys.shape[2]
+    qg = q.reshape(b, kv_heads, heads // kv_heads, 1, d).float()  # [B, Hkv, g, 1, D]
+    scores = (qg * keys[:, :, None].float()).sum(-1) * scale  # [B, Hkv, g, T]
+    scores = scores.masked_fill(~mask.reshape(b, 1, 1, t), float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = (p[..., None] * values[:, :, None].float()).sum(-2)  # [B, Hkv, g, D]
+    return out.reshape(b, heads, 1, d).to(q.dtype)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -223,8 +247,7 @@ def decode_step(
             keys[i].index_copy_(2, column, k)
             values[i].index_copy_(2, column, v)
             keys_i, values_i = keys[i], values[i]
-        out = F.scaled_dot_product_attention(q, keys_i, values_i, attn_mask=mask, scale=w.scaling,
-                                             enable_gqa=kv_heads != heads)  # fmt: skip
+        out = _attend(q, keys_i, values_i, mask, w.scaling)
         h = h + _linear(out.transpose(1, 2).reshape(b, 1, heads * d), w.o, w.o_bias, sums)
         x = w.post_norm(h)[:, 0]  # [B, H]
         if w.dense is not None:
