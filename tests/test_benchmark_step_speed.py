@@ -1,4 +1,5 @@
-"""benchmarks/step_attention.py and row_prefetch.py: both ways in one run, the setting restored after."""
+"""benchmarks/step_ways.py and row_prefetch.py (both ways in one run, the setting restored after) and
+rows_bytes.py."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import pytest
 from _bench_helpers import bench, run_json
 from moectl.lm import decode_step
 
-step_attention = bench("step_attention")
+step_ways = bench("step_ways")
 row_prefetch = bench("row_prefetch")
 
 
-def test_step_attention_times_both_ways_and_restores_the_setting(tmp_path, monkeypatch):
-    args = ["--model", "tiny:qwen2_moe", "--tokens", "3", "--rows", "2", "--threads", "1", "--repeats", "1"]
-    got = run_json(step_attention, args, tmp_path, monkeypatch)
-    cases = {row["case"] for row in got["rows"]}
-    assert cases == {f"{way} {rows} row(s) 1 thread(s)" for way in ("sdpa", "sums") for rows in (1, 2)}
+@pytest.mark.parametrize("setting", ["attention", "guards"])
+def test_step_ways_times_both_ways_and_restores_the_setting(setting, tmp_path, monkeypatch):
+    args = ["--setting", setting, "--model", "tiny:qwen2_moe", "--tokens", "3", "--rows", "2", "--threads", "1",
+            "--repeats", "1"]  # fmt: skip
+    got = run_json(step_ways, args, tmp_path, monkeypatch)
+    ways = step_ways.SETTINGS[setting]
+    assert {row["case"] for row in got["rows"]} == {f"{w} {r} row(s) 1 thread(s)" for w in ways for r in (1, 2)}
     assert all(row["tok_s"] > 0 for row in got["rows"]) and got["decode_forward"]["compiled"] > 0
     assert decode_step.ATTENTION == "sums"
 
@@ -37,3 +40,11 @@ def test_bad_arguments_exit_2(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         row_prefetch.main()
     assert exit_.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+def test_rows_bytes_counts_each_steps_distinct_experts(tmp_path, monkeypatch):
+    rows_bytes = bench("rows_bytes")
+    got = run_json(rows_bytes, ["--model", "tiny:qwen2_moe", "--rows", "3", "--tokens", "3"], tmp_path, monkeypatch)
+    assert got["steps"] >= 1 and len(got["distinct_experts"]) >= 1
+    assert all(got["top_k"] <= n <= min(3 * got["top_k"], got["num_experts"]) for n in got["distinct_experts"])
+    assert got["one_row_bytes"] < got["rows_bytes"] and 1 <= got["ceiling_vs_one_row"] <= 3

@@ -311,3 +311,33 @@ def test_small_products_are_sums_but_at_several_rows_on_one_thread(monkeypatch):
     assert not decode_step.sums_for(8, 1)  # the generated loops would compute per row what BLAS shares
     monkeypatch.setattr(decode_step, "SMALL_PRODUCTS", "product")
     assert not decode_step.sums_for(1, 2)
+
+
+def test_after_its_first_step_a_graph_class_runs_unguarded_and_falls_back_to_the_guarded_call():
+    """A class's first step is dynamo's guarded call (it builds the graph); later steps run dynamo's
+    code for the class without the guard check; inputs not laid out as traced are refused (the
+    guarded call takes them); ``guards=True`` always takes the guarded call; all give one result."""
+    torch._dynamo.reset()
+    model, _, _ = moectl.load("tiny:olmoe", dtype="float32")
+    weights, why = step_weights(model, inspect(model))
+    assert weights is not None, why
+    step = CompiledDecode(weights)
+    calls: list[str] = []
+    guarded = step._fn
+    step._fn = lambda *a: calls.append("guarded") or guarded(*a)
+    cache, mask, positions = _prefilled(model, 2)
+    token = torch.tensor([5, 9])
+    with torch.inference_mode():
+        first = step(token, mask, positions, copy.deepcopy(cache))
+        assert calls == ["guarded"] and len(step._unguarded) == 1 and None not in step._unguarded.values()
+        second = step(token, mask, positions, copy.deepcopy(cache))
+        assert calls == ["guarded"]  # unguarded
+        transposed = [torch.zeros(2, 2, 8, 4).transpose(2, 3)]  # a layout the graph was not traced with
+        assert not step._unguarded_inputs(token, positions.reshape(-1), mask.bool(), transposed, [], None)
+        assert not step._unguarded_inputs(token.int(), positions.reshape(-1), mask.bool(), [], [], None)
+        step.guards = True
+        third = step(token, mask, positions, copy.deepcopy(cache))
+    assert calls == ["guarded", "guarded"]
+    for other in (second, third):
+        torch.testing.assert_close(other.logits, first.logits)
+        assert torch.equal(other.chosen, first.chosen) and torch.equal(other.greedy, first.greedy)

@@ -10,6 +10,16 @@ columns are marked dynamic: one graph serves every length, and batch sizes take 
 several: ``torch.compile`` specialises a size of 1). ``compiles`` counts the
 graphs built; ``benchmarks/engine_compiled.py`` measures what they cost as rows join and leave.
 
+After its first step, each graph class is called without dynamo's guard check: the graph dynamo
+built for it (its cache entry, found by its own guards once) is run directly. The class key here
+already holds everything the guards would tell apart (one row or several, which layers have masks,
+the renormalisation, sums or products, the thread count, ``decode_step``'s settings), the cache
+buffers always leave a free column (``kv_buffers``), and the inputs' dtypes and layouts are checked
+here first (a call that fails the check takes the guarded call). Dynamo's check at every call cost
+0.1-0.15 ms of a 1.1-1.6 ms step on the reference model (``benchmarks/step_ways.py --setting guards``: 1.00-1.06x
+at one row on one thread, 1.14x on two, 1.04-1.06x at 8 rows). ``guards=True`` keeps dynamo's own
+check; a PyTorch without the cache entries to run keeps it too.
+
 ``compile=False`` runs the same step eagerly (its CPU twin in tests, and the path where
 ``torch.compile`` is unavailable). On a GPU the same graph is what ``mode="reduce-overhead"`` would
 capture in CUDA graphs; that path has never run here (docs/gpu.md).
@@ -17,14 +27,17 @@ capture in CUDA graphs; that path has never run here (docs/gpu.md).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from moectl.lm import decode_step as step_module
 from moectl.lm.decode_step import StepWeights, decode_step, sums_for
 from moectl.lm.kv_buffers import advance, buffers
 
@@ -69,13 +82,16 @@ class StepResult(NamedTuple):
 class CompiledDecode:
     """One token per row through :func:`decode_step`, compiled (see the module doc)."""
 
-    def __init__(self, weights: StepWeights, compile: bool = True, mode: str | None = None) -> None:
+    def __init__(self, weights: StepWeights, compile: bool = True, mode: str | None = None, guards: bool = False) -> None:
         self.weights = weights
         self.compiled = compile
+        self.guards = guards  # dynamo's guard check at every step (False: the class key and ``_unguarded_inputs``)
         self.compiles = 0  # graphs built (first calls of a new shape class)
         self.compile_seconds = 0.0
         self._shapes: set[tuple] = set()  # graph classes seen: one row / several, the masked layers
-        self._fn = torch.compile(self._step, dynamic=None, **compile_options(weights, mode)) if compile else self._step
+        options = compile_options(weights, mode)
+        self._fn = torch.compile(self._step, dynamic=None, **options) if compile else self._step
+        self._unguarded: dict[tuple, Any] = {}  # graph class -> dynamo's code for it, called unguarded
 
     def _step(self, ids: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor], values: list[Tensor],
               allowed: list[Tensor | None] | None, renorm: str, sums: bool):  # fmt: skip
@@ -124,12 +140,12 @@ class CompiledDecode:
         or [B] each row's position; ``allowed``, ``renorm``: the rows' expert masks per MoE layer
         (:func:`decode_step`). Masks make a graph of their own (which layers have one)."""
         keys, values = buffers(cache)  # each layer's buffer, a free column at T (``kv_buffers``)
-        positions = positions.reshape(-1)
-        valid = valid.bool()
+        last, positions, valid = last.contiguous(), positions.reshape(-1).contiguous(), valid.bool().contiguous()
         sums = sums_for(last.shape[0], torch.get_num_threads())
         shape = (last.shape[0] > 1, None if allowed is None else tuple(m is not None for m in allowed), renorm, sums,
-                 torch.get_num_threads())  # fmt: skip  (dynamo guards on the count: a graph per count)
-        first = self.compiled and shape not in self._shapes
+                 torch.get_num_threads(), step_module.ATTENTION, step_module.SMALL_PRODUCTS)  # fmt: skip
+        # (dynamo guards on the thread count: a graph per count; the module's settings are traced in)
+        first = self.compiled and (shape, self.guards) not in self._shapes  # (a graph of each way)
         if first:  # marks matter only where a graph is built; later calls match its symbolic sizes
             for t in (*keys, *values):
                 torch._dynamo.maybe_mark_dynamic(t, 2)
@@ -140,12 +156,51 @@ class CompiledDecode:
                 for t in (last, positions, valid, *(m for m in allowed or () if m is not None)):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         start = time.perf_counter()
-        result = StepResult(*self._fn(last, positions, valid, keys, values, allowed, renorm, sums))
+        args = (last, positions, valid, keys, values, allowed, renorm, sums)
+        unguarded = None if self.guards else self._unguarded.get(shape)
+        if unguarded is not None and self._unguarded_inputs(last, positions, valid, keys, values, allowed):
+            result = StepResult(*unguarded(self, *args))
+        else:
+            result = StepResult(*self._fn(*args))
+            if self.compiled and not self.guards and shape not in self._unguarded:
+                self._unguarded[shape] = self._cached_code(args)
         if first:
-            self._shapes.add(shape)
+            self._shapes.add((shape, self.guards))
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - start
             log.info("compiled the decoding step for %s in %.1f s", "several rows" if shape[0] else "one row",
                      time.perf_counter() - start)  # fmt: skip
         advance(cache, keys, values, valid.shape[1])
         return result
+
+    def _cached_code(self, args: tuple) -> Any:
+        """Dynamo's code for ``args``' graph class (the cache entry of ``_step`` whose guards pass for
+        them, right after the guarded call that built or found it) as a function of ``_step``'s
+        arguments; None where this PyTorch has no such entries (the guarded call then serves the class)."""
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            step = CompiledDecode._step
+            frame = dict(zip(inspect.signature(step).parameters, (self, *args), strict=True))
+            for entry in _debug_get_cache_entry_list(step.__code__):
+                if entry.guard_manager.check(frame):
+                    return types.FunctionType(entry.code, step.__globals__, "unguarded_step")
+        except Exception as err:  # (private to dynamo: a PyTorch without it keeps the guards)
+            log.info("the decoding step keeps dynamo's guard check (%s: %s)", type(err).__name__, err)
+        return None
+
+    def _unguarded_inputs(self, last: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor],
+                          values: list[Tensor], allowed: list[Tensor | None] | None) -> bool:  # fmt: skip
+        """What dynamo's guards would check beyond the class key: dtypes, devices and contiguous
+        layouts of the inputs (the graph's generated code indexes them as it traced them)."""
+        device, dtype = self.weights.embed.device, self.weights.dtype
+        if last.dtype != torch.long or positions.dtype != torch.long or valid.dtype != torch.bool:
+            return False
+        if not (last.is_contiguous() and positions.is_contiguous() and valid.is_contiguous()):
+            return False
+        if last.device != device or valid.device != device:
+            return False
+        for t in (*keys, *values):
+            if t.dtype != dtype or t.device != device or not t.is_contiguous():
+                return False
+        return all(m.dtype == torch.bool and m.is_contiguous() for m in allowed or () if m is not None)
