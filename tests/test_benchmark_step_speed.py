@@ -4,6 +4,7 @@ rows_bytes.py."""
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,15 +15,23 @@ step_ways = bench("step_ways")
 row_prefetch = bench("row_prefetch")
 
 
-@pytest.mark.parametrize("setting", ["attention", "guards"])
-def test_step_ways_times_both_ways_and_restores_the_setting(setting, tmp_path, monkeypatch):
-    args = ["--setting", setting, "--model", "tiny:qwen2_moe", "--tokens", "3", "--rows", "2", "--threads", "1",
+def test_step_ways_times_both_ways_and_restores_the_setting(tmp_path, monkeypatch):
+    args = ["--setting", "guards", "--model", "tiny:qwen2_moe", "--tokens", "3", "--rows", "2", "--threads", "1",
             "--repeats", "1"]  # fmt: skip
     got = run_json(step_ways, args, tmp_path, monkeypatch)
-    ways = step_ways.SETTINGS[setting]
+    ways = step_ways.SETTINGS["guards"]
     assert {row["case"] for row in got["rows"]} == {f"{w} {r} row(s) 1 thread(s)" for w in ways for r in (1, 2)}
     assert all(row["tok_s"] > 0 for row in got["rows"]) and got["decode_forward"]["compiled"] > 0
     assert decode_step.ATTENTION == "sums"
+
+
+def test_step_ways_switches_the_attention_setting(monkeypatch):
+    """(Timing the attention setting compiles aten's way's graphs too, ~45 s: its switch is tested alone.)"""
+    monkeypatch.setattr(decode_step, "ATTENTION", "sums")
+    engine = SimpleNamespace(runner=SimpleNamespace(compiled=None, path="none"))
+    put = step_ways.switch("attention", engine)
+    put("sdpa")
+    assert decode_step.ATTENTION == "sdpa"
 
 
 def test_row_prefetch_builds_both_variants_and_times_each_shape(tmp_path, monkeypatch):
