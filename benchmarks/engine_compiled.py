@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail
+from decode_timing import decode_tok_s
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
 from moectl.lm import compiled_decode
@@ -36,15 +37,8 @@ ROUTING: str | dict | None = None  # every request's routing (``--routing``), re
 
 
 def tok_s(engine: Engine, prompts: list[str], tokens: int) -> float:
-    """Decode tokens/s: ``tokens`` greedy tokens per prompt, less a one-token run's time (the prefill)."""
-    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
-    routing = None if ROUTING is None else "r"
-    start = time.perf_counter()
-    engine.generate(prompts, one, routing=routing)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0), routing=routing)
-    return len(prompts) * (tokens - 1) / (time.perf_counter() - start - prefill)
+    """Decode tokens/s: ``tokens`` greedy tokens per prompt (``decode_timing``)."""
+    return decode_tok_s(engine, prompts, tokens, None if ROUTING is None else "r")
 
 
 def join_and_leave(engine: Engine, rows: int, tokens: int) -> float:

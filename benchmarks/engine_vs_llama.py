@@ -28,22 +28,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail
+from decode_timing import decode_tok_s
 from llama_peer import greedy, open_llama
-from moectl.engine import Engine, EngineConfig, SamplingParams
+from moectl.engine import Engine, EngineConfig
 from moectl.engine.engine import encode
 from moectl.io.atomic import write_text_atomic
 
 
 def engine_tok_s(engine: Engine, prompts: list[str], tokens: int) -> float:
-    """Decode tokens/s: ``tokens`` greedy tokens per prompt, less a one-token run's time (the prefill)."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
-    start = time.perf_counter()
-    engine.generate(prompts, one)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    return len(prompts) * (tokens - 1) / (time.perf_counter() - start - prefill)
+    """Decode tokens/s: ``tokens`` greedy tokens per prompt (``decode_timing``)."""
+    return decode_tok_s(engine, prompts, tokens)
 
 
 def llama_tok_s(llm, ids: list[int], tokens: int) -> float:

@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail
-from moectl.engine import Engine, EngineConfig, SamplingParams
+from decode_timing import decode_tok_s
+from moectl.engine import Engine, EngineConfig
 from moectl.io.atomic import write_text_atomic
 from moectl.kernels import int4_row
 
 
 def tok_s(engine: Engine, tokens: int) -> float:
-    """Decode tokens/s of one prompt, less a one-token run's time (the prefill)."""
-    start = time.perf_counter()
-    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
-    return (tokens - 1) / (time.perf_counter() - start - prefill)
+    """Decode tokens/s of one prompt (``decode_timing``)."""
+    return decode_tok_s(engine, PROMPTS[:1], tokens)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail
+from decode_timing import decode_tok_s
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
 from moectl.kernels import bf16_rows
@@ -38,9 +39,7 @@ def measure(engine: Engine, prompts: list[str], tokens: int) -> tuple[float, flo
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
     prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
-    return prefill * 1e3, len(prompts) * (tokens - 1) / (time.perf_counter() - start - prefill)
+    return prefill * 1e3, decode_tok_s(engine, prompts, tokens)
 
 
 def main() -> None:

@@ -24,13 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail
+from compiled_step_products import active_bytes
 from moectl.engine import Engine, EngineConfig, SamplingParams
 from moectl.io.atomic import write_text_atomic
 from moectl.lm.compiled_decode import CompiledDecode
-
-
-def nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def main() -> None:
@@ -67,14 +64,11 @@ def main() -> None:
     if not counts:
         fail("no step ran all rows together")
     w = step.weights
-    dense = nbytes(w.lm_head, w.lm_head_bias)
-    for layer in w.layers:
-        dense += nbytes(layer.q, layer.k, layer.v, layer.o, layer.q_bias, layer.k_bias, layer.v_bias, layer.o_bias)
-        dense += nbytes(layer.router, layer.shared_gate, *(layer.shared or ()), *(layer.dense or ()))
     experts = [layer for layer in w.layers if layer.gate_up is not None]
-    expert = nbytes(experts[0].gate_up[0], experts[0].down[0])
+    expert = sum(t.numel() * t.element_size() for t in (experts[0].gate_up[0], experts[0].down[0]))
+    one = active_bytes(w)  # one row: every dense weight and top-k experts per MoE layer
+    dense = one - len(experts) * w.top_k * expert
     per_layer = [statistics.mean(c) for c in zip(*counts, strict=True)]
-    one = dense + len(experts) * w.top_k * expert
     many = dense + sum(per_layer) * expert
     ceiling = args.rows * one / many
     print(f"{args.model}: {len(counts)} steps of {args.rows} rows; distinct experts per MoE layer "

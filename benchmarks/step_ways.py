@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail, int_list
-from moectl.engine import Engine, EngineConfig, SamplingParams
+from decode_timing import decode_tok_s
+from moectl.engine import Engine, EngineConfig
 from moectl.io.atomic import write_text_atomic
 from moectl.lm import decode_step
 
@@ -42,14 +42,8 @@ SETTINGS = {"attention": ("sdpa", "sums"), "guards": ("guarded", "unguarded")}
 
 
 def tok_s(engine: Engine, prompts: list[str], tokens: int) -> float:
-    """Decode tokens/s of ``tokens`` greedy tokens per prompt, less a one-token run (the prefill)."""
-    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
-    start = time.perf_counter()
-    engine.generate(prompts, one)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
-    return len(prompts) * (tokens - 1) / (time.perf_counter() - start - prefill)
+    """Decode tokens/s of ``tokens`` greedy tokens per prompt (``decode_timing``)."""
+    return decode_tok_s(engine, prompts, tokens)
 
 
 def switch(setting: str, engine: Engine) -> Callable[[str], None]:

@@ -16,8 +16,8 @@ already holds everything the guards would tell apart (one row or several, which 
 the renormalisation, sums or products, the thread count, ``decode_step``'s settings), the cache
 buffers always leave a free column (``kv_buffers``), and the inputs' dtypes and layouts are checked
 here first (a call that fails the check takes the guarded call). Dynamo's check at every call cost
-0.1-0.15 ms of a 1.1-1.6 ms step on the reference model (``benchmarks/step_ways.py --setting guards``: 1.00-1.06x
-at one row on one thread, 1.14x on two, 1.04-1.06x at 8 rows). ``guards=True`` keeps dynamo's own
+0.1-0.15 ms of a 1.1-1.6 ms step on the reference model (``benchmarks/step_ways.py --setting guards``
+on an AMD EPYC: 1.08x at one row on one thread, 1.13x on two, 1.05-1.06x at 8 rows). ``guards=True`` keeps dynamo's own
 check; a PyTorch without the cache entries to run keeps it too.
 
 ``compile=False`` runs the same step eagerly (its CPU twin in tests, and the path where
@@ -89,8 +89,7 @@ class CompiledDecode:
         self.compiles = 0  # graphs built (first calls of a new shape class)
         self.compile_seconds = 0.0
         self._shapes: set[tuple] = set()  # graph classes seen: one row / several, the masked layers
-        options = compile_options(weights, mode)
-        self._fn = torch.compile(self._step, dynamic=None, **options) if compile else self._step
+        self._fn = torch.compile(self._step, dynamic=None, **compile_options(weights, mode)) if compile else self._step
         self._unguarded: dict[tuple, Any] = {}  # graph class -> dynamo's code for it, called unguarded
 
     def _step(self, ids: Tensor, positions: Tensor, valid: Tensor, keys: list[Tensor], values: list[Tensor],
