@@ -14,11 +14,7 @@ weights' bytes over the time (medians). Run it quiet; the load is printed beside
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_args import fail, int_list
-from moectl.io.atomic import write_text_atomic
+import kernel_variants
+from bench_args import fail
 from moectl.kernels import kernel_build
 
 SOURCE = Path(kernel_build.__file__).with_name("bf16_rows.c")
@@ -52,15 +48,7 @@ def kernel(defines: tuple[str, ...]):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    ap.add_argument("--megabytes", type=int, default=96, help="distinct weights per shape (past the L3 cache)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", dest="json_path", type=Path, default=None)
-    args = ap.parse_args()
-    threads = int_list(args.threads, "--threads")
-    if args.megabytes < 1 or args.repeats < 1 or min(threads) < 1:
-        fail("--megabytes, --repeats and --threads must be >= 1")
+    args, threads = kernel_variants.parse(__doc__.splitlines()[0])
     kernels = {name: kernel(defines) for name, defines in WAYS.items()}
     gbs: dict[tuple[str, int, str], list[float]] = {}
     for shape, (n, k) in SHAPES.items():
@@ -77,19 +65,7 @@ def main() -> None:
                             f(x.data_ptr(), k, 1, w.data_ptr(), k, n, k, y.data_ptr(), n, count_threads)
                     seconds = (time.perf_counter() - start) / (rounds * len(weights))
                     gbs.setdefault((shape, count_threads, name), []).append(n * k * 2 / seconds / 1e9)
-    load = os.getloadavg()
-    print(f"one-row bf16 products, weights from memory ({args.megabytes} MB a shape), load {load[0]:.1f}")
-    rows = []
-    for (shape, count_threads, name), values in gbs.items():
-        before = statistics.median(gbs[(shape, count_threads, next(iter(WAYS)))])
-        rows.append({"shape": shape, "threads": count_threads, "way": name, "gb_s": statistics.median(values),
-                     "vs_before": statistics.median(values) / before, "runs": values})  # fmt: skip
-        print(f"{shape:<22} {count_threads} thread(s)  {name:<36} {rows[-1]['gb_s']:>6.1f} GB/s "
-              f"{rows[-1]['vs_before']:>5.2f}x")  # fmt: skip
-    if args.json_path is not None:
-        result = {"loadavg": load, "megabytes": args.megabytes, "rows": rows}
-        write_text_atomic(args.json_path, json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_path}")
+    kernel_variants.report(gbs, next(iter(WAYS)), "one-row bf16 products", args, None)
 
 
 if __name__ == "__main__":

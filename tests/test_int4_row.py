@@ -99,6 +99,28 @@ def test_the_plain_c_loop_computes_the_same(tmp_path):
             assert (y.double() - wanted).abs().max().item() <= step * wanted.abs().max().item()
 
 
+def test_bf16_dot_products_and_the_fp32_widening_agree(kernel_on):
+    """A bf16 row takes AVX512-BF16 dot products where the CPU has them (``row_block_dp``), else the
+    fp32 widening (``-DNO_DP_BF16`` builds that way here): both within one bf16 step of the exact product."""
+    flags = build.cpu_flags().split()
+    if "avx512_bf16" not in flags or "avx512vbmi" not in flags:
+        pytest.skip("no AVX512-BF16 and VBMI: only the fp32 widening is built here")
+    source = Path(int4_row.__file__).with_name("unpack.c")
+    ways = [ctypes.CDLL(str(build.build(source, defines))).moectl_int4_row for defines in ((), ("NO_DP_BF16",))]
+    for n, k, group in [*SHAPES, (2048, 1024, 64)]:
+        packed, scale_zero, g = _weight(n, k, group, seed=7)
+        k_pad = packed.shape[1] * 2
+        x = torch.zeros(1, k_pad, dtype=torch.bfloat16)
+        x[:, :k] = torch.randn(1, k, generator=torch.Generator().manual_seed(8))
+        wanted = _exact(x[:, :k].float(), packed, scale_zero, g, n, k)[0]
+        for fn in ways:
+            y = torch.empty(n, dtype=torch.bfloat16)
+            fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scale_zero.data_ptr()),
+               ctypes.c_int64(n), ctypes.c_int64(k_pad), ctypes.c_int64(g), ctypes.c_void_p(y.data_ptr()),
+               ctypes.c_int(1), ctypes.c_int(2))  # fmt: skip
+            assert (y.double() - wanted).abs().max().item() <= 2**-7 * wanted.abs().max().item()
+
+
 def test_a_steps_experts_in_one_call_equal_the_row_loop(kernel_on, monkeypatch):
     """``Int4Weights.grouped``: rows sorted by expert (some experts with two rows, some with none),
     each row equal to the one-row loop's result bit for bit; the quantized experts' forward takes it."""

@@ -7,7 +7,12 @@ sum(x)`` in fp32, each code read once and widened in registers, the scales appli
 Against ``aten._weight_int4pack_mm_for_cpu`` at one row, 2 threads, 200 [2048, 2048] g64 weights in
 turn (from memory, quiet, medians of 5): 17.6-17.9 against 15.5 GB/s of codes and scales; its
 results are fp32 sums rounded once to the activations' dtype (within 5e-5 of a float64 product of
-the dequantised weight where PyTorch's kernel, rounding to bf16, is within one bf16 step).
+the dequantised weight where PyTorch's kernel, rounding to bf16, is within one bf16 step). A bf16
+row, on a CPU with AVX512-BF16 and VBMI, is summed by bf16 dot products (``vdpbf16ps``, the codes as
+the bf16 numbers 128 + q, exact; the products exact in fp32 and summed there, the group's share
+``s * acc + (z - 136 s) * sum(x)``): widening each code to fp32 bound the loop by arithmetic on an AMD
+EPYC (Zen 4), 11-12 GB/s on one thread; the dot products read 15-17 (21.9 -> 28.1 GB/s on two
+threads, ``benchmarks/int4_dp.py``), results within one bf16 step of the exact product.
 
 :func:`grouped` runs every expert's rows of a decoding step in one call (rows sorted by expert, as
 ``models.grouped_mm`` groups them), each row as :func:`linear` computes it, up to
