@@ -7,7 +7,8 @@ sequence — its Python API decodes one sequence per context. moectl runs twice:
 forward and its compiled decoding step (``EngineConfig.compile_decode``; the compile, at the
 warm-up, is timed apart). All with ``--threads`` torch / llama.cpp
 threads, alternated ``--repeats`` times in this run (medians), the machine's load printed beside.
-Decode tokens/s count the generated tokens over the time after the prompt's forward.
+Decode tokens/s count the tokens after each row's first over the time they took, both systems timed
+the same way within one run (``decode_timing``; llama.cpp's from its first token's argmax).
 
     moectl export gguf models/moectl-small-standard --outtype bf16 --out /tmp/small-bf16.gguf
     python benchmarks/engine_vs_llama.py --gguf /tmp/small-bf16.gguf --json benchmarks/results/engine_vs_llama.json
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moectl
 from bench_args import PROMPTS, fail
 from decode_timing import decode_tok_s
-from llama_peer import greedy, open_llama
+from llama_peer import last_logits, open_llama
 from moectl.engine import Engine, EngineConfig
 from moectl.engine.engine import encode
 from moectl.io.atomic import write_text_atomic
@@ -41,12 +42,16 @@ def engine_tok_s(engine: Engine, prompts: list[str], tokens: int) -> float:
 
 
 def llama_tok_s(llm, ids: list[int], tokens: int) -> float:
+    """Decode tokens/s timed as ``decode_timing`` times the engine's: after the first token (the
+    prompt's logits' argmax), the ``tokens - 1`` steps that make the rest, in one run."""
+    llm.reset()
+    llm.eval(list(ids))
+    token = int(last_logits(llm).argmax())
     start = time.perf_counter()
-    greedy(llm, ids, 0, None)  # the prompt alone
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    greedy(llm, ids, tokens - 1, None)
-    return (tokens - 1) / (time.perf_counter() - start - prefill)
+    for _ in range(tokens - 1):
+        llm.eval([token])
+        token = int(last_logits(llm).argmax())
+    return (tokens - 1) / (time.perf_counter() - start)
 
 
 def main() -> None:
