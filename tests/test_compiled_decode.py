@@ -54,9 +54,6 @@ def test_what_it_does_not_cover_is_named():
     model, tok, _ = moectl.load("tiny:deepseek_v3", dtype="float32")
     weights, why = step_weights(model, inspect(model))
     assert weights is None and "deepseek_v3" in why
-    quantized, _, _ = moectl.load("tiny:olmoe", dtype="bfloat16", quantize="int8")
-    weights, why = step_weights(quantized, inspect(quantized))
-    assert weights is None and "experts" in why
     with Engine(model, tok, EngineConfig(compile_decode=True)) as engine:
         assert "no compiled step" in engine.stats()["decode_forward"]["path"]
 
@@ -302,6 +299,30 @@ def test_a_server_engine_builds_its_graphs_for_the_loops_thread_counts(monkeypat
             assert engine.stats()["decode_forward"]["compiled"] > 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_server_opens_first_and_its_loop_thread_builds_the_graphs(monkeypatch):
+    """``moectl serve`` opens the engine (to report what cannot be installed) and then starts it: the
+    graphs are built in the loop thread, never in the opening one (an OpenMP pool of the loop's size
+    left there slowed every step 2x; ``server/serve_run.py``)."""
+    import threading
+
+    from moectl.server.serve_config import ServeConfig
+    from moectl.server.serve_run import open_engine
+
+    where = []
+    real = CompiledDecode.warm_up
+    monkeypatch.setattr(CompiledDecode, "warm_up", lambda self, *a: where.append(threading.current_thread().name)
+                        or real(self, *a))  # fmt: skip
+    engine, _ = open_engine(ServeConfig(model="tiny:olmoe", compile_decode=True, threads=1), 1)
+    try:
+        assert where == [] and engine.runner.compiled is not None
+        engine.start()
+        engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert where == ["moectl-engine"]
+    finally:
+        engine.shutdown()
+        engine.close()
 
 
 def test_small_products_are_sums_but_at_several_rows_on_one_thread(monkeypatch):

@@ -244,8 +244,13 @@ class Engine:
         self.forward_log: list[tuple[str, int]] = []  # with config.log_forwards: (kind, rows) per forward
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def open(self) -> Engine:
-        """Install the routing (and the offload runtime); ``close()`` removes them."""
+    def open(self, warm_up: bool = True) -> Engine:
+        """Install the routing (and the offload runtime); ``close()`` removes them. ``warm_up=False``:
+        leave the compiled step's graphs to ``start``'s loop thread (a server opens first, to report
+        what cannot be installed, then starts: a warm-up here would give this thread an OpenMP pool
+        of the loop's size, which slowed the loop's steps 2x, lean and compiled alike)."""
+        if warm_up is False:
+            self._warm_in_loop = True
         if self._session is not None:
             return self
         from moectl.routing.session import route

@@ -40,6 +40,7 @@ from torch import Tensor
 from moectl.lm import decode_step as step_module
 from moectl.lm.decode_step import StepWeights, decode_step, sums_for
 from moectl.lm.kv_buffers import advance, buffers
+from moectl.lm.step_modules import ModuleCall
 
 log = logging.getLogger("moectl.engine")
 
@@ -50,10 +51,22 @@ def compile_options(weights: StepWeights, mode: str | None) -> dict[str, Any]:
     a small model's step spends a part of its time in. Measured in one process, interleaved, 5
     rounds (``benchmarks/engine_compiled.py --cpp-wrapper-ab``, reference model, one thread): quiet
     (load 0.6) 1 row 292.9 against 279.3 tok/s (1.05x), 8 rows 1019.6 against 972.7 (1.05x); at load
-    ~3.5, 1.11x and 1.09x."""
+    ~3.5, 1.11x and 1.09x. A step that calls layers as they are (quantized ones: ``step_modules``)
+    keeps the Python wrapper: the C++ one releases the GIL and takes it back for each such call, and
+    beside a server's other threads each take could wait (one client's int4 OLMoE step 65 ms, not 40)."""
     if mode is not None:
         return {"mode": mode}
-    return {"options": {"cpp_wrapper": True}} if weights.embed.device.type == "cpu" else {}
+    if weights.embed.device.type != "cpu" or module_calls(weights):
+        return {}
+    return {"options": {"cpp_wrapper": True}}
+
+
+def module_calls(weights: StepWeights) -> int:
+    """How many layers the step calls as they are (``moectl.lm.step_modules``)."""
+    parts = [weights.lm_head]
+    for w in weights.layers:
+        parts += [w.q, w.k, w.v, w.o, w.experts_call, w.shared_gate, *(w.shared or ()), *(w.dense or ())]
+    return sum(isinstance(p, ModuleCall) for p in parts)
 
 
 def plain_cache(cache: Any, layers: int) -> str | None:

@@ -29,7 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moectl.adapters.rules import RouterRule
+from moectl.lm.step_modules import ModuleCall
 from moectl.lm.step_ops import large
+
+Weight = Tensor | ModuleCall  # a projection's weight, or a quantized layer the step calls as it is (``step_modules``)
 
 
 @dataclass
@@ -38,10 +41,10 @@ class LayerWeights:
 
     input_norm: nn.Module
     post_norm: nn.Module
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    o: Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
     q_bias: Tensor | None
     k_bias: Tensor | None
     v_bias: Tensor | None
@@ -56,12 +59,13 @@ class LayerWeights:
     gate_up: Tensor | None = None
     down: Tensor | None = None
     # a shared expert (Qwen2-MoE): gate, up, down [.., H] and its sigmoid gate [1, H]
-    shared: tuple[Tensor, Tensor, Tensor] | None = None
-    shared_gate: Tensor | None = None
+    shared: tuple[Weight, Weight, Weight] | None = None
+    shared_gate: Weight | None = None
     # a dense MLP layer (Qwen2-MoE's mlp_only_layers): gate, up, down
-    dense: tuple[Tensor, Tensor, Tensor] | None = None
+    dense: tuple[Weight, Weight, Weight] | None = None
     moe_index: int | None = None  # this layer's index among the MoE layers
     kernel_experts: bool = False  # the experts through ``moectl::routed_experts`` (large experts)
+    experts_call: ModuleCall | None = None  # quantized experts, called as they are (``step_modules``)
 
 
 @dataclass
@@ -71,7 +75,7 @@ class StepWeights:
     embed: Tensor
     rotary: nn.Module
     norm: nn.Module
-    lm_head: Tensor
+    lm_head: Weight
     lm_head_bias: Tensor | None
     layers: list[LayerWeights]
     num_heads: int
@@ -130,7 +134,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sums: bool = False) -> Tensor:
+def _linear(x: Tensor, weight: Weight, bias: Tensor | None = None, sums: bool = False) -> Tensor:
     """``F.linear``; for a large weight the eager product, opaque to the compiler (``step_ops``).
 
     Compiled with ``sums``, a small weight's product is written as a multiply-and-sum, which
@@ -142,7 +146,10 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sums: bool = 
     1.5): one row 2.36 -> 1.14 ms with two threads, 2.66 -> 1.39 with one; 8 rows 3.83 -> 3.44 with
     two threads but 5.62 -> 6.51 with one (the generated loops then compute per row what the
     product shares; ``sums_for`` keeps the products there). Eager (the step's CPU twin),
-    ``F.linear`` as the model computes it."""
+    ``F.linear`` as the model computes it. A :class:`ModuleCall` is the quantized layer's own forward
+    (its bias included), one opaque call."""
+    if isinstance(weight, ModuleCall):
+        return torch.ops.moectl.module_linear(x, weight.key, weight.out_features)
     if large(weight):
         return torch.ops.moectl.linear(x, weight, bias)
     if not sums or not torch.compiler.is_compiling():
@@ -151,12 +158,14 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sums: bool = 
     return y if bias is None else y + bias
 
 
-def _glu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, sums: bool) -> Tensor:
+def _glu(x: Tensor, gate: Weight, up: Weight, down: Weight, sums: bool) -> Tensor:
     return _linear(F.silu(_linear(x, gate, None, sums)) * _linear(x, up, None, sums), down, None, sums)
 
 
 def _experts(w: LayerWeights, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
     """Σ_j weights[:, j] · expert_{idx[:, j]}(x) over the k chosen experts of each row [B, H]."""
+    if w.experts_call is not None:
+        return torch.ops.moectl.module_experts(x, idx, weights, w.experts_call.key)
     assert w.gate_up is not None and w.down is not None
     if w.kernel_experts:
         return torch.ops.moectl.routed_experts(x, idx, weights, w.gate_up, w.down)

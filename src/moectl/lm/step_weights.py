@@ -3,10 +3,12 @@
 Families (issue 39 item 3, those users serve most that share one decoder shape): OLMoE, Qwen2-MoE,
 Qwen3-MoE and Mixtral — pre-norm rotary attention, softmax top-k routers, experts stored as
 transformers 5's stacked ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]. The tensors are the
-model's own parameters (views, nothing copied). :func:`step_weights` returns None and the reason for
-anything else: another family, a sliding window, LoRA or quantized or offloaded experts (their
-modules would not run), biases on the router, a model being trained. The engine then decodes
-through the lean forward (``moectl.lm.lean_decode``) and says why once.
+model's own parameters (views, nothing copied). Quantized projections and experts
+(``moectl.quant``, on the CPU) are called as they are, one opaque call each (``step_modules``).
+:func:`step_weights` returns None and the reason for anything else: another family, a sliding
+window, LoRA or offloaded experts (their modules would not run), biases on the router, a model
+being trained. The engine then decodes through the lean forward (``moectl.lm.lean_decode``) and
+says why once.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from moectl.adapters.inspect import ModelInfo
-from moectl.lm.decode_step import LayerWeights, StepWeights
+from moectl.lm.decode_step import LayerWeights, StepWeights, Weight
 from moectl.lm.lean_decode import FAMILIES  # the lean forward's families: the same decoder shape
+from moectl.lm.step_modules import register
 from moectl.lm.step_ops import large_experts
 
 
@@ -27,13 +30,29 @@ def _weight(module: nn.Module | None) -> Tensor | None:
     return w if isinstance(w, Tensor) and w.dim() == 2 else None
 
 
+def _quantized(module: nn.Module | None) -> bool:
+    """A layer that says the step may call it as it is (``moectl.quant``'s quantized layers set
+    ``compiled_step_calls``), its own forward, its tensors all in CPU memory (not offloaded, no GPU)."""
+    if module is None or not getattr(type(module), "compiled_step_calls", False) or "forward" in module.__dict__:
+        return False
+    return all(t.device.type == "cpu" for t in (*module.buffers(), *module.parameters()))
+
+
+def _projection(module: nn.Module | None) -> Weight | None:
+    """A plain layer's weight, a quantized layer as a :class:`ModuleCall`, else None."""
+    if _quantized(module):
+        return register(module, int(module.out_features))  # type: ignore[union-attr, arg-type]
+    return _weight(module)
+
+
 def _bias(module: nn.Module) -> Tensor | None:
+    """A plain layer's bias (a quantized layer adds its own)."""
     b = getattr(module, "bias", None)
-    return b if isinstance(b, Tensor) else None
+    return b if isinstance(b, Tensor) and not _quantized(module) else None
 
 
-def _glu(mlp: nn.Module) -> tuple[Tensor, Tensor, Tensor] | None:
-    parts = [_weight(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
+def _glu(mlp: nn.Module) -> tuple[Weight, Weight, Weight] | None:
+    parts = [_projection(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(p is None for p in parts) or any(_bias(getattr(mlp, n)) is not None for n in ("gate_proj", "up_proj", "down_proj")):
         return None
     return parts[0], parts[1], parts[2]  # type: ignore[return-value]
@@ -56,7 +75,7 @@ def step_weights(model: nn.Module, info: ModelInfo) -> tuple[StepWeights | None,
         return None, f"activation {config.hidden_act!r}"
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
         return None, f"attention implementation {config._attn_implementation!r}"
-    head = _weight(model.get_output_embeddings())
+    head = _projection(model.get_output_embeddings())
     embed = getattr(base.embed_tokens, "weight", None)
     if head is None or not isinstance(embed, Tensor) or type(base.embed_tokens) is not nn.Embedding:
         return None, "the embedding or LM head is not a plain layer (quantized or adapted)"
@@ -64,9 +83,9 @@ def step_weights(model: nn.Module, info: ModelInfo) -> tuple[StepWeights | None,
     layers: list[LayerWeights] = []
     for i, decoder in enumerate(base.layers[: config.num_hidden_layers]):
         attn = decoder.self_attn
-        proj = [_weight(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        proj = [_projection(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         if any(p is None for p in proj):
-            return None, f"layer {i}'s attention projections are not plain linear layers (LoRA or quantized)"
+            return None, f"layer {i}'s attention projections are not plain or quantized linear layers (LoRA?)"
         w = LayerWeights(
             input_norm=decoder.input_layernorm, post_norm=decoder.post_attention_layernorm,
             q=proj[0], k=proj[1], v=proj[2], o=proj[3],  # type: ignore[arg-type]
@@ -102,6 +121,12 @@ def _mlp(w: LayerWeights, mlp: nn.Module, layer, i: int) -> str | None:
         w.dense = dense
         return None
     experts = getattr(mlp, "experts", None)
+    why = _router(w, layer, i)
+    if why is not None:
+        return why
+    if _quantized(experts):
+        w.experts_call = register(experts)  # type: ignore[arg-type]
+        return _shared(w, mlp, i)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3:
         return f"layer {i}'s experts are not stacked tensors (quantized, offloaded or adapted experts)"
@@ -111,23 +136,34 @@ def _mlp(w: LayerWeights, mlp: nn.Module, layer, i: int) -> str | None:
         return f"layer {i}'s experts are {type(experts).__name__}, not the family's own (quantized or adapted)"
     if "forward" in experts.__dict__:  # (the engine's own hooks on them act in prefills only: pad_skip)
         return f"layer {i}'s experts run a forward of their own (offloading or LoRA)"
+    w.gate_up, w.down = gate_up, down
+    w.kernel_experts = large_experts(gate_up, down)
+    return _shared(w, mlp, i)
+
+
+def _router(w: LayerWeights, layer, i: int) -> str | None:
+    """Fill ``w``'s router and rule from the MoE layer; the reason it cannot be, else None."""
     if layer.rule.kind != "softmax_topk" or layer.rule.grouped:
         return f"layer {i}'s router rule {layer.rule.kind!r} (the compiled step takes ungrouped softmax top-k)"
     router = getattr(layer.router, "weight", None)
     plain = type(layer.router).__module__.startswith("transformers.") or _weight(layer.router) is not None
     if not plain or not isinstance(router, Tensor) or router.dim() != 2 or _bias(layer.router) is not None:
         return f"layer {i}'s router is not a plain [E, H] weight"
-    w.router, w.rule, w.gate_up, w.down, w.moe_index = router, layer.rule, gate_up, down, layer.index
-    w.kernel_experts = large_experts(gate_up, down)
+    w.router, w.rule, w.moe_index = router, layer.rule, layer.index
     bias = layer.adapter.bias(layer.router)
     w.router_bias = bias if isinstance(bias, Tensor) else None
+    return None
+
+
+def _shared(w: LayerWeights, mlp: nn.Module, i: int) -> str | None:
+    """Fill ``w``'s shared expert (Qwen2-MoE) from the MoE block; the reason it cannot be, else None."""
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         w.shared = _glu(shared)
         if w.shared is None:
             return f"layer {i}'s shared expert is not plain linear layers"
         gate = getattr(mlp, "shared_expert_gate", None)
-        w.shared_gate = _weight(gate) if gate is not None else None
+        w.shared_gate = _projection(gate) if gate is not None else None
         if gate is not None and w.shared_gate is None:
             return f"layer {i}'s shared expert gate is not a plain linear layer"
     return None

@@ -26,6 +26,8 @@ from moectl.quant.packed_weights import QuantizedWeights, quantize_weights
 class QuantizedExperts(nn.Module):
     """Fused gated experts whose ``gate_up`` and ``down`` weights are :class:`QuantizedWeights`."""
 
+    compiled_step_calls = True  # the compiled decoding step calls this layer as it is (moectl.lm.step_modules)
+
     def __init__(
         self,
         experts: nn.Module,

@@ -19,6 +19,8 @@ from moectl.quant.packed_weights import QuantizedWeights, quantize_weights
 class QuantizedLinear(nn.Module):
     """``nn.Linear``'s product with a :class:`QuantizedWeights` weight (one [out, in] matrix)."""
 
+    compiled_step_calls = True  # the compiled decoding step calls this layer as it is (moectl.lm.step_modules)
+
     def __init__(
         self, linear: nn.Linear, scheme: str, group_size: int, weight: QuantizedWeights | None = None
     ) -> None:

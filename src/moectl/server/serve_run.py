@@ -97,7 +97,9 @@ def open_engine(config: ServeConfig, threads: int) -> tuple[Any, Any]:
             routings=dict(config.routings),
             reader=reader,
         )
-        engine.open()  # the routing and the offload runtime installed now: their errors are one line here
+        # the routing and the offload runtime installed now (their errors are one line here); the
+        # compiled step's graphs built by the loop thread (``Engine.start``), not this one
+        engine.open(warm_up=False)
     except BaseException:
         if reader is not None:
             reader.close()
